@@ -1,0 +1,55 @@
+"""The TOML job spec: schema, strict loader, and rendering back to dict / TOML.
+
+    from relax_hpc.spec import load_spec, SpecError
+    spec = load_spec("jobspecs/tiny_local.toml")   # SpecError lists every problem at once
+    spec.rollout.top_p, spec.job_dir(), spec_to_toml(spec)
+
+docs/spec.md describes every table and key.
+"""
+
+from relax_hpc.spec.errors import SpecError, SpecProblem
+from relax_hpc.spec.loader import load_spec, parse_spec
+from relax_hpc.spec.render import spec_to_dict, spec_to_toml
+from relax_hpc.spec.schema import (
+    ALGORITHMS,
+    GROUP_NORMALISED_ALGORITHMS,
+    AlgorithmName,
+    AlgorithmSpec,
+    CheckpointSpec,
+    ClusterSpec,
+    ComponentSpec,
+    DataSpec,
+    JobInfoSpec,
+    JobSpec,
+    MetricsSpec,
+    ModelSpec,
+    RewardSpec,
+    RolloutSpec,
+    TrainSpec,
+)
+from relax_hpc.spec.slurm_values import slurm_time_to_seconds
+
+__all__ = [
+    "ALGORITHMS",
+    "GROUP_NORMALISED_ALGORITHMS",
+    "AlgorithmName",
+    "AlgorithmSpec",
+    "CheckpointSpec",
+    "ClusterSpec",
+    "ComponentSpec",
+    "DataSpec",
+    "JobInfoSpec",
+    "JobSpec",
+    "MetricsSpec",
+    "ModelSpec",
+    "RewardSpec",
+    "RolloutSpec",
+    "SpecError",
+    "SpecProblem",
+    "TrainSpec",
+    "load_spec",
+    "parse_spec",
+    "slurm_time_to_seconds",
+    "spec_to_dict",
+    "spec_to_toml",
+]

@@ -1,0 +1,128 @@
+"""Checks that involve several keys: combinations that cannot run, even though each key is fine.
+
+Each check reads resolved values (defaults applied) by TOML path and returns problems keyed
+by the key to change, naming the other keys in the message. A check whose inputs are
+themselves invalid stays silent: those keys are already reported, and a second message
+about the same value would only add noise.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from relax_hpc.spec.errors import SpecProblem, show_value
+from relax_hpc.spec.schema import GROUP_NORMALISED_ALGORITHMS
+
+__all__ = ["CROSS_CHECKS", "Resolved"]
+
+# More divisors than this are summarised; the report must stay one line per problem.
+_MAX_LISTED_DIVISORS = 12
+# Beyond this (a typo, surely) the divisors are not searched for.
+_MAX_DIVISIBLE = 10**10
+
+
+class Resolved:
+    """Resolved spec values by TOML path (``"train.mini_batches"``), with defaults applied."""
+
+    def __init__(self, values: Mapping[str, Any], invalid: object) -> None:
+        self._values = values
+        self._invalid = invalid
+
+    def get(self, *keys: str) -> tuple[Any, ...] | None:
+        """The values of ``keys``, or None when any of them is missing or invalid."""
+        found = tuple(self._values.get(key, self._invalid) for key in keys)
+        return None if any(value is self._invalid for value in found) else found
+
+
+def _colocate_is_on_policy(spec: Resolved) -> list[SpecProblem]:
+    got = spec.get("job.mode", "algorithm.max_staleness")
+    if got is None or got[0] != "colocate" or got[1] == 0:
+        return []
+    message = (
+        'must be 0 when job.mode = "colocate" (rollout and training take turns, so rollout cannot run ahead); '
+        'set max_staleness = 0 or use mode = "async"'
+    )
+    return [SpecProblem(key="algorithm.max_staleness", value=show_value(got[1]), message=message)]
+
+
+def _divisors(number: int) -> str | None:
+    """The divisors of ``number`` as text; None when too large to list quickly."""
+    if number > _MAX_DIVISIBLE:
+        return None
+    # Pairs (d, number // d) up to the square root.
+    small = [d for d in range(1, math.isqrt(number) + 1) if number % d == 0]
+    found = sorted(set(small + [number // d for d in small]))
+    listed = ", ".join(str(d) for d in found[:_MAX_LISTED_DIVISORS])
+    return listed + (", ..." if len(found) > _MAX_LISTED_DIVISORS else "")
+
+
+def _samples_split_into_mini_batches(spec: Resolved) -> list[SpecProblem]:
+    got = spec.get("rollout.prompts_per_step", "rollout.n_samples_per_prompt", "train.mini_batches")
+    if got is None:
+        return []
+    prompts, samples, mini_batches = got
+    total = prompts * samples
+    if total % mini_batches == 0:
+        return []
+    message = (
+        "must divide the samples of one step, rollout.prompts_per_step * rollout.n_samples_per_prompt"
+        f" = {prompts} * {samples} = {total}"
+    )
+    return [SpecProblem("train.mini_batches", show_value(mini_batches), message, allowed=_divisors(total))]
+
+
+def _groups_have_two_samples(spec: Resolved) -> list[SpecProblem]:
+    got = spec.get("algorithm.name", "rollout.n_samples_per_prompt")
+    if got is None or got[0] not in GROUP_NORMALISED_ALGORITHMS or got[1] >= 2:
+        return []
+    message = (
+        f'must be >= 2 with algorithm.name = "{got[0]}": its advantage compares the samples of one prompt, '
+        "and a group of one has no baseline"
+    )
+    return [SpecProblem(key="rollout.n_samples_per_prompt", value=show_value(got[1]), message=message)]
+
+
+def _fits_on_gpus(spec: Resolved, count_key: str, component: str, what: str) -> list[SpecProblem]:
+    got = spec.get(count_key, f"cluster.{component}.nodes", f"cluster.{component}.gpus_per_node")
+    if got is None:
+        return []
+    count, nodes, gpus = got
+    if gpus == 0 or count <= nodes * gpus:
+        return []
+    product = f"cluster.{component}.nodes * cluster.{component}.gpus_per_node = {nodes} * {gpus} = {nodes * gpus}"
+    message = (
+        f"must be <= {product} ({what} each need a GPU); "
+        f"lower it or raise nodes / gpus_per_node in [cluster.{component}]"
+    )
+    return [SpecProblem(key=count_key, value=show_value(count), message=message)]
+
+
+def _trainer_processes_fit(spec: Resolved) -> list[SpecProblem]:
+    return _fits_on_gpus(spec, "train.num_processes", "trainer", "trainer processes")
+
+
+def _rollout_engines_fit(spec: Resolved) -> list[SpecProblem]:
+    return _fits_on_gpus(spec, "rollout.num_engines", "rollout", "rollout engines")
+
+
+def _cuda_needs_gpus(spec: Resolved) -> list[SpecProblem]:
+    got = spec.get("train.device", "cluster.trainer.gpus_per_node")
+    if got is None or got[0] != "cuda" or got[1] > 0:
+        return []
+    message = (
+        "needs GPUs, but cluster.trainer.gpus_per_node = 0; "
+        'set gpus_per_node in [cluster.trainer] or use device = "auto" or "cpu"'
+    )
+    return [SpecProblem(key="train.device", value=show_value(got[0]), message=message)]
+
+
+CROSS_CHECKS: tuple[Callable[[Resolved], list[SpecProblem]], ...] = (
+    _colocate_is_on_policy,
+    _samples_split_into_mini_batches,
+    _groups_have_two_samples,
+    _trainer_processes_fit,
+    _rollout_engines_fit,
+    _cuda_needs_gpus,
+)

@@ -1,0 +1,269 @@
+"""Load a TOML job spec into a validated :class:`JobSpec`, reporting every problem at once.
+
+The loader is generic: it walks the dataclass type hints of ``relax_hpc.spec.schema`` and
+never names a key itself, so a new schema field needs no loader change. The walk resolves
+every value (defaults included) into a flat map keyed by TOML path, which the cross-field
+checks read even when unrelated keys are broken; the JobSpec is built only when nothing
+is wrong.
+
+    from relax_hpc.spec import load_spec, SpecError
+    try:
+        spec = load_spec("jobspecs/tiny_local.toml")
+    except SpecError as error:
+        print(error)  # one "file:line: key = value: message" line per problem
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+import sys
+import types
+from pathlib import Path
+from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
+
+from relax_hpc.spec.constraints import Check
+from relax_hpc.spec.cross_checks import CROSS_CHECKS, Resolved
+from relax_hpc.spec.errors import SpecError, SpecProblem, show_value
+from relax_hpc.spec.lines import LineIndex
+from relax_hpc.spec.schema import CHECKS, JobSpec
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised only on Python 3.10
+    import tomli as tomllib
+
+__all__ = ["load_spec", "parse_spec"]
+
+
+class _Invalid:
+    """Marks a value that failed its checks (already reported)."""
+
+    def __repr__(self) -> str:
+        return "<invalid>"
+
+
+INVALID = _Invalid()
+
+_TOML_POSITION = re.compile(r"\s*\(at line (\d+), column (\d+)\)\s*$")
+
+
+def _toml_type(value: object) -> str:
+    """Name a parsed TOML value's type the way the TOML format names it."""
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int):
+        return "an integer"
+    if isinstance(value, float):
+        return "a float"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "an array"
+    if isinstance(value, dict):
+        return "a table"
+    return "a date/time"
+
+
+def _quoted(values: tuple[object, ...] | list[str]) -> str:
+    return ", ".join(f'"{value}"' if isinstance(value, str) else repr(value) for value in values)
+
+
+def _optional_inner(hint: Any) -> Any | None:
+    """X for ``X | None`` (or Optional[X]); None for any other hint."""
+    if get_origin(hint) in (Union, types.UnionType):
+        args = [arg for arg in get_args(hint) if arg is not type(None)]
+        if len(args) == 1 and len(get_args(hint)) == 2:
+            return args[0]
+    return None
+
+
+def _table_class(hint: Any) -> type | None:
+    """The dataclass behind a sub-table hint (plain or optional), else None."""
+    inner = _optional_inner(hint)
+    candidate = hint if inner is None else inner
+    return candidate if isinstance(candidate, type) and dataclasses.is_dataclass(candidate) else None
+
+
+class _Walker:
+    """One pass over the parsed TOML; collects problems and resolved values."""
+
+    def __init__(self, lines: LineIndex) -> None:
+        self.lines = lines
+        self.problems: list[SpecProblem] = []
+        self.resolved: dict[str, Any] = {}
+
+    def problem(self, key: str, value: object, message: str, allowed: str | None = None) -> _Invalid:
+        line = self.lines.line_of(key)
+        self.problems.append(SpecProblem(key, show_value(value), message, allowed, line))
+        return INVALID
+
+    def table(self, cls: type, raw: dict[str, Any], prefix: str) -> Any:
+        """Check one table against its dataclass; the instance, or INVALID."""
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        hints = get_type_hints(cls)
+        dot = f"{prefix}." if prefix else ""
+        for unknown in (name for name in raw if name not in fields):
+            self._unknown_key(f"{dot}{unknown}", unknown, raw[unknown], list(fields))
+        values: dict[str, Any] = {}
+        for name, spec_field in fields.items():
+            key = f"{dot}{name}"
+            hint = hints[name]
+            if name in raw:
+                value = self.value(hint, raw[name], key, spec_field.metadata.get(CHECKS, ()))
+            elif (sub := _table_class(hint)) is not None and _optional_inner(hint) is None:
+                # An absent sub-table is an empty one: its defaults apply and each of its
+                # required keys is reported by name.
+                value = self.table(sub, {}, key)
+            elif spec_field.default is not dataclasses.MISSING:
+                value = spec_field.default
+            elif spec_field.default_factory is not dataclasses.MISSING:
+                value = spec_field.default_factory()
+            else:
+                where = f"[{prefix}]" if prefix else "the top level"
+                message = f"required key is missing; set it under {where}"
+                self.problems.append(SpecProblem(key=key, value=None, message=message))
+                value = INVALID
+            self.resolved[key] = value
+            values[name] = value
+        if any(value is INVALID for value in values.values()):
+            return INVALID
+        return cls(**values)
+
+    def _unknown_key(self, key: str, name: str, value: object, known: list[str]) -> None:
+        is_table = isinstance(value, dict)
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+        message = f"unknown {'table' if is_table else 'key'}"
+        if close:
+            message += f' (did you mean "{close[0]}"?)'
+        else:
+            home = _owning_tables(name)
+            if home:
+                message += f" ({name} belongs in {' or '.join(f'[{table}]' for table in home)})"
+        # A whole table is not worth printing; its header line is shown instead.
+        value_shown = None if is_table else show_value(value)
+        line = self.lines.line_of(key)
+        self.problems.append(SpecProblem(key, value_shown, message, _quoted(known), line))
+
+    def value(self, hint: Any, raw: object, key: str, checks: tuple[Check, ...] = ()) -> Any:
+        """Check one value against its type hint and checks; the converted value, or INVALID."""
+        inner = _optional_inner(hint)
+        if inner is not None:
+            return self.value(inner, raw, key, checks)
+        converted = self._typed(hint, raw, key)
+        if converted is INVALID:
+            return INVALID
+        for check in checks:
+            message = check(converted)
+            if message is not None:
+                return self.problem(key, raw, message)
+        return converted
+
+    def _typed(self, hint: Any, raw: object, key: str) -> Any:
+        cls = _table_class(hint)
+        if cls is not None:
+            if not isinstance(raw, dict):
+                return self.problem(key, raw, f"expected a table, got {_toml_type(raw)}")
+            return self.table(cls, raw, key)
+        origin = get_origin(hint)
+        if origin is Literal:
+            allowed = get_args(hint)
+            if isinstance(raw, str) and raw in allowed:
+                return raw
+            return self.problem(key, raw, "is not one of the allowed values", _quoted(allowed))
+        if origin is list:
+            if not isinstance(raw, list):
+                return self.problem(key, raw, f"expected an array, got {_toml_type(raw)}")
+            (item_hint,) = get_args(hint)
+            items = [self._typed(item_hint, item, f"{key}[{index}]") for index, item in enumerate(raw)]
+            return INVALID if any(item is INVALID for item in items) else items
+        if hint is bool:
+            if isinstance(raw, bool):
+                return raw
+            return self.problem(key, raw, f"expected a boolean, got {_toml_type(raw)}", "true, false")
+        if hint is int:
+            if isinstance(raw, int) and not isinstance(raw, bool):
+                return raw
+            return self.problem(key, raw, f"expected an integer, got {_toml_type(raw)}")
+        if hint is float:
+            # Integers are fine where a float is expected (lr = 1 is 1.0); booleans are not.
+            if isinstance(raw, (int, float)) and not isinstance(raw, bool):
+                return float(raw)
+            return self.problem(key, raw, f"expected a number, got {_toml_type(raw)}")
+        if hint is str:
+            if isinstance(raw, str):
+                return raw
+            return self.problem(key, raw, f"expected a string, got {_toml_type(raw)}")
+        raise TypeError(f"schema field {key} has unsupported type {hint!r}; see relax_hpc/spec/schema.py")
+
+
+def _owning_tables(name: str) -> list[str]:
+    """Tables of the schema that have a key called ``name`` (for misplaced keys)."""
+    found: list[str] = []
+
+    def visit(cls: type, prefix: str) -> None:
+        hints = get_type_hints(cls)
+        for spec_field in dataclasses.fields(cls):
+            key = f"{prefix}.{spec_field.name}" if prefix else spec_field.name
+            sub = _table_class(hints[spec_field.name])
+            if sub is not None:
+                visit(sub, key)
+            elif spec_field.name == name and prefix:
+                found.append(prefix)
+
+    visit(JobSpec, "")
+    return found
+
+
+def _syntax_problem(error: tomllib.TOMLDecodeError) -> SpecProblem:
+    text = str(error)
+    position = _TOML_POSITION.search(text)
+    if position is None:
+        return SpecProblem(key="", value=None, message=f"invalid TOML: {text}")
+    message = f"invalid TOML: {text[: position.start()]} (column {position.group(2)})"
+    return SpecProblem(key="", value=None, message=message, line=int(position.group(1)))
+
+
+def parse_spec(text: str, source: str = "<string>") -> JobSpec:
+    """Validate spec text; the JobSpec, or SpecError listing every problem.
+
+    ``source`` names the text in the report (normally the file path).
+    """
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as error:
+        raise SpecError([_syntax_problem(error)], source) from None
+    lines = LineIndex(text)
+    walker = _Walker(lines)
+    spec = walker.table(JobSpec, raw, "")
+    resolved = Resolved(walker.resolved, INVALID)
+    for check in CROSS_CHECKS:
+        for problem in check(resolved):
+            walker.problems.append(dataclasses.replace(problem, line=lines.line_of(problem.key)))
+    if walker.problems:
+        # File order reads best; problems without a line (missing keys) go last.
+        ordered = sorted(walker.problems, key=lambda p: (p.line is None, p.line or 0))
+        raise SpecError(ordered, source)
+    assert isinstance(spec, JobSpec), "no problems were found, so every table resolved"
+    return spec
+
+
+def load_spec(path: str | Path) -> JobSpec:
+    """Read and validate a TOML job spec file; SpecError names the path on any problem."""
+    source = str(path)
+    try:
+        text = Path(path).read_bytes().decode("utf-8")
+    except FileNotFoundError:
+        message = "no such file; pass the path of a TOML job spec (see jobspecs/ for examples)"
+        raise SpecError([SpecProblem(key="", value=None, message=message)], source) from None
+    except IsADirectoryError:
+        message = "is a directory; pass the path of a TOML job spec file"
+        raise SpecError([SpecProblem(key="", value=None, message=message)], source) from None
+    except OSError as error:
+        message = f"cannot read the file: {error.strerror or error}"
+        raise SpecError([SpecProblem(key="", value=None, message=message)], source) from None
+    except UnicodeDecodeError as error:
+        message = f"not UTF-8 text (byte {error.start}); TOML files must be UTF-8"
+        raise SpecError([SpecProblem(key="", value=None, message=message)], source) from None
+    return parse_spec(text, source)

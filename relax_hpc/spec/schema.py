@@ -1,0 +1,228 @@
+"""The job spec schema: one frozen dataclass per TOML table, every default defined here once.
+
+Adding a key is one line: a typed field with its default (or ``required()``) and its checks.
+The loader (``relax_hpc.spec.loader``) walks these type hints, so the supported field types
+are: str, int, float, bool, Literal[...], list[str], list[float], ``X | None`` (the key may
+be absent) and nested dataclasses (sub-tables). docs/spec.md describes every key.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, get_args
+
+from relax_hpc.spec.constraints import (
+    Check,
+    at_least,
+    at_most_gpus_per_node,
+    each,
+    exact_length,
+    greater_than,
+    job_name,
+    non_empty,
+    reward_function,
+    slurm_memory,
+    slurm_time,
+    within,
+)
+
+__all__ = [
+    "ALGORITHMS",
+    "CHECKS",
+    "GROUP_NORMALISED_ALGORITHMS",
+    "AlgorithmName",
+    "AlgorithmSpec",
+    "CheckpointSpec",
+    "ClusterSpec",
+    "ComponentSpec",
+    "DataSpec",
+    "JobInfoSpec",
+    "JobSpec",
+    "MetricsSpec",
+    "ModelSpec",
+    "RewardSpec",
+    "RolloutSpec",
+    "TrainSpec",
+]
+
+# Field metadata key under which a field's checks are stored.
+CHECKS = "checks"
+
+# To add an algorithm, add its name here; ALGORITHMS (and the allowed values of
+# algorithm.name) follow from this one line.
+AlgorithmName = Literal["grpo", "dr_grpo", "gspo", "sapo", "opd"]
+ALGORITHMS: tuple[str, ...] = get_args(AlgorithmName)
+# Algorithms whose advantage compares samples of the same prompt, so a group needs >= 2.
+GROUP_NORMALISED_ALGORITHMS: tuple[str, ...] = ALGORITHMS
+
+
+def required(*checks: Check) -> Any:
+    """A key the spec must set."""
+    return field(metadata={CHECKS: checks})
+
+
+def setting(default: object, *checks: Check) -> Any:
+    """A key with an immutable default."""
+    return field(default=default, metadata={CHECKS: checks})
+
+
+def setting_from(factory: Callable[[], object], *checks: Check) -> Any:
+    """A key whose default is built fresh for each spec (lists, sub-tables)."""
+    return field(default_factory=factory, metadata={CHECKS: checks})
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobInfoSpec:
+    """[job]: identity of the run and how its roles share hardware."""
+
+    name: str = required(job_name)
+    output_dir: str | None = setting(None, non_empty)  # None: runs/<name>, see JobSpec.job_dir()
+    seed: int = setting(1, at_least(0))
+    mode: Literal["colocate", "async"] = setting("colocate")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSpec:
+    """[model]: the policy model (a Hugging Face model directory)."""
+
+    path: str = required(non_empty)
+    build_tiny_if_missing: bool = setting(False)
+    dtype: Literal["float32", "bfloat16", "float16"] = setting("float32")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataSpec:
+    """[data]: the prompt dataset (JSON lines)."""
+
+    path: str = required(non_empty)
+    prompt_key: str = setting("prompt", non_empty)
+    label_key: str = setting("label", non_empty)
+    shuffle: bool = setting(True)
+    max_prompt_tokens: int = setting(512, at_least(1))
+
+
+@dataclass(frozen=True, kw_only=True)
+class RolloutSpec:
+    """[rollout]: generation of responses."""
+
+    engine: Literal["native", "sglang"] = setting("native")
+    prompts_per_step: int = setting(16, at_least(1))
+    n_samples_per_prompt: int = setting(8, at_least(1))
+    max_new_tokens: int = setting(64, at_least(1))
+    temperature: float = setting(1.0, greater_than(0))
+    top_p: float = setting(1.0, within(0, 1, low_open=True))
+    top_k: int = setting(0, at_least(0))  # 0 disables top-k
+    stop: list[str] = setting_from(list)  # stop strings; EOS always stops
+    num_engines: int = setting(1, at_least(1))
+
+
+@dataclass(frozen=True, kw_only=True)
+class AlgorithmSpec:
+    """[algorithm]: advantage estimator and policy loss."""
+
+    name: AlgorithmName = setting("grpo")
+    normalize_std: bool = setting(True)  # False gives Dr.GRPO's advantage
+    clip_eps_low: float = setting(0.2, at_least(0))
+    clip_eps_high: float = setting(0.2, at_least(0))
+    kl_coef: float = setting(0.0, at_least(0))
+    kl_estimator: Literal["k1", "k2", "k3", "low_var_kl"] = setting("low_var_kl")
+    loss_agg: Literal["seq_mean_token_mean", "token_mean"] = setting("seq_mean_token_mean")
+    entropy_coef: float = setting(0.0, at_least(0))
+    max_staleness: int = setting(0, at_least(0))
+
+
+@dataclass(frozen=True, kw_only=True)
+class RewardSpec:
+    """[reward]: how responses are scored."""
+
+    function: str = required(reward_function)  # built-in name or "package.module:function"
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainSpec:
+    """[train]: the optimisation loop."""
+
+    backend: Literal["torch", "megatron"] = setting("torch")
+    steps: int = required(at_least(1))
+    lr: float = setting(1e-6, greater_than(0))
+    weight_decay: float = setting(0.0, at_least(0))
+    adam_betas: list[float] = setting_from(
+        lambda: [0.9, 0.999], exact_length(2), each(within(0, 1, high_open=True))
+    )
+    grad_clip: float = setting(1.0, at_least(0))  # 0 disables clipping
+    micro_batch_size: int = setting(8, at_least(1))
+    mini_batches: int = setting(1, at_least(1))  # optimizer steps per rollout batch
+    num_processes: int = setting(1, at_least(1))  # data-parallel trainer processes
+    device: Literal["auto", "cpu", "cuda"] = setting("auto")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointSpec:
+    """[checkpoint]: when to save and whether to resume."""
+
+    save_interval: int = setting(50, at_least(1))
+    keep_last: int = setting(2, at_least(1))
+    resume: bool = setting(True)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MetricsSpec:
+    """[metrics]: where step metrics go."""
+
+    tensorboard: bool = setting(True)
+    jsonl: bool = setting(True)
+    plot: bool = setting(True)
+    wandb_project: str | None = setting(None)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ComponentSpec:
+    """[cluster.trainer] / [cluster.rollout] / [cluster.forward]: one hetjob component."""
+
+    nodes: int = setting(1, at_least(1))
+    gpus_per_node: int = setting(0, at_least(0), at_most_gpus_per_node)
+    cpus_per_node: int = setting(2, at_least(1))
+    memory: str | None = setting(None, slurm_memory)  # Slurm --mem, e.g. "64G"
+    partition: str | None = setting(None)
+    time: str = setting("01:00:00", slurm_time)
+    account: str | None = setting(None)
+    qos: str | None = setting(None)
+    constraint: str | None = setting(None)
+    extra_sbatch: list[str] = setting_from(list)  # extra "#SBATCH" options, e.g. "--exclusive"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterSpec:
+    """[cluster]: the Slurm layout; the forward/reference component is optional."""
+
+    trainer: ComponentSpec = setting_from(ComponentSpec)
+    rollout: ComponentSpec = setting_from(ComponentSpec)
+    forward: ComponentSpec | None = setting(None)
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobSpec:
+    """A whole, validated job spec (the root of the TOML document)."""
+
+    job: JobInfoSpec = required()
+    model: ModelSpec = required()
+    data: DataSpec = required()
+    rollout: RolloutSpec = setting_from(RolloutSpec)
+    algorithm: AlgorithmSpec = setting_from(AlgorithmSpec)
+    reward: RewardSpec = required()
+    train: TrainSpec = required()
+    checkpoint: CheckpointSpec = setting_from(CheckpointSpec)
+    metrics: MetricsSpec = setting_from(MetricsSpec)
+    cluster: ClusterSpec = setting_from(ClusterSpec)
+
+    def job_dir(self, base: Path | None = None) -> Path:
+        """The job directory as an absolute path.
+
+        ``job.output_dir`` when set, else ``runs/<job.name>``; a relative path is taken
+        relative to ``base`` (default: the current working directory).
+        """
+        out = self.job.output_dir
+        chosen = Path(out).expanduser() if out is not None else Path("runs") / self.job.name
+        return chosen if chosen.is_absolute() else (base or Path.cwd()) / chosen
