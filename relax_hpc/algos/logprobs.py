@@ -1,0 +1,138 @@
+"""Log-probabilities of target tokens and per-token entropy from logits, memory-friendly.
+
+``token_logprobs_and_entropy(logits [B, T, V], targets [B, T])`` returns the
+float32 log-prob of each target token and the entropy of each position's
+distribution. Vocabularies are large (150k+), so a naive
+``log_softmax(logits.float())`` followed by ``exp`` and a product keeps three
+or four float32 ``[B, T, V]`` tensors alive for backward. Here a custom
+autograd function walks the rows in chunks, keeps only the caller's logits
+(which autograd holds anyway) and two ``[B, T]`` vectors, and recomputes the
+softmax chunk by chunk in backward. Peak extra memory is a few
+``[chunk, V]`` float32 buffers instead of several ``[B, T, V]`` ones.
+
+Gradients (per row, ``p = softmax(x)``, ``x = logits / temperature``)::
+
+    d logp_target / dx_j = 1[j == target] - p_j
+    d entropy      / dx_j = -p_j * (log p_j + entropy)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final
+
+import torch
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+# Elements per chunk of float32 work (2**25 floats = 128 MiB per buffer); for a
+# 150k vocabulary that is ~220 rows per chunk.
+_CHUNK_ELEMENTS: Final[int] = 1 << 25
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32 for half/bfloat16/float32 inputs; float64 stays float64 (for gradcheck)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _plogp(p: Tensor, logp: Tensor) -> Tensor:
+    """``p * log p`` that is 0 where p == 0 (a -inf logit would otherwise give 0 * -inf = NaN)."""
+    return torch.where(p > 0, p * logp, torch.zeros_like(p))
+
+
+class _TokenLogprobEntropy(torch.autograd.Function):
+    """Rows ``[N, V]`` of logits -> (log-prob of target ``[N]``, entropy ``[N]``)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, logits: Tensor, targets: Tensor, temperature: float, chunk_rows: int
+    ) -> tuple[Tensor, Tensor]:
+        n_rows = logits.shape[0]
+        dtype = _compute_dtype(logits.dtype)
+        logp = torch.empty(n_rows, dtype=dtype, device=logits.device)
+        entropy = torch.empty_like(logp)
+        lse = torch.empty_like(logp)
+        for start in range(0, n_rows, chunk_rows):
+            stop = min(start + chunk_rows, n_rows)
+            x = logits[start:stop].to(dtype) / temperature
+            chunk_lse = torch.logsumexp(x, dim=-1)
+            log_p = x - chunk_lse.unsqueeze(-1)
+            lse[start:stop] = chunk_lse
+            logp[start:stop] = log_p.gather(-1, targets[start:stop].unsqueeze(-1)).squeeze(-1)
+            entropy[start:stop] = -_plogp(torch.exp(log_p), log_p).sum(dim=-1)
+        ctx.save_for_backward(logits, targets, lse, entropy)
+        ctx.temperature = temperature
+        ctx.chunk_rows = chunk_rows
+        return logp, entropy
+
+    @staticmethod
+    @once_differentiable
+    def backward(
+        ctx: Any, grad_logp: Tensor, grad_entropy: Tensor
+    ) -> tuple[Tensor, None, None, None]:
+        logits, targets, lse, entropy = ctx.saved_tensors
+        temperature: float = ctx.temperature
+        chunk_rows: int = ctx.chunk_rows
+        dtype = _compute_dtype(logits.dtype)
+        grad_logits = torch.empty_like(logits)
+        for start in range(0, logits.shape[0], chunk_rows):
+            stop = min(start + chunk_rows, logits.shape[0])
+            x = logits[start:stop].to(dtype) / temperature
+            log_p = x - lse[start:stop].unsqueeze(-1)
+            p = torch.exp(log_p)
+            g_lp = grad_logp[start:stop].to(dtype).unsqueeze(-1)
+            g_ent = grad_entropy[start:stop].to(dtype).unsqueeze(-1)
+            ent = entropy[start:stop].unsqueeze(-1)
+            # -p * (g_lp + g_ent * (log p + H)); the where keeps p == 0 columns at 0
+            grad_x = -(p * g_lp) - g_ent * (_plogp(p, log_p) + p * ent)
+            grad_x.scatter_add_(-1, targets[start:stop].unsqueeze(-1), g_lp)
+            grad_logits[start:stop] = (grad_x / temperature).to(logits.dtype)
+        return grad_logits, None, None, None
+
+
+def token_logprobs_and_entropy(
+    logits: Tensor,
+    targets: Tensor,
+    temperature: float = 1.0,
+    chunk_rows: int | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Return ``(logp [B, T], entropy [B, T])`` in float32 for ``logits [B, T, V]`` and ``targets [B, T]``.
+
+    ``logits[b, t]`` must be the prediction for ``targets[b, t]`` (shift before
+    calling). ``temperature`` divides the logits first; use the sampling
+    temperature so the log-probs match the rollout engine's. Every target must
+    be a valid token id in ``[0, V)``, padding included (use the pad id, and
+    mask it out later). ``chunk_rows`` overrides how many rows are processed at
+    once (default: about 2**25 / V). Both outputs are differentiable.
+    """
+    if logits.dim() != 3 or targets.shape != logits.shape[:2]:
+        raise ValueError(
+            f"token_logprobs_and_entropy: logits must be [B, T, V] and targets [B, T]; got "
+            f"logits {tuple(logits.shape)} and targets {tuple(targets.shape)}"
+        )
+    if not logits.is_floating_point():
+        raise ValueError(f"token_logprobs_and_entropy: logits must be floating point, got {logits.dtype}")
+    if targets.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
+        raise ValueError(f"token_logprobs_and_entropy: targets must be integer token ids, got {targets.dtype}")
+    if not temperature > 0.0:
+        raise ValueError(
+            f"token_logprobs_and_entropy: temperature must be > 0 (the sampling temperature), "
+            f"got {temperature}"
+        )
+    batch, seq, vocab = logits.shape
+    if targets.numel() > 0:
+        low, high = int(targets.min().item()), int(targets.max().item())
+        if low < 0 or high >= vocab:
+            raise ValueError(
+                f"token_logprobs_and_entropy: target ids must lie in [0, {vocab}) (the vocabulary), "
+                f"got min {low} and max {high}; replace ignore-index values such as -100 with the pad id"
+            )
+    rows = chunk_rows if chunk_rows is not None else max(1, _CHUNK_ELEMENTS // max(vocab, 1))
+    if rows < 1:
+        raise ValueError(f"token_logprobs_and_entropy: chunk_rows must be >= 1, got {chunk_rows}")
+    flat_logits = logits.reshape(batch * seq, vocab)
+    flat_targets = targets.reshape(batch * seq).to(torch.int64)
+    # torch ships Function.apply untyped
+    logp, entropy = _TokenLogprobEntropy.apply(  # type: ignore[no-untyped-call]
+        flat_logits, flat_targets, float(temperature), rows
+    )
+    return logp.reshape(batch, seq), entropy.reshape(batch, seq)
