@@ -1,0 +1,61 @@
+"""Durable file helpers for checkpoints: write-then-rename and fsync.
+
+A checkpoint must never look complete unless every byte of it is on disk. These
+helpers write to a temporary sibling, fsync the file, rename it over the target and
+fsync the parent directory, so a crash leaves either the old file or the new one.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+__all__ = ["atomic_write_bytes", "atomic_write_text", "fsync_dir", "fsync_tree", "remove_tree"]
+
+
+def fsync_dir(path: Path) -> None:
+    """Flush a directory entry table, so renames and creations inside it survive a crash."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` so readers see either the old content or all of the new."""
+    # The pid in the name keeps two writers on a shared filesystem from clobbering
+    # each other's half-written temp file.
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """UTF-8 variant of :func:`atomic_write_bytes`."""
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def fsync_tree(root: Path) -> None:
+    """fsync every regular file under ``root`` and every directory, deepest first."""
+    for dirpath, _dirnames, filenames in os.walk(root, topdown=False):
+        for name in filenames:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(Path(dirpath))
+
+
+def remove_tree(path: Path) -> None:
+    """Delete a directory tree; a path that is already gone is not an error."""
+    try:
+        shutil.rmtree(path)
+    except FileNotFoundError:
+        pass
