@@ -1,0 +1,230 @@
+"""ZMQ transfer queue client: the :class:`TransferQueue` interface over a DEALER socket.
+
+One client is one consumer session. Calls are serialised by a lock (one request in flight per
+client); give each thread its own client for parallel traffic. Each request carries an id: a
+retry after a lost reply is answered from the server's reply cache, so a retried put never
+adds rows twice and a retried get never loses rows.
+
+Tensors are sent as memoryviews of their CPU data (no copy) and received tensors are built on
+the received frames (no copy); do not mutate a tensor while a put is in progress.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import zmq
+
+from relax_hpc.transfer.queue import (
+    Batch,
+    PartitionInfo,
+    Row,
+    TransferQueueError,
+    TransferTimeoutError,
+    TransferUnreachableError,
+    check_name,
+    check_rows,
+)
+from relax_hpc.transfer.wire import (
+    WIRE_VERSION,
+    Buffer,
+    WireError,
+    decode_rows,
+    encode_rows,
+    encode_value_rows,
+    materialize_rows,
+    pack_header,
+    unpack_header,
+)
+
+
+# Frames below this size are copied into the message instead of sent zero-copy: pyzmq's
+# zero-copy bookkeeping costs more than a memcpy of a small buffer (measured in
+# benchmarks/bench_queue.py; see docs/transfer-queue.md).
+ZERO_COPY_MIN_BYTES = int(os.environ.get("RELAX_TQ_ZERO_COPY_MIN", 256 * 1024))
+
+
+class TransferQueueClient:
+    """Connect to a :class:`~relax_hpc.transfer.zmq_server.TransferQueueServer`.
+
+    ``connect_timeout``: how long the first ping may take. ``request_timeout``: how long a
+    reply may take beyond the call's own blocking timeout; a request is sent ``1 + retries``
+    times before :class:`TransferUnreachableError`.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        consumer_id: str = "",
+        connect_timeout: float = 10.0,
+        request_timeout: float = 30.0,
+        retries: int = 2,
+        context: zmq.Context[Any] | None = None,
+    ) -> None:
+        if retries < 0 or request_timeout <= 0 or connect_timeout <= 0:
+            raise ValueError(
+                f"need retries >= 0, request_timeout > 0, connect_timeout > 0; got {retries}, "
+                f"{request_timeout}, {connect_timeout}"
+            )
+        self.address = address
+        self.consumer_id = consumer_id
+        self.session = uuid.uuid4().hex
+        self._request_timeout = request_timeout
+        self._retries = retries
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._ctx = context or zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.copy_threshold = ZERO_COPY_MIN_BYTES
+        self._sock.connect(address)
+        self._closed = False
+        try:
+            reply, _ = self._request({"op": "ping"}, (), wait=0.0, timeout=connect_timeout, retries=0)
+        except BaseException:
+            self.close()
+            raise
+        self.capacity: int | None = reply.get("capacity")
+
+    # ----------------------------------------------------------------- the interface
+    def put(self, partition: str, rows: Sequence[Row], timeout: float = 60.0) -> list[int]:
+        check_name("partition", partition)
+        check_rows(rows)
+        frames: list[Buffer] = []
+        descs = encode_rows(encode_value_rows(rows), frames)
+        reply, _ = self._call({"op": "put", "p": partition, "rows": descs, "timeout": timeout}, frames, timeout)
+        return list(reply["idx"])
+
+    def write(self, partition: str, indices: Sequence[int], rows: Sequence[Row]) -> None:
+        check_name("partition", partition)
+        check_rows(rows)
+        frames: list[Buffer] = []
+        descs = encode_rows(encode_value_rows(rows), frames)
+        self._call({"op": "write", "p": partition, "idx": list(indices), "rows": descs}, frames)
+
+    def get(
+        self,
+        partition: str,
+        task: str,
+        fields: Sequence[str],
+        batch_size: int,
+        timeout: float = 60.0,
+    ) -> Batch:
+        check_name("partition", partition)
+        check_name("task", task)
+        names = [check_name("field", f) for f in fields]
+        header = {"op": "get", "p": partition, "task": task, "fields": names, "n": batch_size, "timeout": timeout}
+        reply, frames = self._call(header, (), timeout)
+        try:
+            rows = materialize_rows(decode_rows(reply.get("rows"), frames))
+        except WireError as exc:
+            raise TransferQueueError(f"transfer queue at {self.address} sent a malformed batch: {exc}") from None
+        return Batch(partition, list(reply["idx"]), rows, bool(reply["end"]))
+
+    def ack(self, partition: str, task: str, indices: Sequence[int]) -> int:
+        reply, _ = self._call({"op": "ack", "p": partition, "task": task, "idx": list(indices)})
+        return int(reply["n"])
+
+    def complete(self, partition: str, total_rows: int) -> None:
+        self._call({"op": "complete", "p": partition, "total": total_rows})
+
+    def clear(self, partition: str) -> int:
+        reply, _ = self._call({"op": "clear", "p": partition})
+        return int(reply["n"])
+
+    def partitions(self) -> list[PartitionInfo]:
+        reply, _ = self._call({"op": "partitions"})
+        return [PartitionInfo(n, r, e, c, list(f)) for n, r, e, c, f in reply["parts"]]
+
+    def oldest_uncleared(self) -> int | None:
+        reply, _ = self._call({"op": "oldest"})
+        step = reply["step"]
+        return None if step is None else int(step)
+
+    def may_start(self, step: int, max_staleness: int) -> bool:
+        reply, _ = self._call({"op": "may_start", "step": step, "max_staleness": max_staleness})
+        return bool(reply["allowed"])
+
+    def wait_until_may_start(self, step: int, max_staleness: int, timeout: float = 600.0) -> None:
+        self._call({"op": "wait_start", "step": step, "max_staleness": max_staleness, "timeout": timeout}, (), timeout)
+
+    def close(self) -> None:
+        """Close the socket. Rows received but not acked are handed out again to the next
+        session of this consumer id (that is the restart path)."""
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                self._sock.close(0)
+
+    def __enter__(self) -> TransferQueueClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ----------------------------------------------------------------- transport
+    def _call(
+        self, header: dict[str, Any], frames: Sequence[Buffer] = (), wait: float = 0.0
+    ) -> tuple[dict[str, Any], list[Any]]:
+        return self._request(header, frames, wait, self._request_timeout, self._retries)
+
+    def _request(
+        self,
+        header: dict[str, Any],
+        frames: Sequence[Buffer],
+        wait: float,
+        timeout: float,
+        retries: int,
+    ) -> tuple[dict[str, Any], list[Any]]:
+        """Send and wait ``wait + timeout`` seconds per attempt; raise on an error reply."""
+        with self._lock:
+            if self._closed:
+                raise TransferQueueError(f"client for {self.address} is closed")
+            req_id = next(self._ids)
+            head = pack_header({"v": WIRE_VERSION, "id": req_id, "s": self.session, "c": self.consumer_id, **header})
+            for _attempt in range(1 + retries):
+                self._sock.send_multipart([head, *frames], copy=False)
+                answer = self._await(req_id, wait + timeout)
+                if answer is not None:
+                    return _check_reply(answer, header["op"], self.address)
+        raise TransferUnreachableError(
+            f"transfer queue at {self.address} did not answer within {timeout:g}s "
+            f"({1 + retries} attempt(s)); is the driver running? Check the driver's log, and "
+            "that this address (from the job's cluster.json) is reachable from this node"
+        )
+
+    def _await(self, req_id: int, seconds: float) -> tuple[dict[str, Any], list[Any]] | None:
+        deadline = time.monotonic() + seconds
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._sock.poll(left * 1000, zmq.POLLIN):
+                return None
+            frames = self._sock.recv_multipart(copy=False)
+            try:
+                reply = unpack_header(frames[0])
+            except WireError:
+                continue
+            if reply.get("id") == req_id:  # anything else answers an earlier, retried request
+                return reply, frames[1:]
+
+
+def _check_reply(answer: tuple[dict[str, Any], list[Any]], op: str, address: str) -> tuple[dict[str, Any], list[Any]]:
+    reply, frames = answer
+    if reply.get("ok") is True:
+        return reply, frames
+    kind = reply.get("kind")
+    message = str(reply.get("error", "no message"))
+    if kind == "timeout":
+        raise TransferTimeoutError(message)
+    if kind == "invalid":
+        raise TransferQueueError(f"transfer queue at {address} rejected {op!r} as malformed: {message}")
+    if kind == "internal":
+        raise TransferQueueError(f"transfer queue at {address} failed on {op!r}: {message} (see the driver log)")
+    raise TransferQueueError(message)

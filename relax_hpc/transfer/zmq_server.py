@@ -1,0 +1,424 @@
+"""ZMQ transfer queue server: one ROUTER socket, one event-loop thread, state in memory.
+
+The driver runs it (a background thread by default); clients
+(:class:`~relax_hpc.transfer.zmq_client.TransferQueueClient`) talk to it with DEALER sockets.
+Requests that cannot be answered yet (a get waiting for rows, a put against a full queue, a
+staleness wait) are parked and answered when a later request changes the state, or with a
+timeout error at their deadline: the loop itself never blocks on one client. Stored tensors
+stay as the received frames and are re-sent zero-copy. A malformed message gets an error reply
+and is otherwise ignored.
+
+Run standalone: ``python -m relax_hpc.transfer.zmq_server --bind tcp://0.0.0.0:0 --capacity N``
+(prints the address to connect to, serves until interrupted).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import socket as pysocket
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from relax_hpc.transfer.queue import TransferQueueError, check_name
+from relax_hpc.transfer.state import Owner, QueueState
+from relax_hpc.transfer.wire import (
+    WIRE_VERSION,
+    Buffer,
+    Encoded,
+    WireError,
+    arg,
+    decode_rows,
+    encode_rows,
+    int_list_arg,
+    name_arg,
+    name_list_arg,
+    pack_header,
+    unpack_header,
+)
+
+log = logging.getLogger(__name__)
+
+MAX_SESSIONS_REMEMBERED = 4096
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
+
+
+@dataclass
+class _Request:
+    identity: bytes
+    header: dict[str, Any]
+    frames: list[Buffer]
+    session: str | None
+    req_id: int | None
+    deadline: float = 0.0
+    started: float = field(default_factory=time.monotonic)
+    attempt: Callable[[], list[Any] | None] | None = None  # parked: returns a reply or None
+    timeout_message: Callable[[float], str] | None = None
+
+
+class _Refused(Exception):
+    """Internal: reply with an error of the given kind."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+class TransferQueueServer:
+    """Serve a transfer queue on ``address`` (``tcp://host:0`` picks a free port)."""
+
+    def __init__(
+        self,
+        address: str = "tcp://127.0.0.1:0",
+        capacity: int | None = None,
+        *,
+        poll_interval_s: float = 0.05,
+    ) -> None:
+        self._bind = address
+        self._state: QueueState[Encoded] = QueueState(capacity)
+        self._poll_interval_s = poll_interval_s
+        self._parked: list[_Request] = []
+        self._replies: OrderedDict[str, tuple[int, list[Any] | None]] = OrderedDict()
+        self._address: str | None = None
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+
+    # ----------------------------------------------------------------- lifecycle
+    @property
+    def address(self) -> str:
+        """The address clients connect to (known once started)."""
+        if self._address is None:
+            raise RuntimeError("TransferQueueServer.address is known only after start()")
+        return self._address
+
+    def start(self, timeout: float = 10.0) -> str:
+        """Bind and serve in a daemon thread; returns the address to connect to."""
+        if self._thread is not None:
+            return self.address
+        self._thread = threading.Thread(target=self.serve_forever, name="transfer-queue", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(timeout) or self._error is not None:
+            self.stop()
+            raise RuntimeError(f"transfer queue server could not bind {self._bind!r}: {self._error}")
+        return self.address
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    def __enter__(self) -> TransferQueueServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def serve_forever(self) -> None:
+        """Run the event loop in the calling thread until :meth:`stop`."""
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 0)  # a vanished client's reply is dropped, not an error
+        try:
+            sock.bind(self._bind.replace(":0", ":*") if self._bind.endswith(":0") else self._bind)
+            self._address = _connectable(sock.getsockopt_string(zmq.LAST_ENDPOINT))
+        except zmq.ZMQError as exc:
+            self._error = exc
+            self._ready.set()
+            sock.close(0)
+            ctx.term()
+            return
+        self._ready.set()
+        try:
+            self._loop(sock)
+        finally:
+            sock.close(0)
+            ctx.term()
+
+    # ----------------------------------------------------------------- event loop
+    def _loop(self, sock: zmq.Socket[Any]) -> None:
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        while not self._stop.is_set():
+            wait = self._poll_interval_s
+            if self._parked:
+                wait = min(wait, max(0.0, min(r.deadline for r in self._parked) - time.monotonic()))
+            if poller.poll(wait * 1000):
+                changed = False
+                for _ in range(256):  # drain a burst, then look at parked requests once
+                    try:
+                        frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    changed |= self._handle(sock, frames)
+                if changed and self._parked:
+                    self._retry_parked(sock)
+            self._expire_parked(sock)
+
+    def _handle(self, sock: zmq.Socket[Any], frames: list[Any]) -> bool:
+        """Answer or park one message; returns whether the state may have changed."""
+        identity = frames[0].bytes
+        req = _Request(identity, {}, frames[2:], None, None)
+        try:
+            if len(frames) < 2:
+                raise WireError("empty message: expected [header, buffers...]")
+            req.header = unpack_header(frames[1])
+            req.req_id = arg(req.header, "id", int) if "id" in req.header else None
+            session = req.header.get("s")
+            req.session = session if isinstance(session, str) and session else None
+            if req.header.get("v") != WIRE_VERSION:
+                raise WireError(f"wire version {req.header.get('v')!r} is not {WIRE_VERSION}; upgrade the client")
+            if self._is_duplicate(sock, req):
+                return False
+            op = arg(req.header, "op", str)
+            handler = self._ops().get(op)
+            if handler is None:
+                raise WireError(f"unknown op {op!r}; known: {sorted(self._ops())}")
+            reply = handler(req)
+            if reply is None:
+                self._park(req)
+            else:
+                self._send(sock, req, reply)
+            # even a parked get may have changed state: a restarted consumer frees its rows
+            return op not in ("ping", "partitions", "oldest", "may_start")
+        except WireError as exc:
+            self._send_error(sock, req, "invalid", f"malformed request: {exc}")
+        except (TransferQueueError, ValueError) as exc:
+            self._send_error(sock, req, "refused", str(exc))
+        except _Refused as exc:
+            self._send_error(sock, req, exc.kind, str(exc))
+        except Exception as exc:  # never let one request take the server down
+            log.exception("transfer queue: internal error on %r", req.header.get("op"))
+            self._send_error(sock, req, "internal", f"{type(exc).__name__}: {exc}")
+        return True
+
+    def _ops(self) -> dict[str, Callable[[_Request], list[Any] | None]]:
+        return {
+            "ping": lambda r: [{"capacity": self._state.capacity}],
+            "put": self._op_put,
+            "write": self._op_write,
+            "get": self._op_get,
+            "ack": self._op_ack,
+            "complete": self._op_complete,
+            "clear": lambda r: [{"n": self._state.clear(name_arg(r.header, "p"))}],
+            "partitions": self._op_partitions,
+            "oldest": lambda r: [{"step": self._state.oldest_uncleared()}],
+            "may_start": self._op_may_start,
+            "wait_start": self._op_wait_start,
+        }
+
+    # ----------------------------------------------------------------- operations
+    # Each returns the reply as [header-dict, *frames], or None after setting req.attempt to
+    # park the request until it can be answered.
+    def _op_put(self, req: _Request) -> list[Any] | None:
+        partition = check_name("partition", name_arg(req.header, "p"))
+        rows = decode_rows(arg(req.header, "rows", list), req.frames)
+        n_rows = len(rows)
+        self._state.check_put(partition, n_rows)
+
+        def attempt() -> list[Any] | None:
+            self._state.check_put(partition, n_rows)
+            if not self._state.has_room(n_rows):
+                return None
+            return [{"idx": self._state.put(partition, rows)}]
+
+        return self._now_or_park(req, attempt, lambda waited: self._state.capacity_message(partition, n_rows, waited))
+
+    def _op_write(self, req: _Request) -> list[Any]:
+        partition = name_arg(req.header, "p")
+        rows = decode_rows(arg(req.header, "rows", list), req.frames)
+        self._state.write(partition, int_list_arg(req.header, "idx"), rows)
+        return [{}]
+
+    def _op_get(self, req: _Request) -> list[Any] | None:
+        partition = name_arg(req.header, "p")
+        task = name_arg(req.header, "task")
+        fields = name_list_arg(req.header, "fields")
+        batch_size = arg(req.header, "n", int)
+        owner = self._owner(req)
+
+        def attempt() -> list[Any] | None:
+            taken = self._state.try_get(partition, task, fields, batch_size, owner)
+            if taken is None:
+                return None
+            frames: list[Buffer] = []
+            descs = encode_rows(taken.rows, frames)
+            return [{"idx": taken.indices, "rows": descs, "end": taken.end}, *frames]
+
+        return self._now_or_park(
+            req,
+            attempt,
+            lambda waited: (
+                f"get of {batch_size} rows with fields {fields} from {partition!r} for task "
+                f"{task!r} timed out after {waited:.1f}s; is the producer of those fields running?"
+            ),
+        )
+
+    def _op_ack(self, req: _Request) -> list[Any]:
+        partition = name_arg(req.header, "p")
+        task = name_arg(req.header, "task")
+        n = self._state.ack(partition, task, int_list_arg(req.header, "idx"), self._owner(req))
+        return [{"n": n}]
+
+    def _op_complete(self, req: _Request) -> list[Any]:
+        self._state.complete(name_arg(req.header, "p"), arg(req.header, "total", int))
+        return [{}]
+
+    def _op_partitions(self, req: _Request) -> list[Any]:
+        parts = [[p.name, p.rows, p.expected_rows, p.complete, p.fields] for p in self._state.partitions()]
+        return [{"parts": parts}]
+
+    def _op_may_start(self, req: _Request) -> list[Any]:
+        allowed = self._state.may_start(arg(req.header, "step", int), arg(req.header, "max_staleness", int))
+        return [{"allowed": allowed}]
+
+    def _op_wait_start(self, req: _Request) -> list[Any] | None:
+        step = arg(req.header, "step", int)
+        max_staleness = arg(req.header, "max_staleness", int)
+
+        def attempt() -> list[Any] | None:
+            return [{}] if self._state.may_start(step, max_staleness) else None
+
+        return self._now_or_park(
+            req,
+            attempt,
+            lambda waited: (
+                f"rollout step {step} waited {waited:.1f}s for the staleness bound "
+                f"(max_staleness={max_staleness}, oldest uncleared partition "
+                f"{self._state.oldest_uncleared()}); the actor has not cleared it"
+            ),
+        )
+
+    # ----------------------------------------------------------------- parking
+    def _now_or_park(
+        self,
+        req: _Request,
+        attempt: Callable[[], list[Any] | None],
+        timeout_message: Callable[[float], str],
+    ) -> list[Any] | None:
+        reply = attempt()
+        if reply is not None:
+            return reply
+        timeout = arg(req.header, "timeout", float)
+        if not 0 <= timeout <= MAX_TIMEOUT_S:
+            raise WireError(f"timeout {timeout} must be within 0..{MAX_TIMEOUT_S} s")
+        if timeout == 0:
+            raise _Refused("timeout", timeout_message(0.0))
+        req.deadline = req.started + timeout
+        req.attempt = attempt
+        req.timeout_message = timeout_message
+        return None
+
+    def _park(self, req: _Request) -> None:
+        self._parked.append(req)
+        if req.session is not None and req.req_id is not None:
+            self._remember(req.session, req.req_id, None)
+
+    def _retry_parked(self, sock: zmq.Socket[Any]) -> None:
+        # Answering one parked request (a put) can unblock another (a get): loop until quiet.
+        progress = True
+        while progress and self._parked:
+            progress = False
+            for req in list(self._parked):
+                assert req.attempt is not None
+                try:
+                    reply = req.attempt()
+                except (TransferQueueError, ValueError) as exc:
+                    self._parked.remove(req)
+                    self._send_error(sock, req, "refused", str(exc))
+                    continue
+                if reply is not None:
+                    self._parked.remove(req)
+                    self._send(sock, req, reply)
+                    progress = True
+
+    def _expire_parked(self, sock: zmq.Socket[Any]) -> None:
+        now = time.monotonic()
+        for req in [r for r in self._parked if r.deadline <= now]:
+            self._parked.remove(req)
+            assert req.timeout_message is not None
+            message = req.timeout_message(now - req.started)
+            self._send_error(sock, req, "timeout", message)
+
+    # ----------------------------------------------------------------- replies
+    def _owner(self, req: _Request) -> Owner:
+        if req.session is None:
+            raise WireError("header field 's' (session id) is required for get and ack")
+        consumer = req.header.get("c", "")
+        if not isinstance(consumer, str) or len(consumer) > 200:
+            raise WireError("header field 'c' (consumer id) must be a str of at most 200 characters")
+        return (consumer, req.session)
+
+    def _is_duplicate(self, sock: zmq.Socket[Any], req: _Request) -> bool:
+        """A client retry of the request it sent last: resend the answer, or wait for it."""
+        if req.session is None or req.req_id is None:
+            return False
+        last = self._replies.get(req.session)
+        if last is None or last[0] != req.req_id:
+            return False
+        if last[1] is not None:
+            sock.send_multipart([req.identity, *last[1]], copy=False)
+        else:  # still parked: answer the retry's socket when it completes
+            for parked in self._parked:
+                if parked.session == req.session and parked.req_id == req.req_id:
+                    parked.identity = req.identity
+        return True
+
+    def _remember(self, session: str, req_id: int, payload: list[Any] | None) -> None:
+        self._replies[session] = (req_id, payload)
+        self._replies.move_to_end(session)
+        while len(self._replies) > MAX_SESSIONS_REMEMBERED:
+            self._replies.popitem(last=False)
+
+    def _send(self, sock: zmq.Socket[Any], req: _Request, reply: list[Any]) -> None:
+        header = {"id": req.req_id, "ok": True, **reply[0]}
+        payload = [pack_header(header), *reply[1:]]
+        if req.session is not None and req.req_id is not None:
+            self._remember(req.session, req.req_id, payload)
+        sock.send_multipart([req.identity, *payload], copy=False)
+
+    def _send_error(self, sock: zmq.Socket[Any], req: _Request, kind: str, message: str) -> None:
+        payload = [pack_header({"id": req.req_id, "ok": False, "kind": kind, "error": message})]
+        if req.session is not None and req.req_id is not None:
+            self._remember(req.session, req.req_id, payload)
+        try:
+            sock.send_multipart([req.identity, *payload])
+        except zmq.ZMQError:
+            log.warning("transfer queue: could not send an error reply: %s", message)
+
+
+def _connectable(endpoint: str) -> str:
+    """Replace a wildcard bind host by this machine's name so the address can be shared."""
+    for wildcard in ("0.0.0.0", "*", "[::]"):
+        prefix = f"tcp://{wildcard}:"
+        if endpoint.startswith(prefix):
+            return f"tcp://{pysocket.gethostname()}:{endpoint[len(prefix):]}"
+    return endpoint
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Serve a relax-hpc transfer queue.")
+    parser.add_argument("--bind", default="tcp://0.0.0.0:0", help="ZMQ address; port 0 picks a free port")
+    parser.add_argument("--capacity", type=int, default=None, help="row bound (default: unbounded)")
+    args = parser.parse_args(argv)
+    server = TransferQueueServer(args.bind, args.capacity)
+    server.start()
+    print(server.address, flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        server.stop()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,164 @@
+"""ZMQ-specific behaviour: unreachable servers, malformed frames, retries, zero-copy decoding."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+import zmq
+
+from relax_hpc.transfer import TransferQueueError, TransferUnreachableError
+from relax_hpc.transfer.wire import WIRE_VERSION
+from relax_hpc.transfer.zmq_client import TransferQueueClient
+from relax_hpc.transfer.zmq_server import TransferQueueServer
+
+
+@pytest.fixture
+def server() -> Iterator[TransferQueueServer]:
+    srv = TransferQueueServer("tcp://127.0.0.1:0", capacity=100)
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def raw(server: TransferQueueServer) -> Iterator[zmq.Socket[Any]]:
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(server.address)
+    yield sock
+    sock.close(0)
+
+
+def exchange(sock: zmq.Socket[Any], frames: list[bytes]) -> tuple[dict[str, Any], list[bytes]]:
+    sock.send_multipart(frames)
+    assert sock.poll(5000), "server did not answer a malformed message"
+    reply = sock.recv_multipart()
+    return msgpack.unpackb(reply[0]), reply[1:]
+
+
+def head(**fields: Any) -> bytes:
+    return msgpack.packb({"v": WIRE_VERSION, "s": "raw-session", "c": "", **fields})
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_port_zero_reports_the_bound_port(server: TransferQueueServer) -> None:
+    assert server.address.startswith("tcp://127.0.0.1:")
+    assert int(server.address.rsplit(":", 1)[1]) > 0
+
+
+def test_unreachable_server_error_says_what_to_check() -> None:
+    address = f"tcp://127.0.0.1:{free_port()}"
+    t0 = time.monotonic()
+    with pytest.raises(TransferUnreachableError) as err:
+        TransferQueueClient(address, connect_timeout=0.3)
+    assert time.monotonic() - t0 < 3
+    message = str(err.value)
+    assert f"transfer queue at {address} did not answer within 0.3s" in message
+    assert "is the driver running?" in message
+
+
+def test_server_gone_mid_session_raises_after_retries(server: TransferQueueServer) -> None:
+    client = TransferQueueClient(server.address, request_timeout=0.2, retries=1)
+    server.stop()
+    with pytest.raises(TransferUnreachableError, match=r"0.2s \(2 attempt"):
+        client.partitions()
+    client.close()
+
+
+MALFORMED: list[tuple[str, list[bytes]]] = [
+    ("not msgpack", [b"\xc1\xff\x00garbage"]),
+    ("pickle is not accepted", [b"\x80\x04\x95\x05\x00\x00\x00\x00\x00\x00\x00\x8c\x01x\x94."]),
+    ("header not a map", [msgpack.packb([1, 2, 3])]),
+    ("wrong version", [msgpack.packb({"v": 99, "op": "ping", "id": 1})]),
+    ("unknown op", [head(op="explode", id=2)]),
+    ("missing partition", [head(op="put", id=3, rows=[], timeout=1.0)]),
+    ("bool as int", [head(op="get", id=4, p="train_0", task="a", fields=[], n=True, timeout=1.0)]),
+    ("dtype not allowed", [head(op="put", id=5, p="t", rows=[{"x": ["t", "object", [1], 0]}], timeout=1.0), b"\x00" * 8]),
+    ("frame index out of range", [head(op="put", id=6, p="t", rows=[{"x": ["t", "int64", [1], 3]}], timeout=1.0), b"\x00" * 8]),
+    ("byte count mismatch", [head(op="put", id=7, p="t", rows=[{"x": ["t", "float32", [4], 0]}], timeout=1.0), b"\x00" * 8]),
+    ("negative dim", [head(op="put", id=8, p="t", rows=[{"x": ["n", "float32", [-1], 0]}], timeout=1.0), b""]),
+    ("inline list", [head(op="put", id=9, p="t", rows=[{"x": ["v", [1, 2]]}], timeout=1.0)]),
+    ("rows not a list", [head(op="write", id=10, p="t", idx=[0], rows={"x": 1})]),
+    ("get without session", [msgpack.packb({"v": WIRE_VERSION, "op": "get", "id": 11, "p": "t", "task": "a", "fields": [], "n": 1, "timeout": 1.0})]),
+    ("negative timeout", [head(op="wait_start", id=12, step=5, max_staleness=0, timeout=-1.0)]),
+    ("empty message", []),
+]
+
+
+@pytest.mark.parametrize("frames", [f for _, f in MALFORMED], ids=[name for name, _ in MALFORMED])
+def test_malformed_messages_get_an_error_and_the_server_keeps_serving(
+    server: TransferQueueServer, raw: zmq.Socket[Any], frames: list[bytes]
+) -> None:
+    client = TransferQueueClient(server.address, request_timeout=5.0)
+    client.put("train_0", [{"x": torch.ones(2)}])
+    if frames:
+        reply, _ = exchange(raw, frames)
+    else:  # a DEALER cannot send zero frames; an empty header frame is the closest thing
+        reply, _ = exchange(raw, [b""])
+    assert reply["ok"] is False and reply["kind"] == "invalid", reply
+    assert "malformed request" in reply["error"]
+    assert [p.rows for p in client.partitions()] == [1]  # nothing was added by the bad message
+    assert client.get("train_0", "actor", ["x"], 1, timeout=1).indices == [0]
+    client.close()
+
+
+def test_retried_put_is_applied_once(server: TransferQueueServer, raw: zmq.Socket[Any]) -> None:
+    data = np.arange(4, dtype=np.float32)
+    put = [head(op="put", id=1, p="train_0", rows=[{"x": ["n", "float32", [4], 0]}], timeout=1.0), data.tobytes()]
+    first, _ = exchange(raw, put)
+    again, _ = exchange(raw, put)  # as if the first reply was lost
+    assert first == again and first["idx"] == [0]
+    client = TransferQueueClient(server.address)
+    assert [p.rows for p in client.partitions()] == [1]
+    got = client.get("train_0", "actor", ["x"], 1, timeout=1).rows[0]["x"]
+    np.testing.assert_array_equal(got, data)
+    client.close()
+
+
+def test_error_reply_for_refused_request(server: TransferQueueServer) -> None:
+    client = TransferQueueClient(server.address)
+    with pytest.raises(TransferQueueError, match="can never fit in a queue of capacity 100"):
+        client.put("train_0", [{"x": 1}] * 101)
+    client.close()
+
+
+def test_received_tensors_are_writable_and_independent(server: TransferQueueServer) -> None:
+    client = TransferQueueClient(server.address)
+    client.put("train_0", [{"x": torch.zeros(64 * 1024)}])
+    a = client.get("train_0", "t1", ["x"], 1, timeout=1).rows[0]["x"]
+    b = client.get("train_0", "t2", ["x"], 1, timeout=1).rows[0]["x"]
+    a += 1  # a consumer may work in place on what it received
+    assert torch.all(a == 1) and torch.all(b == 0)
+    client.close()
+
+
+def test_many_parked_gets_do_not_stall_other_clients(server: TransferQueueServer) -> None:
+    waiters = [TransferQueueClient(server.address) for _ in range(3)]
+    for i, w in enumerate(waiters):  # park three gets on the server, then talk to it
+        w._sock.send_multipart(
+            [head(s=f"waiter{i}", op="get", id=1, p="train_9", task=f"t{i}", fields=["x"], n=1, timeout=5.0)]
+        )
+    client = TransferQueueClient(server.address, request_timeout=1.0, retries=0)
+    t0 = time.monotonic()
+    assert client.partitions() == []
+    assert time.monotonic() - t0 < 0.5
+    client.put("train_9", [{"x": 7}])
+    for w in waiters:
+        assert w._sock.poll(2000)
+        reply = msgpack.unpackb(w._sock.recv_multipart()[0])
+        assert reply["ok"] and reply["idx"] == [0]
+        w.close()
+    client.close()

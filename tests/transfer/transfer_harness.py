@@ -1,0 +1,47 @@
+"""A handle factory that hides which transfer-queue implementation a test runs against."""
+
+from __future__ import annotations
+
+from relax_hpc.transfer import InMemoryTransferQueue, TransferQueue
+
+
+class QueueHarness:
+    """Builds one queue and hands out handles on it (each handle = one consumer session)."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self._handles: list[TransferQueue] = []
+        self._memory: InMemoryTransferQueue | None = None
+        self._server: object | None = None
+        self.address = ""
+
+    def start(self, capacity: int | None = None) -> TransferQueue:
+        """Create the queue; returns a first handle."""
+        if self.kind == "memory":
+            self._memory = InMemoryTransferQueue(capacity=capacity)
+            self._handles.append(self._memory)
+            return self._memory
+        from relax_hpc.transfer.zmq_server import TransferQueueServer
+
+        server = TransferQueueServer("tcp://127.0.0.1:0", capacity=capacity)
+        self.address = server.start()
+        self._server = server
+        return self.handle()
+
+    def handle(self, consumer_id: str = "") -> TransferQueue:
+        """Another handle on the same queue, as a separate process would have."""
+        if self.kind == "memory":
+            assert self._memory is not None, "call start() first"
+            handle: TransferQueue = self._memory.open_session(consumer_id)
+        else:
+            from relax_hpc.transfer.zmq_client import TransferQueueClient
+
+            handle = TransferQueueClient(self.address, consumer_id=consumer_id, connect_timeout=5.0, request_timeout=5.0)
+        self._handles.append(handle)
+        return handle
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.close()
+        if self._server is not None:
+            self._server.stop()  # type: ignore[attr-defined]
