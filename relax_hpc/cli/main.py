@@ -1,0 +1,114 @@
+"""The `relax-hpc` command line.
+
+    relax-hpc run SPEC          train on this machine (local Ray cluster); resumes from checkpoints
+    relax-hpc validate SPEC     check a spec; exit 0, or print every problem and exit 2
+    relax-hpc show SPEC         print the fully resolved spec (every default filled in)
+    relax-hpc make-tiny DIR     write the tiny Qwen3-architecture model + tokenizer
+    relax-hpc plot JOBDIR       (re)draw JOBDIR/reward_curve.png from JOBDIR/metrics.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from relax_hpc.spec import SpecError, load_spec, spec_to_toml
+
+EXIT_BAD_INPUT = 2
+
+
+def _cmd_validate(args: argparse.Namespace) -> int:
+    spec = load_spec(args.spec)
+    print(f"{args.spec}: ok (job '{spec.job.name}', {spec.train.steps} steps, "
+          f"algorithm {spec.algorithm.name}, mode {spec.job.mode})")
+    return 0
+
+
+def _cmd_show(args: argparse.Namespace) -> int:
+    print(spec_to_toml(load_spec(args.spec)), end="")
+    return 0
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from relax_hpc.driver.run import run_job
+
+    spec = load_spec(args.spec)
+    if spec.job.mode != "colocate":
+        print(f"{args.spec}: job.mode = {spec.job.mode!r} is not supported by `relax-hpc run` yet; "
+              "use mode = \"colocate\"", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    report = run_job(spec, in_process=args.in_process, ray_address=args.ray_address,
+                     progress=not args.no_progress)
+    print(report.summary_line())
+    if report.curve:
+        print(f"reward curve: {report.curve}")
+    return 0
+
+
+def _cmd_make_tiny(args: argparse.Namespace) -> int:
+    from relax_hpc.models.tiny import write_tiny_model
+
+    out = write_tiny_model(Path(args.dir), seed=args.seed)
+    print(f"wrote the tiny model to {out}")
+    return 0
+
+
+def _cmd_plot(args: argparse.Namespace) -> int:
+    from relax_hpc.ops.plot import plot_reward_curve
+
+    job_dir = Path(args.job_dir)
+    out = plot_reward_curve(job_dir / "metrics.jsonl", job_dir / "reward_curve.png", job_dir.name)
+    print(f"wrote {out}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="relax-hpc",
+        description="Asynchronous, agentic RL post-training for LLMs, packaged for Slurm clusters.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("run", help="train a job spec on this machine (resumes from its checkpoints)")
+    p.add_argument("spec", help="path to the TOML job spec, e.g. jobspecs/tiny_local.toml")
+    p.add_argument("--in-process", action="store_true",
+                   help="run every role in this process instead of Ray actors (debugging)")
+    p.add_argument("--ray-address", default=None,
+                   help="join an existing Ray cluster (default: start a local one)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=_cmd_run)
+
+    p = sub.add_parser("validate", help="check a job spec; exit 2 with every problem listed")
+    p.add_argument("spec")
+    p.set_defaults(func=_cmd_validate)
+
+    p = sub.add_parser("show", help="print the fully resolved job spec")
+    p.add_argument("spec")
+    p.set_defaults(func=_cmd_show)
+
+    p = sub.add_parser("make-tiny", help="write a tiny Qwen3-architecture model + tokenizer to DIR")
+    p.add_argument("dir")
+    p.add_argument("--seed", type=int, default=1, help="initialisation seed (default 1)")
+    p.set_defaults(func=_cmd_make_tiny)
+
+    p = sub.add_parser("plot", help="draw JOBDIR/reward_curve.png from JOBDIR/metrics.jsonl")
+    p.add_argument("job_dir")
+    p.set_defaults(func=_cmd_plot)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except SpecError as e:
+        print(str(e), file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except (FileNotFoundError, FileExistsError, ValueError) as e:
+        print(f"relax-hpc {args.command}: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+
+if __name__ == "__main__":
+    sys.exit(main())

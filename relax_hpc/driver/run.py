@@ -1,0 +1,203 @@
+"""`relax-hpc run`: set up the job directory, start Ray and the roles, run the loop, report.
+
+Job directory layout (`[job] output_dir`, default runs/<name>):
+    spec.toml            the fully resolved spec this run used
+    checkpoints/         DCP checkpoints (step_N, latest)
+    metrics.jsonl        one record per step (appended across restarts)
+    tensorboard/         TensorBoard event files
+    reward_curve.png     written at the end
+    summary.json         the final numbers, written at the end
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from relax_hpc.algos import LossConfig, normalizes_std
+from relax_hpc.backends.torch_backend import OptimConfig
+from relax_hpc.driver.loop import LoopConfig, LoopResult, StopFlag, run_loop
+from relax_hpc.engines.base import SamplingParams
+from relax_hpc.ops.metrics import FanOut, JsonlSink, MetricsSink, TensorBoardSink, WandbSink
+from relax_hpc.ops.plot import plot_reward_curve
+from relax_hpc.roles.actor import ActorConfig
+from relax_hpc.roles.handles import LocalRoles, RayRoles, Roles
+from relax_hpc.roles.rollout import RolloutConfig
+from relax_hpc.spec import JobSpec, spec_to_toml
+
+
+@dataclass
+class RunReport:
+    job_dir: Path
+    result: LoopResult
+    seconds: float
+    curve: Path | None
+
+    def summary_line(self) -> str:
+        r = self.result.rewards
+        head = ""
+        if r:
+            first, last = r[: min(5, len(r))], r[-min(10, len(r)):]
+            head = (f"; reward first-{len(first)} mean {sum(first) / len(first):.3f} -> "
+                    f"last-{len(last)} mean {sum(last) / len(last):.3f}")
+        status = "stopped early at" if self.result.stopped_early else "finished"
+        return (f"{status} step {self.result.end_step} (from {self.result.start_step}) in "
+                f"{self.seconds:.0f} s, {self.result.samples_trained} samples trained{head}; "
+                f"job dir {self.job_dir}")
+
+
+def resolve_device(requested: str) -> str:
+    import torch
+
+    if requested == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("[train] device = \"cuda\" but torch sees no CUDA device; use \"auto\" or \"cpu\"")
+    return requested
+
+
+def role_configs(spec: JobSpec, job_dir: Path, device: str) -> tuple[RolloutConfig, ActorConfig]:
+    r, a, t = spec.rollout, spec.algorithm, spec.train
+    # One thread per role: these models are small, and oversubscribed intra-op threads slow
+    # everything down badly on a busy 2-core machine.
+    threads = 1
+    sampling = SamplingParams(
+        max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
+        top_k=r.top_k, stop=tuple(r.stop),
+    )
+    rollout = RolloutConfig(
+        model_path=spec.model.path, data_path=spec.data.path, prompt_key=spec.data.prompt_key,
+        label_key=spec.data.label_key, max_prompt_tokens=spec.data.max_prompt_tokens,
+        shuffle=spec.data.shuffle, seed=spec.job.seed, reward_function=spec.reward.function,
+        prompts_per_step=r.prompts_per_step, n_samples_per_prompt=r.n_samples_per_prompt,
+        sampling=sampling, dtype=spec.model.dtype, device=device, num_threads=threads,
+    )
+    loss = LossConfig(
+        name=a.name, clip_eps_low=a.clip_eps_low, clip_eps_high=a.clip_eps_high,
+        kl_coef=a.kl_coef, kl_estimator=a.kl_estimator, loss_agg=a.loss_agg,
+        entropy_coef=a.entropy_coef,
+    )
+    optim = OptimConfig(
+        lr=t.lr, weight_decay=t.weight_decay, adam_betas=(t.adam_betas[0], t.adam_betas[1]),
+        grad_clip=t.grad_clip, micro_batch_size=t.micro_batch_size, mini_batches=t.mini_batches,
+    )
+    actor = ActorConfig(
+        model_path=spec.model.path, optim=optim, loss=loss,
+        checkpoint_dir=str(job_dir / "checkpoints"), keep_last=spec.checkpoint.keep_last,
+        seed=spec.job.seed, dtype=spec.model.dtype, device=device, temperature=r.temperature,
+        num_threads=threads,
+    )
+    return rollout, actor
+
+
+def prepare_job_dir(spec: JobSpec) -> Path:
+    job_dir = spec.job_dir()
+    job_dir.mkdir(parents=True, exist_ok=True)
+    tmp = job_dir / "spec.toml.tmp"
+    tmp.write_text(spec_to_toml(spec))
+    tmp.replace(job_dir / "spec.toml")
+    return job_dir
+
+
+def ensure_model(spec: JobSpec) -> None:
+    path = Path(spec.model.path)
+    if (path / "config.json").is_file() or not spec.model.build_tiny_if_missing:
+        return
+    from relax_hpc.models.tiny import write_tiny_model
+
+    print(f"building the tiny model at {path} (build_tiny_if_missing = true)", file=sys.stderr)
+    write_tiny_model(path, seed=spec.job.seed)
+
+
+def make_sinks(spec: JobSpec, job_dir: Path) -> MetricsSink:
+    sinks: list[Any] = []
+    if spec.metrics.jsonl:
+        sinks.append(JsonlSink(job_dir / "metrics.jsonl"))
+    if spec.metrics.tensorboard:
+        sinks.append(TensorBoardSink(job_dir / "tensorboard"))
+    if spec.metrics.wandb_project:
+        sinks.append(WandbSink(spec.metrics.wandb_project, spec.job.name, {}))
+    return FanOut(sinks)
+
+
+def install_stop_handlers(stop: StopFlag) -> None:
+    def handler(signum: int, _frame: Any) -> None:
+        if stop.requested:  # a second Ctrl-C means "now"
+            raise KeyboardInterrupt
+        stop.requested, stop.reason = True, signal.Signals(signum).name
+        print(f"\n{stop.reason} received: finishing this step, writing a checkpoint, then stopping "
+              "(send it again to stop at once)", file=sys.stderr)
+
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, handler)
+
+
+def start_ray(address: str | None) -> None:
+    import ray
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    env = {"RAY_AUTH_MODE": os.environ["RAY_AUTH_MODE"], "TOKENIZERS_PARALLELISM": "false"}
+    if address:
+        ray.init(address=address, runtime_env={"env_vars": env}, log_to_driver=False)
+    else:
+        ray.init(num_cpus=os.cpu_count() or 1, include_dashboard=False, log_to_driver=False,
+                 runtime_env={"env_vars": env})
+
+
+def run_job(spec: JobSpec, in_process: bool = False, ray_address: str | None = None,
+            progress: bool = True) -> RunReport:
+    """Run a job spec to completion (or until a stop signal) on this machine."""
+    from tqdm import tqdm
+
+    t_start = time.perf_counter()
+    job_dir = prepare_job_dir(spec)
+    ensure_model(spec)
+    device = resolve_device(spec.train.device)
+    rollout_cfg, actor_cfg = role_configs(spec, job_dir, device)
+    if not in_process:
+        start_ray(ray_address)
+    # After ray.init, which installs handlers of its own in this process.
+    stop = StopFlag()
+    install_stop_handlers(stop)
+    roles: Roles = (LocalRoles(rollout_cfg, actor_cfg) if in_process
+                    else RayRoles(rollout_cfg, actor_cfg, spec.train.num_processes))
+    print(f"dataset: {roles.dataset_summary()}", file=sys.stderr)
+    metrics = make_sinks(spec, job_dir)
+    bar = tqdm(total=spec.train.steps, desc=spec.job.name, unit="step", disable=not progress,
+               dynamic_ncols=True, file=sys.stderr)
+
+    def on_step(step: int, m: dict[str, float]) -> None:
+        bar.n = step
+        bar.set_postfix(reward=f"{m['reward/mean']:.3f}", s_per_step=f"{m['time/step_s']:.2f}")
+
+    loop_cfg = LoopConfig(
+        total_steps=spec.train.steps, n_samples_per_prompt=spec.rollout.n_samples_per_prompt,
+        normalize_std=spec.algorithm.normalize_std and normalizes_std(spec.algorithm.name),
+        save_interval=spec.checkpoint.save_interval, resume=spec.checkpoint.resume,
+    )
+    try:
+        result = run_loop(loop_cfg, roles, metrics, stop, on_step)
+    finally:
+        bar.close()
+        metrics.close()
+        roles.shutdown()
+        if not in_process:
+            import ray
+
+            ray.shutdown()
+    curve = None
+    if spec.metrics.plot and spec.metrics.jsonl and result.end_step > 0:
+        curve = plot_reward_curve(job_dir / "metrics.jsonl", job_dir / "reward_curve.png", spec.job.name)
+    report = RunReport(job_dir, result, time.perf_counter() - t_start, curve)
+    summary = {"summary": report.summary_line(), "start_step": result.start_step,
+               "end_step": result.end_step, "samples_trained": result.samples_trained,
+               "stopped_early": result.stopped_early, "last_checkpoint": result.last_checkpoint}
+    (job_dir / "summary.json.tmp").write_text(json.dumps(summary, indent=2))
+    (job_dir / "summary.json.tmp").replace(job_dir / "summary.json")
+    return report

@@ -1,0 +1,71 @@
+"""The rollout engine interface: what every generation backend (native torch, SGLang) provides.
+
+An engine turns prompt token ids into sampled responses with the per-token log-probs and the
+weight version that produced them, and accepts new weights between batches.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Iterable, Literal, Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample. `top_k = 0` and `top_p = 1.0` disable those filters."""
+
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        # Every comparison with NaN is False, so this form rejects NaN as well as inf and <= 0.
+        if not (0 < self.temperature < math.inf):
+            raise ValueError(f"temperature must be a finite number > 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+
+
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass
+class Generation:
+    """One sampled response.
+
+    `logprobs[i]` is the log-probability of `token_ids[i]` under the policy's distribution at the
+    sampling temperature, before top-k/top-p filtering: the quantity the trainer recomputes.
+    """
+
+    prompt_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: FinishReason
+    weight_version: int
+    text: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+class RolloutEngine(Protocol):
+    """A generation backend. Implementations: `NativeEngine` (torch), the SGLang adapter."""
+
+    @property
+    def weight_version(self) -> int: ...
+
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams, seed: int | None = None
+    ) -> list[Generation]: ...
+
+    def update_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int
+    ) -> None: ...

@@ -1,0 +1,133 @@
+"""The native rollout engine: batched sampling with a KV cache on a Hugging Face model in torch.
+
+It is the embedded default (CPU or one local GPU). Prompts are left-padded into one batch, the
+prompt is prefilled once, then one token per step is decoded against the cache. Finished rows
+keep decoding padding (their outputs are discarded) so the batch stays rectangular.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterable
+
+import torch
+
+from relax_hpc.engines.base import Generation, SamplingParams
+from relax_hpc.engines.sampling import sample_next
+from relax_hpc.models.hf import load_causal_lm, load_tokenizer
+
+
+class NativeEngine:
+    """A `RolloutEngine` that runs the model in this process."""
+
+    def __init__(
+        self, model_path: str | Path, dtype: str = "float32", device: str = "cpu"
+    ) -> None:
+        self.model = load_causal_lm(model_path, dtype=dtype, device=device).eval()
+        self.tokenizer = load_tokenizer(model_path)
+        self.device = torch.device(device)
+        pad = self.tokenizer.pad_token_id
+        self.pad_id = int(pad if pad is not None else self.tokenizer.eos_token_id)
+        self.eos_id = int(self.tokenizer.eos_token_id)
+        self._version = 0
+
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Copy new weights in place (called between batches, never during `generate`)."""
+        own = self.model.state_dict()
+        with torch.no_grad():
+            for name, tensor in named_tensors:
+                if name not in own:
+                    raise KeyError(
+                        f"weight update names '{name}', which the rollout model does not have; "
+                        "are the trainer and the engine loading the same architecture?"
+                    )
+                own[name].copy_(tensor.to(own[name].device, own[name].dtype))
+        self._version = version
+
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams, seed: int | None = None
+    ) -> list[Generation]:
+        if not prompts:
+            return []
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        generator = None
+        if seed is not None:
+            generator = torch.Generator(device=self.device).manual_seed(seed)
+        stop_ids = set(params.stop_token_ids) | {self.eos_id}
+        with torch.inference_mode():
+            tokens, logprobs, finish = self._decode(prompts, params, stop_ids, generator)
+        version = self._version
+        out = []
+        for i, prompt in enumerate(prompts):
+            # The text leaves out the stop token itself but keeps any other special token the
+            # model produced, so a reward function sees exactly what was generated.
+            shown = tokens[i][:-1] if finish[i] == "stop" and tokens[i][-1] in stop_ids else tokens[i]
+            text = self.tokenizer.decode(shown, skip_special_tokens=False)
+            out.append(Generation(prompt, tokens[i], logprobs[i], finish[i], version, text))
+        return out
+
+    def _decode(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        stop_ids: set[int],
+        generator: torch.Generator | None,
+    ) -> tuple[list[list[int]], list[list[float]], list[str]]:
+        from transformers import DynamicCache
+
+        batch = len(prompts)
+        width = max(len(p) for p in prompts)
+        input_ids = torch.full((batch, width), self.pad_id, dtype=torch.long)
+        attention = torch.zeros((batch, width), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            input_ids[i, width - len(p):] = torch.tensor(p)
+            attention[i, width - len(p):] = 1
+        input_ids, attention = input_ids.to(self.device), attention.to(self.device)
+        positions = (attention.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache()
+        out = self.model(
+            input_ids=input_ids, attention_mask=attention, position_ids=positions,
+            past_key_values=cache, use_cache=True,
+        )
+        tokens: list[list[int]] = [[] for _ in range(batch)]
+        logprobs: list[list[float]] = [[] for _ in range(batch)]
+        finish = ["length"] * batch
+        done = torch.zeros(batch, dtype=torch.bool)
+        next_pos = positions[:, -1:] + 1
+        for _ in range(params.max_new_tokens):
+            new, new_lp = sample_next(
+                out.logits[:, -1, :], params.temperature, params.top_k, params.top_p, generator
+            )
+            new_cpu, lp_cpu = new.cpu().tolist(), new_lp.cpu().tolist()
+            for i in range(batch):
+                if done[i]:
+                    continue
+                tokens[i].append(new_cpu[i])
+                logprobs[i].append(lp_cpu[i])
+                if new_cpu[i] in stop_ids or self._hit_stop_string(tokens[i], params.stop):
+                    done[i] = True
+                    finish[i] = "stop"
+            if bool(done.all()):
+                break
+            attention = torch.cat([attention, torch.ones((batch, 1), dtype=torch.long, device=self.device)], 1)
+            out = self.model(
+                input_ids=new.unsqueeze(-1), attention_mask=attention, position_ids=next_pos,
+                past_key_values=out.past_key_values, use_cache=True,
+            )
+            next_pos = next_pos + 1
+        return tokens, logprobs, finish
+
+    def _hit_stop_string(self, token_ids: list[int], stop: tuple[str, ...]) -> bool:
+        if not stop:
+            return False
+        # Only the tail can newly complete a stop string; decode a window, not the whole response.
+        # Every token carries at least one byte of UTF-8 and a character is at most 4 bytes, so
+        # 4 tokens per character of the longest stop string always cover a newly completed one.
+        window = max(16, 4 * max(len(s) for s in stop))
+        tail = self.tokenizer.decode(token_ids[-window:], skip_special_tokens=False)
+        return any(s in tail for s in stop)

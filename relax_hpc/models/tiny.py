@@ -1,0 +1,123 @@
+"""Build a tiny Qwen3-architecture model directory locally, with no downloads.
+
+The directory has the same shape as a real Hugging Face checkout (config.json, model.safetensors,
+tokenizer.json, tokenizer_config.json, generation_config.json), so every code path that loads it
+(`AutoModelForCausalLM.from_pretrained`, `AutoTokenizer.from_pretrained`) is the one a Qwen3-4B
+checkout goes through. Run it as `relax-hpc make-tiny DIR`.
+
+The tokenizer is character level over a small alphabet: the embedded task (see
+`relax_hpc.data.tiny_task`) is arithmetic on digits, and a small vocabulary keeps a randomly
+initialised policy's chance of a right answer small but non-zero, which is what makes the
+reward curve of the demo start low and rise.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import string
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+PAD_TOKEN = "<|endoftext|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"  # end of a turn; the tiny model's EOS, as in Qwen3's chat models
+SPECIAL_TOKENS = (PAD_TOKEN, IM_START, IM_END)
+ALPHABET = string.digits + "+-*=?:., " + string.ascii_lowercase
+
+# Qwen3's chat template, reduced to what the tiny model needs: role headers and turn ends.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + ':' + message['content'] + '<|im_end|>' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant:' }}{% endif %}"
+)
+
+
+@dataclass(frozen=True)
+class TinyModelSize:
+    """Shape of the tiny model; the defaults train the embedded task in minutes on 2 CPU cores."""
+
+    hidden_size: int = 64
+    intermediate_size: int = 192
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 16
+    max_position_embeddings: int = 256
+
+
+def build_tokenizer_json() -> str:
+    """Return the text of a character-level tokenizer.json built with the `tokenizers` library."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    for ch in ALPHABET:
+        vocab[ch] = len(vocab)
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=PAD_TOKEN))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    return tok.to_str()
+
+
+def vocab_size() -> int:
+    return len(SPECIAL_TOKENS) + len(ALPHABET)
+
+
+def write_tiny_model(out_dir: Path, seed: int = 0, size: TinyModelSize = TinyModelSize()) -> Path:
+    """Write a randomly initialised tiny Qwen3 model + tokenizer to `out_dir` (write-then-rename).
+
+    Refuses to overwrite an existing directory so that a trained model is never clobbered.
+    """
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from relax_hpc.models.hf import quiet_transformers
+
+    quiet_transformers()
+    out_dir = Path(out_dir)
+    if out_dir.exists():
+        raise FileExistsError(
+            f"{out_dir} already exists; remove it or choose another directory for the tiny model"
+        )
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    token_ids = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    config = Qwen3Config(
+        vocab_size=vocab_size(),
+        hidden_size=size.hidden_size,
+        intermediate_size=size.intermediate_size,
+        num_hidden_layers=size.num_hidden_layers,
+        num_attention_heads=size.num_attention_heads,
+        num_key_value_heads=size.num_key_value_heads,
+        head_dim=size.head_dim,
+        max_position_embeddings=size.max_position_embeddings,
+        tie_word_embeddings=True,
+        pad_token_id=token_ids[PAD_TOKEN],
+        bos_token_id=token_ids[IM_START],
+        eos_token_id=token_ids[IM_END],
+    )
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(config)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        (tmp / "tokenizer.json").write_text(build_tokenizer_json())
+        tokenizer_config = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "model_max_length": size.max_position_embeddings,
+            "pad_token": PAD_TOKEN,
+            "eos_token": IM_END,
+            "bos_token": None,
+            "unk_token": PAD_TOKEN,
+            "chat_template": CHAT_TEMPLATE,
+            "clean_up_tokenization_spaces": False,
+        }
+        (tmp / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
+        tmp.rename(out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir

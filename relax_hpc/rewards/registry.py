@@ -1,0 +1,70 @@
+"""The reward hub: resolve `[reward] function` to a callable and score samples with it.
+
+`function` is either a built-in name (see BUILTIN_REWARDS) or "package.module:function". A reward
+function takes a `Sample` and returns a float or a dict with a "score" key (other keys are logged
+as reward details); it may be `async def`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import inspect
+from typing import Any, Awaitable, Callable, Union
+
+from relax_hpc.data.sample import Sample
+
+RewardResult = Union[float, int, bool, dict[str, Any]]
+RewardFn = Callable[[Sample], Union[RewardResult, Awaitable[RewardResult]]]
+
+# name -> "module:function"; imported lazily so heavy reward dependencies load only when used.
+BUILTIN_REWARDS: dict[str, str] = {
+    "tiny_sum": "relax_hpc.rewards.tiny:tiny_sum_reward",
+}
+
+
+def resolve_reward(function: str) -> RewardFn:
+    """Return the reward callable for a built-in name or a "module:function" path."""
+    target = BUILTIN_REWARDS.get(function, function)
+    if ":" not in target:
+        raise ValueError(
+            f"[reward] function = {function!r} is neither a built-in reward "
+            f"({', '.join(sorted(BUILTIN_REWARDS))}) nor a 'package.module:function' path"
+        )
+    module_name, attr = target.split(":", 1)
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(
+            f"[reward] function = {function!r}: cannot import module '{module_name}' ({e}); "
+            "is it installed or on PYTHONPATH?"
+        ) from e
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ValueError(f"[reward] function = {function!r}: module '{module_name}' has no function '{attr}'")
+    return fn
+
+
+def _as_score(value: RewardResult, function_name: str) -> tuple[float, dict[str, float]]:
+    if isinstance(value, dict):
+        if "score" not in value:
+            raise ValueError(f"reward function {function_name} returned a dict without a 'score' key")
+        info = {k: float(v) for k, v in value.items() if isinstance(v, (int, float, bool))}
+        return float(value["score"]), info
+    return float(value), {}
+
+
+def score_samples(fn: RewardFn, samples: list[Sample]) -> None:
+    """Score every sample in place (sets reward, raw_reward, reward_info); async functions run concurrently."""
+    name = getattr(fn, "__qualname__", repr(fn))
+    if inspect.iscoroutinefunction(fn):
+        async def run_all() -> list[Any]:
+            return await asyncio.gather(*(fn(s) for s in samples))
+
+        results = asyncio.run(run_all())
+    else:
+        results = [fn(s) for s in samples]
+    for sample, value in zip(samples, results):
+        score, info = _as_score(value, name)
+        sample.raw_reward = sample.reward = score
+        sample.reward_info = info

@@ -1,0 +1,99 @@
+"""End-to-end runs of the training loop on the tiny task (CPU)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from e2e_helpers import REPO, tiny_spec_text
+from relax_hpc.driver.run import run_job
+from relax_hpc.models.hf import load_causal_lm
+from relax_hpc.ops.metrics import read_metrics
+from relax_hpc.spec import parse_spec
+
+pytestmark = pytest.mark.slow
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "RAY_AUTH_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def test_reward_rises_and_every_parameter_changes(tiny_model_dir: Path, tmp_path: Path) -> None:
+    spec = parse_spec(tiny_spec_text(tiny_model_dir, tmp_path / "job", steps=150, save_interval=150))
+    report = run_job(spec, in_process=True, progress=False)
+
+    rewards = report.result.rewards
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-10:]) / 10
+    # A random policy answers ~1-2% right; 150 GRPO steps lift it well above that.
+    assert first < 0.05
+    assert last > 3 * first and last > 0.08, (first, last)
+
+    before = load_causal_lm(tiny_model_dir)
+    after = load_causal_lm(tiny_model_dir)
+    from relax_hpc.ckpt import CheckpointManager
+
+    opt = torch.optim.AdamW(after.parameters())
+    state = CheckpointManager(tmp_path / "job" / "checkpoints").load_latest(after, opt)
+    assert state is not None and state.step == 150
+    assert state.samples_trained == 150 * 16 * 16
+    unchanged = [n for (n, p), (_, q) in zip(before.named_parameters(), after.named_parameters())
+                 if torch.equal(p, q)]
+    assert unchanged == [], f"parameters not trained: {unchanged}"
+    assert (tmp_path / "job" / "reward_curve.png").stat().st_size > 1000
+    assert list((tmp_path / "job" / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_ray_run_resumes_and_continues_the_step_count(tiny_model_dir: Path, tmp_path: Path) -> None:
+    job = tmp_path / "job"
+    spec_path = tmp_path / "spec.toml"
+    spec_path.write_text(tiny_spec_text(tiny_model_dir, job, steps=4, save_interval=2))
+    cmd = [sys.executable, "-m", "relax_hpc.cli.main", "run", str(spec_path), "--no-progress"]
+    first = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr
+    assert "finished step 4 (from 0)" in first.stdout
+
+    spec_path.write_text(tiny_spec_text(tiny_model_dir, job, steps=7, save_interval=2))
+    second = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+    assert second.returncode == 0, second.stderr
+    assert "finished step 7 (from 4)" in second.stdout
+    steps = [int(r["step"]) for r in read_metrics(job / "metrics.jsonl")]
+    assert steps == [1, 2, 3, 4, 5, 6, 7]
+    versions = [r["weight_version"] for r in read_metrics(job / "metrics.jsonl")]
+    assert versions == [1, 2, 3, 4, 5, 6, 7]
+    summary = json.loads((job / "summary.json").read_text())
+    assert summary["samples_trained"] == 7 * 16 * 16
+
+
+def test_sigterm_checkpoints_then_the_same_command_resumes(tiny_model_dir: Path, tmp_path: Path) -> None:
+    job = tmp_path / "job"
+    spec_path = tmp_path / "spec.toml"
+    spec_path.write_text(tiny_spec_text(tiny_model_dir, job, steps=400, save_interval=1000))
+    cmd = [sys.executable, "-m", "relax_hpc.cli.main", "run", str(spec_path), "--no-progress"]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    metrics = job / "metrics.jsonl"
+    deadline = time.time() + 240
+    while time.time() < deadline and len(read_metrics(metrics)) < 3:
+        assert proc.poll() is None, proc.communicate()[1]
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert "SIGTERM received" in err
+    stopped_at = int(out.split("stopped early at step ")[1].split()[0])
+    assert stopped_at >= 3
+    # save_interval is 1000: the checkpoint at stopped_at exists only because of the signal.
+    assert (job / "checkpoints" / f"step_{stopped_at}").is_dir()
+
+    spec_path.write_text(tiny_spec_text(tiny_model_dir, job, steps=stopped_at + 2, save_interval=1000))
+    again = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr
+    assert f"finished step {stopped_at + 2} (from {stopped_at})" in again.stdout
