@@ -48,5 +48,6 @@ def plot_reward_curve(metrics_path: Path, out_path: Path, title: str = "") -> Pa
     os.close(fd)
     fig.savefig(tmp)
     plt.close(fig)
+    os.chmod(tmp, 0o644)  # mkstemp creates 0600; the curve is for anyone who can read the job dir
     os.replace(tmp, out_path)
     return out_path

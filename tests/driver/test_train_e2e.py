@@ -97,3 +97,19 @@ def test_sigterm_checkpoints_then_the_same_command_resumes(tiny_model_dir: Path,
     again = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stderr
     assert f"finished step {stopped_at + 2} (from {stopped_at})" in again.stdout
+
+
+def test_two_trainer_processes_train_data_parallel_over_gloo(tiny_model_dir: Path, tmp_path: Path) -> None:
+    job = tmp_path / "job"
+    spec = parse_spec(tiny_spec_text(tiny_model_dir, job, steps=3, save_interval=2,
+                                     extra="").replace("micro_batch_size = 256",
+                                                       "micro_batch_size = 64\nnum_processes = 2"))
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    report = run_job(spec, in_process=False, progress=False)
+    assert report.result.end_step == 3
+    assert report.result.samples_trained == 3 * 16 * 16
+    # Both ranks saved collectively: one complete checkpoint per save, readable afterwards.
+    from relax_hpc.ckpt import read_resume_file
+
+    resume = read_resume_file(job / "checkpoints" / "step_3")
+    assert resume.world_size == 2 and resume.state.step == 3
