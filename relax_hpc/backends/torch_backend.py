@@ -11,7 +11,7 @@ import copy
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -142,14 +142,49 @@ class TorchBackend:
         stats["grad_norm"] = float(norm)
         return stats
 
-    def _all_reduce_grads(self) -> None:
+    def train_stream(self, micro_batches: Iterable[list[Sample]], total_rows: int) -> dict[str, float]:
+        """One optimizer step over micro-batches consumed as they arrive (the streaming loader).
+
+        `total_rows` counts the whole step across every rank, so each micro-batch's loss is
+        weighted by its share and the summed gradients equal the full batch's mean. The old
+        log-probs are the current policy's (one optimizer step per rollout batch).
+        """
+        self.optimizer.zero_grad(set_to_none=True)
+        stats: dict[str, float] = {}
+        for samples in micro_batches:
+            micro = pack_samples(samples, self.pad_id).to(self.device)
+            logp, entropy = self._logprobs(self.model, micro)
+            ref_logp = None
+            if self.reference is not None:
+                with torch.no_grad():
+                    ref_logp = self._logprobs(self.reference, micro)[0]
+            inputs = LossInputs(
+                logp=logp, old_logp=logp.detach(), advantages=micro.advantages,
+                mask=micro.loss_mask, ref_logp=ref_logp, rollout_logp=micro.rollout_log_probs,
+                entropy=entropy,
+            )
+            loss, micro_stats = policy_loss(self.loss_cfg, inputs)
+            share = len(samples) / total_rows
+            (loss * share).backward()
+            for k, v in micro_stats.items():
+                stats[k] = stats.get(k, 0.0) + v * share
+        self._all_reduce_grads(average=False)
+        clip = self.optim_cfg.grad_clip
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
+        self.optimizer.step()
+        stats["grad_norm"] = float(norm)
+        return stats
+
+    def _all_reduce_grads(self, average: bool = True) -> None:
         if self.world_size == 1:
             return
         for p in self.model.parameters():
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
-            p.grad /= self.world_size
+            if average:
+                p.grad /= self.world_size
 
     # -- weights and checkpoints ---------------------------------------------------------------
 

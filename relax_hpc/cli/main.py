@@ -5,6 +5,8 @@
     relax-hpc show SPEC         print the fully resolved spec (every default filled in)
     relax-hpc make-tiny DIR     write the tiny Qwen3-architecture model + tokenizer
     relax-hpc plot JOBDIR       (re)draw JOBDIR/reward_curve.png from JOBDIR/metrics.jsonl
+    relax-hpc render SPEC       print the heterogeneous sbatch script of a spec (no side effects)
+    relax-hpc submit SPEC       submit it to Slurm; status | logs | cancel JOB; convert JOBDIR OUT
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from relax_hpc.launch import commands as slurm_commands
+from relax_hpc.launch.slurm_client import SlurmError
 from relax_hpc.spec import SpecError, load_spec, spec_to_toml
 
 EXIT_BAD_INPUT = 2
@@ -34,10 +38,6 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from relax_hpc.driver.run import run_job
 
     spec = load_spec(args.spec)
-    if spec.job.mode != "colocate":
-        print(f"{args.spec}: job.mode = {spec.job.mode!r} is not supported by `relax-hpc run` yet; "
-              "use mode = \"colocate\"", file=sys.stderr)
-        return EXIT_BAD_INPUT
     report = run_job(spec, in_process=args.in_process, ray_address=args.ray_address,
                      progress=not args.no_progress)
     print(report.summary_line())
@@ -95,6 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plot", help="draw JOBDIR/reward_curve.png from JOBDIR/metrics.jsonl")
     p.add_argument("job_dir")
     p.set_defaults(func=_cmd_plot)
+
+    slurm_commands.add_parsers(sub)  # render, submit, status, logs, cancel, convert
     return parser
 
 
@@ -108,6 +110,9 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, FileExistsError, ValueError) as e:
         print(f"relax-hpc {args.command}: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except SlurmError as e:
+        print(f"relax-hpc {args.command}: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ from relax_hpc.roles.actor import ActorConfig
 from relax_hpc.roles.handles import LocalRoles, RayRoles, Roles
 from relax_hpc.roles.rollout import RolloutConfig
 from relax_hpc.spec import JobSpec, spec_to_toml
+from relax_hpc.transfer.queue import queue_capacity
 
 
 @dataclass
@@ -77,6 +78,7 @@ def role_configs(spec: JobSpec, job_dir: Path, device: str) -> tuple[RolloutConf
         shuffle=spec.data.shuffle, seed=spec.job.seed, reward_function=spec.reward.function,
         prompts_per_step=r.prompts_per_step, n_samples_per_prompt=r.n_samples_per_prompt,
         sampling=sampling, dtype=spec.model.dtype, device=device, num_threads=threads,
+        normalize_std=a.normalize_std and normalizes_std(a.name),
     )
     loss = LossConfig(
         name=a.name, clip_eps_low=a.clip_eps_low, clip_eps_high=a.clip_eps_high,
@@ -165,8 +167,11 @@ def run_job(spec: JobSpec, in_process: bool = False, ray_address: str | None = N
     # After ray.init, which installs handlers of its own in this process.
     stop = StopFlag()
     install_stop_handlers(stop)
-    roles: Roles = (LocalRoles(rollout_cfg, actor_cfg) if in_process
-                    else RayRoles(rollout_cfg, actor_cfg, spec.train.num_processes))
+    r, staleness = spec.rollout, spec.algorithm.max_staleness
+    rows_per_step = r.prompts_per_step * r.n_samples_per_prompt
+    capacity = queue_capacity(r.prompts_per_step, staleness, r.n_samples_per_prompt)
+    roles: Roles = (LocalRoles(rollout_cfg, actor_cfg, rows_per_step, capacity) if in_process
+                    else RayRoles(rollout_cfg, actor_cfg, spec.train.num_processes, rows_per_step, capacity))
     print(f"dataset: {roles.dataset_summary()}", file=sys.stderr)
     metrics = make_sinks(spec, job_dir)
     bar = tqdm(total=spec.train.steps, desc=spec.job.name, unit="step", disable=not progress,
@@ -177,8 +182,7 @@ def run_job(spec: JobSpec, in_process: bool = False, ray_address: str | None = N
         bar.set_postfix(reward=f"{m['reward/mean']:.3f}", s_per_step=f"{m['time/step_s']:.2f}")
 
     loop_cfg = LoopConfig(
-        total_steps=spec.train.steps, n_samples_per_prompt=spec.rollout.n_samples_per_prompt,
-        normalize_std=spec.algorithm.normalize_std and normalizes_std(spec.algorithm.name),
+        total_steps=spec.train.steps, max_staleness=staleness,
         save_interval=spec.checkpoint.save_interval, resume=spec.checkpoint.resume,
     )
     try:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -16,7 +17,10 @@ import torch.distributed as dist
 from relax_hpc.algos import LossConfig
 from relax_hpc.backends.torch_backend import OptimConfig, TorchBackend
 from relax_hpc.ckpt import CheckpointManager, ResumeState
+from relax_hpc.data.rows import TRAIN_FIELDS, row_to_sample
 from relax_hpc.data.sample import Sample
+from relax_hpc.transfer.connect import connect_queue
+from relax_hpc.transfer.queue import TransferQueue, partition_name
 
 
 @dataclass(frozen=True)
@@ -42,14 +46,46 @@ class ActorWorker:
             dist.init_process_group(backend, init_method=f"tcp://{master}", rank=rank, world_size=world_size)
         torch.manual_seed(cfg.seed + rank)
         self.rank, self.world_size = rank, world_size
+        self.cfg_micro_batch, self.mini_batches = cfg.optim.micro_batch_size, cfg.optim.mini_batches
         self.backend = TorchBackend(
             cfg.model_path, cfg.optim, cfg.loss, dtype=cfg.dtype, device=cfg.device,
             temperature=cfg.temperature,
         )
         self.checkpoints = CheckpointManager(Path(cfg.checkpoint_dir), keep_last=cfg.keep_last)
+        self._queue: TransferQueue | None = None
 
     def train(self, samples: list[Sample]) -> dict[str, float]:
         return self.backend.train(samples)
+
+    def train_from_queue(self, target: Any, step: int, total_rows: int, timeout_s: float) -> dict[str, float]:
+        """Train on partition train_<step> as its rows arrive; ack them only after the optimizer step."""
+        if self._queue is None:
+            self._queue = connect_queue(target, f"actor-rank{self.rank}")
+        queue, partition = self._queue, partition_name(step)
+        received: list[int] = []
+        rewards: list[float] = []
+
+        def micro_batches() -> Iterator[list[Sample]]:
+            while True:
+                batch = queue.get(partition, "actor", TRAIN_FIELDS, self.cfg_micro_batch, timeout=timeout_s)
+                if batch.rows:
+                    received.extend(batch.indices)
+                    samples = [row_to_sample(r) for r in batch.rows]
+                    rewards.extend(s.reward for s in samples)
+                    yield samples
+                if batch.end:
+                    return
+
+        if self.mini_batches > 1:  # several optimizer steps need the whole batch first
+            stats = self.backend.train([s for chunk in micro_batches() for s in chunk])
+        else:
+            stats = self.backend.train_stream(micro_batches(), total_rows)
+        queue.ack(partition, "actor", received)
+        return {**stats, "rows": float(len(received)), "reward_sum": float(sum(rewards))}
+
+    def clear_partition(self, step: int) -> None:
+        if self._queue is not None:
+            self._queue.clear(partition_name(step))
 
     def export_weights(self) -> list[tuple[str, torch.Tensor]]:
         return [(n, t.clone()) for n, t in self.backend.named_weights()]
@@ -64,5 +100,7 @@ class ActorWorker:
         return self.backend.load_checkpoint(self.checkpoints)
 
     def shutdown(self) -> None:
+        if self._queue is not None:
+            self._queue.close()
         if dist.is_initialized():
             dist.destroy_process_group()

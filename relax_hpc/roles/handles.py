@@ -1,7 +1,8 @@
 """Role handles: what the driver calls. Each hides where its role runs (Ray actors or in process).
 
-`RayRoles` places one Rollout actor and `train.num_processes` Actor ranks on the Ray cluster;
-`LocalRoles` runs the same workers in this process (fast tests, debugging).
+`RayRoles` places one Rollout actor and `train.num_processes` Actor ranks on the Ray cluster and
+serves the transfer queue over ZMQ; `LocalRoles` runs the same workers in this process with an
+in-memory queue (fast tests, debugging).
 """
 
 from __future__ import annotations
@@ -13,17 +14,22 @@ from relax_hpc.ckpt import ResumeState
 from relax_hpc.data.sample import Sample
 from relax_hpc.roles.actor import ActorConfig, ActorWorker
 from relax_hpc.roles.rollout import RolloutConfig, RolloutWorker
+from relax_hpc.transfer.memory import InMemoryTransferQueue
 from relax_hpc.weights.base import InProcessWeightSync, RayObjectStoreWeightSync, WeightSync
 
 
 class Roles(Protocol):
+    """What the driver calls. Rollout runs its own producer loop into the transfer queue, paced by
+    the staleness rule; the trainer consumes one partition per step."""
+
     weights: WeightSync
 
-    def generate(self, step: int) -> tuple[list[Sample], dict[str, float]]: ...
-    def train(self, samples: list[Sample]) -> dict[str, float]: ...
+    def start_rollout(self, start_step: int, total_steps: int, max_staleness: int) -> None: ...
+    def train_step(self, step: int) -> dict[str, float]: ...
+    def finish_step(self, step: int) -> dict[str, float]: ...
     def save_checkpoint(self, state: ResumeState) -> str: ...
     def load_checkpoint(self) -> ResumeState | None: ...
-    def cursor_state(self) -> dict: ...
+    def cursor_after(self, step: int) -> dict: ...
     def restore_cursor(self, state: dict) -> None: ...
     def dataset_summary(self) -> str: ...
     def shutdown(self) -> None: ...
@@ -46,18 +52,26 @@ def mean_stats(all_stats: list[dict[str, float]]) -> dict[str, float]:
 
 
 class LocalRoles:
-    """Every role in this process (one trainer rank)."""
+    """Every role in this process (one trainer rank); the queue is in memory."""
 
-    def __init__(self, rollout: RolloutConfig, actor: ActorConfig) -> None:
+    def __init__(self, rollout: RolloutConfig, actor: ActorConfig, steps_rows: int,
+                 capacity: int | None = None, timeout_s: float = 600.0) -> None:
+        self.queue = InMemoryTransferQueue(capacity=capacity)
         self.rollout = RolloutWorker(rollout)
         self.actor = ActorWorker(actor)
         self.weights: WeightSync = InProcessWeightSync(self.actor, [self.rollout])
+        self.rows_per_step, self.timeout_s = steps_rows, timeout_s
 
-    def generate(self, step: int) -> tuple[list[Sample], dict[str, float]]:
-        return self.rollout.generate(step)
+    def start_rollout(self, start_step: int, total_steps: int, max_staleness: int) -> None:
+        self.rollout.start_producer(self.queue, start_step, total_steps, max_staleness)
 
-    def train(self, samples: list[Sample]) -> dict[str, float]:
-        return self.actor.train(samples)
+    def train_step(self, step: int) -> dict[str, float]:
+        return _guard(self.rollout.producer_error,
+                      lambda: self.actor.train_from_queue(self.queue, step, self.rows_per_step, self.timeout_s))
+
+    def finish_step(self, step: int) -> dict[str, float]:
+        self.actor.clear_partition(step)
+        return self.rollout.step_stats(step)
 
     def save_checkpoint(self, state: ResumeState) -> str:
         return self.actor.save_checkpoint(state)
@@ -65,8 +79,8 @@ class LocalRoles:
     def load_checkpoint(self) -> ResumeState | None:
         return self.actor.load_checkpoint()
 
-    def cursor_state(self) -> dict:
-        return self.rollout.cursor_state()
+    def cursor_after(self, step: int) -> dict:
+        return self.rollout.cursor_after(step)
 
     def restore_cursor(self, state: dict) -> None:
         self.rollout.restore_cursor(state)
@@ -75,7 +89,19 @@ class LocalRoles:
         return self.rollout.dataset_summary()
 
     def shutdown(self) -> None:
+        self.rollout.stop_producer()
         self.actor.shutdown()
+
+
+def _guard(producer_error: Any, train: Any) -> dict[str, float]:
+    """Run a train step; if it fails because rollout died, say so instead of a queue timeout."""
+    try:
+        return train()
+    except Exception as e:
+        error = producer_error()
+        if error:
+            raise RuntimeError(error) from e
+        raise
 
 
 def _free_port() -> int:
@@ -85,18 +111,30 @@ def _free_port() -> int:
 
 
 class RayRoles:
-    """Rollout and Actor ranks as Ray actors, placed by component resources when the cluster has them."""
+    """Rollout and Actor ranks as Ray actors, placed by component resources when the cluster has them.
 
-    def __init__(self, rollout: RolloutConfig, actor: ActorConfig, num_processes: int) -> None:
+    The transfer queue server runs in the driver process (on the head node); roles connect to it
+    over ZMQ.
+    """
+
+    def __init__(self, rollout: RolloutConfig, actor: ActorConfig, num_processes: int,
+                 steps_rows: int, capacity: int | None = None, timeout_s: float = 600.0) -> None:
         import ray
 
-        rollout_opts = self._placement("rollout")
-        trainer_opts = self._placement("trainer")
-        self._rollout = ray.remote(RolloutWorker).options(name=None, **rollout_opts).remote(rollout)
-        # Rank 0's node hosts the TCP store; on one machine that is loopback.
-        master = f"127.0.0.1:{_free_port()}"
+        from relax_hpc.transfer.zmq_server import TransferQueueServer
+
+        host = ray.util.get_node_ip_address()
+        self._server = TransferQueueServer(f"tcp://{host}:0", capacity=capacity)
+        self.queue_address = self._server.start()
+        self.rows_per_step, self.timeout_s = steps_rows, timeout_s
+        # max_concurrency: new weights and status calls must reach rollout while it produces.
+        self._rollout = ray.remote(RolloutWorker).options(
+            max_concurrency=4, **self._placement("rollout")).remote(rollout)
+        # Rank 0's node hosts the TCP store of the trainer's process group.
+        master = f"{host}:{_free_port()}"
         self._actors = [
-            ray.remote(ActorWorker).options(**trainer_opts).remote(actor, rank, num_processes, master)
+            ray.remote(ActorWorker).options(**self._placement("trainer")).remote(
+                actor, rank, num_processes, master)
             for rank in range(num_processes)
         ]
         self.weights: WeightSync = RayObjectStoreWeightSync(self._actors[0], [self._rollout])
@@ -115,16 +153,23 @@ class RayRoles:
 
         return ray.get([getattr(a, method).remote(*args) for a in self._actors])
 
-    def generate(self, step: int) -> tuple[list[Sample], dict[str, float]]:
+    def _rollout_call(self, method: str, *args: Any) -> Any:
         import ray
 
-        return ray.get(self._rollout.generate.remote(step))
+        return ray.get(getattr(self._rollout, method).remote(*args))
 
-    def train(self, samples: list[Sample]) -> dict[str, float]:
+    def start_rollout(self, start_step: int, total_steps: int, max_staleness: int) -> None:
+        self._rollout_call("start_producer", self.queue_address, start_step, total_steps, max_staleness)
+
+    def train_step(self, step: int) -> dict[str, float]:
+        return _guard(lambda: self._rollout_call("producer_error"), lambda: _merge_rank_stats(
+            self._all("train_from_queue", self.queue_address, step, self.rows_per_step, self.timeout_s)))
+
+    def finish_step(self, step: int) -> dict[str, float]:
         import ray
 
-        shards = shard(samples, len(self._actors))
-        return mean_stats(ray.get([a.train.remote(s) for a, s in zip(self._actors, shards)]))
+        ray.get(self._actors[0].clear_partition.remote(step))
+        return self._rollout_call("step_stats", step)
 
     def save_checkpoint(self, state: ResumeState) -> str:
         return self._all("save_checkpoint", state)[0]
@@ -132,26 +177,30 @@ class RayRoles:
     def load_checkpoint(self) -> ResumeState | None:
         return self._all("load_checkpoint")[0]
 
-    def cursor_state(self) -> dict:
-        import ray
-
-        return ray.get(self._rollout.cursor_state.remote())
+    def cursor_after(self, step: int) -> dict:
+        return self._rollout_call("cursor_after", step)
 
     def restore_cursor(self, state: dict) -> None:
-        import ray
-
-        ray.get(self._rollout.restore_cursor.remote(state))
+        self._rollout_call("restore_cursor", state)
 
     def dataset_summary(self) -> str:
-        import ray
-
-        return ray.get(self._rollout.dataset_summary.remote())
+        return self._rollout_call("dataset_summary")
 
     def shutdown(self) -> None:
         import ray
 
         try:
+            self._rollout_call("stop_producer")
             self._all("shutdown")
         finally:
             for a in [*self._actors, self._rollout]:
                 ray.kill(a)
+            self._server.stop()
+
+
+def _merge_rank_stats(per_rank: list[dict[str, float]]) -> dict[str, float]:
+    """Rows and reward sums add up over ranks; the loss statistics are already global means."""
+    merged = mean_stats(per_rank)
+    merged["rows"] = sum(s["rows"] for s in per_rank)
+    merged["reward_sum"] = sum(s["reward_sum"] for s in per_rank)
+    return merged

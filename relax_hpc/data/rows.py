@@ -1,0 +1,42 @@
+"""Samples <-> transfer-queue rows (named fields of tensors and scalars, no pickling)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from relax_hpc.data.sample import Sample
+
+# Fields the trainer needs; the names follow REFERENCE.md's data-bus fields.
+TRAIN_FIELDS = ("tokens", "prompt_length", "rollout_log_probs", "loss_mask", "advantages",
+                "rewards", "raw_reward", "weight_version", "group_id")
+
+
+def sample_to_row(s: Sample) -> dict[str, Any]:
+    return {
+        "tokens": torch.tensor(s.prompt_ids + s.response_ids, dtype=torch.int64),
+        "prompt_length": len(s.prompt_ids),
+        "response_length": len(s.response_ids),
+        "rollout_log_probs": torch.tensor(s.rollout_log_probs, dtype=torch.float32),
+        "loss_mask": torch.tensor(s.mask(), dtype=torch.int8),
+        "advantages": float(s.advantage),
+        "rewards": float(s.reward),
+        "raw_reward": float(s.raw_reward),
+        "weight_version": int(s.weight_version),
+        "group_id": int(s.group_id),
+        "prompt_index": int(s.prompt_index),
+    }
+
+
+def row_to_sample(row: dict[str, Any]) -> Sample:
+    tokens = row["tokens"].tolist()
+    p = int(row["prompt_length"])
+    return Sample(
+        prompt_ids=tokens[:p], response_ids=tokens[p:],
+        rollout_log_probs=row["rollout_log_probs"].tolist(),
+        weight_version=int(row["weight_version"]), group_id=int(row["group_id"]),
+        prompt_index=int(row.get("prompt_index", -1)), reward=float(row["rewards"]),
+        raw_reward=float(row["raw_reward"]), advantage=float(row["advantages"]),
+        loss_mask=[int(x) for x in row["loss_mask"].tolist()],
+    )

@@ -1,0 +1,17 @@
+"""Open a queue handle for one role from whatever the driver handed it: a ZMQ address or an
+in-memory queue (tests and in-process runs)."""
+
+from __future__ import annotations
+
+from relax_hpc.transfer.memory import InMemoryTransferQueue
+from relax_hpc.transfer.queue import TransferQueue
+
+
+
+def connect_queue(target: InMemoryTransferQueue | str, consumer_id: str) -> TransferQueue:
+    """A new session on the queue; open one per thread (ZMQ sockets are not thread safe)."""
+    if isinstance(target, InMemoryTransferQueue):
+        return target.open_session(consumer_id)
+    from relax_hpc.transfer.zmq_client import TransferQueueClient
+
+    return TransferQueueClient(target, consumer_id=consumer_id)
