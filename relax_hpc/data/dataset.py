@@ -1,17 +1,25 @@
-"""Prompt datasets from JSON lines, with length filtering and a resumable, deterministic cursor.
+"""Prompt datasets from JSON lines or Parquet, with length filtering and a resumable cursor.
 
 A row holds a prompt (a string used as is, or a list of chat messages that goes through the
-tokenizer's chat template) and a label the reward function compares against. Rows whose
-prompt is longer than `max_prompt_tokens` are dropped, and the drops are counted with reasons.
+tokenizer's chat template) and a label the reward function compares against. Keys may be
+dotted to reach nested fields ("reward_model.ground_truth"). A `prompt_template` builds the
+prompt from several fields; `apply_chat_template` / `system_prompt` turn string prompts into
+chat messages. Image / audio / video fields go to `metadata["multimodal"]` for the multimodal
+roles. Rows whose prompt is longer than `max_prompt_tokens` (or that lack a declared media
+field) are dropped, and the drops are counted with reasons. docs/datasets.md has the formats.
 """
 
 from __future__ import annotations
 
-import json
 import random
+import string
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, Sequence
+
+from relax_hpc.data.records import get_dotted, has_dotted, iter_records
+
+MEDIA_KINDS = ("images", "audios", "videos")
 
 
 @dataclass(frozen=True)
@@ -37,54 +45,166 @@ class LoadReport:
         return f"{self.kept} of {self.rows_read} rows kept (dropped: {drops})"
 
 
-def _prompt_text(prompt: Any, tokenizer: Any) -> str:
+@dataclass(frozen=True)
+class PromptFormat:
+    """How a row becomes prompt text and metadata (the [data] keys other than path and limits)."""
+
+    prompt_key: str = "prompt"
+    label_key: str = "label"
+    metadata_keys: Sequence[str] = ()  # empty: every other top-level field
+    prompt_template: str | None = None
+    apply_chat_template: bool = False
+    system_prompt: str | None = None
+    image_key: str | None = None
+    audio_key: str | None = None
+    video_key: str | None = None
+
+    def media_keys(self) -> dict[str, str]:
+        keys = {"images": self.image_key, "audios": self.audio_key, "videos": self.video_key}
+        return {kind: key for kind, key in keys.items() if key}
+
+
+class DataSettings(Protocol):
+    """The fields of `[data]` the loader reads (relax_hpc.spec.DataSpec has them)."""
+
+    path: str
+    prompt_key: str
+    label_key: str
+    metadata_keys: list[str]
+    prompt_template: str | None
+    apply_chat_template: bool
+    system_prompt: str | None
+    image_key: str | None
+    audio_key: str | None
+    video_key: str | None
+    max_prompt_tokens: int
+
+
+def _template_value(value: Any) -> str:
+    # Choice lists read best one per line; everything else as its string form.
+    if isinstance(value, list):
+        return "\n".join(str(v) for v in value)
+    return str(value)
+
+
+def _fill_template(template: str, record: dict[str, Any]) -> str:
+    names = [name for _, name, _, _ in string.Formatter().parse(template) if name]
+    missing = [n for n in names if not has_dotted(record, n)]
+    if missing:
+        raise ValueError(
+            f"[data] prompt_template uses {{{missing[0]}}} but the row has no such field "
+            f"(fields: {sorted(record)})"
+        )
+    out = template
+    for name in names:
+        out = out.replace("{" + name + "}", _template_value(get_dotted(record, name)))
+    return out
+
+
+def _messages(prompt: Any, fmt: PromptFormat) -> list[dict[str, Any]] | None:
+    """Chat messages for the prompt, or None when it is used as plain text."""
     if isinstance(prompt, str):
-        return prompt
-    if isinstance(prompt, list) and all(isinstance(m, dict) for m in prompt):
-        return tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
-    raise ValueError("must be a string or a list of chat messages ({role, content} objects)")
+        if not (fmt.apply_chat_template or fmt.system_prompt):
+            return None
+        messages: list[dict[str, Any]] = [{"role": "user", "content": prompt}]
+    elif isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
+        messages = [dict(m) for m in prompt]
+    else:
+        raise ValueError("must be a string or a list of chat messages ({role, content} objects)")
+    if fmt.system_prompt and messages[0].get("role") != "system":
+        messages.insert(0, {"role": "system", "content": fmt.system_prompt})
+    return messages
+
+
+def _prompt_text(prompt: Any, tokenizer: Any, fmt: PromptFormat = PromptFormat()) -> str:
+    messages = _messages(prompt, fmt)
+    if messages is None:
+        return str(prompt)
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+
+def _metadata(record: dict[str, Any], fmt: PromptFormat) -> dict[str, Any]:
+    media = fmt.media_keys()
+    if fmt.metadata_keys:
+        meta = {k: get_dotted(record, k) for k in fmt.metadata_keys if has_dotted(record, k)}
+    else:
+        skip = {fmt.prompt_key, fmt.label_key, *media.values()}
+        meta = {k: v for k, v in record.items() if k not in skip}
+    found = {kind: get_dotted(record, key) for kind, key in media.items() if has_dotted(record, key)}
+    if found:
+        meta["multimodal"] = {k: (v if isinstance(v, list) else [v]) for k, v in found.items()}
+    return meta
+
+
+def _missing_key_error(location: str, record: Any, key: str) -> ValueError:
+    keys = sorted(record) if isinstance(record, dict) else "-"
+    return ValueError(
+        f"{location}: row has no '{key}' key; set [data] prompt_key to the field that holds the "
+        f"prompt (keys here: {keys})"
+    )
 
 
 def load_prompt_rows(
-    path: str | Path, tokenizer: Any, prompt_key: str, label_key: str, max_prompt_tokens: int
+    path: str | Path,
+    tokenizer: Any,
+    prompt_key: str,
+    label_key: str,
+    max_prompt_tokens: int,
+    fmt: PromptFormat | None = None,
 ) -> tuple[list[PromptRow], LoadReport]:
-    """Read, tokenize and filter a jsonl dataset. Raises ValueError naming the line of a bad row."""
+    """Read, tokenize and filter a jsonl / Parquet dataset. Raises ValueError naming the row of a bad row.
+
+    `fmt` carries the optional [data] keys; its prompt_key / label_key are replaced by the
+    positional ones so the two never disagree.
+    """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"dataset {path} does not exist; check [data] path")
+    fmt = PromptFormat(**{**(fmt or PromptFormat()).__dict__, "prompt_key": prompt_key, "label_key": label_key})
     rows: list[PromptRow] = []
     report = LoadReport()
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            report.rows_read += 1
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg}); fix or remove the line") from e
-            if not isinstance(record, dict) or prompt_key not in record:
-                raise ValueError(
-                    f"{path}:{lineno}: row has no '{prompt_key}' key; set [data] prompt_key to the "
-                    f"field that holds the prompt (keys here: {sorted(record) if isinstance(record, dict) else '-'})"
-                )
-            try:
-                text = _prompt_text(record[prompt_key], tokenizer)
-            except ValueError as e:
-                raise ValueError(f"{path}:{lineno}: '{prompt_key}' {e}") from e
-            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-            if not ids:
-                report.drop("empty prompt")
-                continue
-            if len(ids) > max_prompt_tokens:
-                report.drop(f"longer than max_prompt_tokens={max_prompt_tokens}")
-                continue
-            meta = {k: v for k, v in record.items() if k not in (prompt_key, label_key)}
-            rows.append(PromptRow(len(rows), ids, text, record.get(label_key), meta))
+    for location, record in iter_records(path):
+        report.rows_read += 1
+        if not isinstance(record, dict) or not has_dotted(record, prompt_key):
+            raise _missing_key_error(location, record, prompt_key)
+        prompt = get_dotted(record, prompt_key)
+        try:
+            if fmt.prompt_template is not None:
+                prompt = _fill_template(fmt.prompt_template, record)
+            text = _prompt_text(prompt, tokenizer, fmt)
+        except ValueError as e:
+            where = "" if fmt.prompt_template is not None and isinstance(prompt, str) else f"'{prompt_key}' "
+            raise ValueError(f"{location}: {where}{e}") from e
+        missing_media = [key for key in fmt.media_keys().values() if get_dotted(record, key, None) is None]
+        if missing_media:
+            report.drop(f"no '{missing_media[0]}' field")
+            continue
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if not ids:
+            report.drop("empty prompt")
+            continue
+        if len(ids) > max_prompt_tokens:
+            report.drop(f"longer than max_prompt_tokens={max_prompt_tokens}")
+            continue
+        label = get_dotted(record, label_key, None)
+        rows.append(PromptRow(len(rows), list(ids), text, label, _metadata(record, fmt)))
     report.kept = len(rows)
     if not rows:
         raise ValueError(f"dataset {path} has no usable rows: {report.summary()}")
     return rows, report
+
+
+def load_dataset(settings: DataSettings, tokenizer: Any) -> tuple[list[PromptRow], LoadReport]:
+    """`load_prompt_rows` with every option taken from a `[data]` table."""
+    fmt = PromptFormat(
+        prompt_key=settings.prompt_key, label_key=settings.label_key,
+        metadata_keys=tuple(settings.metadata_keys), prompt_template=settings.prompt_template,
+        apply_chat_template=settings.apply_chat_template, system_prompt=settings.system_prompt,
+        image_key=settings.image_key, audio_key=settings.audio_key, video_key=settings.video_key,
+    )
+    return load_prompt_rows(
+        settings.path, tokenizer, settings.prompt_key, settings.label_key, settings.max_prompt_tokens, fmt
+    )
 
 
 class DataCursor:

@@ -20,7 +20,17 @@ RewardFn = Callable[[Sample], Union[RewardResult, Awaitable[RewardResult]]]
 # name -> "module:function"; imported lazily so heavy reward dependencies load only when used.
 BUILTIN_REWARDS: dict[str, str] = {
     "tiny_sum": "relax_hpc.rewards.tiny:tiny_sum_reward",
+    "math": "relax_hpc.rewards.math_answer:math_reward",
+    "dapo": "relax_hpc.rewards.math_answer:dapo_reward",
+    "deepscaler": "relax_hpc.rewards.math_answer:deepscaler_reward",
+    "multiple_choice": "relax_hpc.rewards.choice:multiple_choice_reward",
+    "gpqa": "relax_hpc.rewards.choice:gpqa_reward",
+    "f1": "relax_hpc.rewards.f1:f1_reward",
+    "ifbench": "relax_hpc.rewards.ifbench:ifbench_reward",
+    "openr1mm": "relax_hpc.rewards.openr1mm:openr1mm_reward",
 }
+# Rewards built from [reward] settings rather than imported (see relax_hpc.rewards.hub).
+CONFIGURED_REWARDS: tuple[str, ...] = ("remote_rm", "genrm")
 
 
 def resolve_reward(function: str) -> RewardFn:
@@ -30,6 +40,7 @@ def resolve_reward(function: str) -> RewardFn:
         raise ValueError(
             f"[reward] function = {function!r} is neither a built-in reward "
             f"({', '.join(sorted(BUILTIN_REWARDS))}) nor a 'package.module:function' path"
+            + (" (it is configured: build it with relax_hpc.rewards.hub.RewardHub)" if function in CONFIGURED_REWARDS else "")
         )
     module_name, attr = target.split(":", 1)
     try:

@@ -21,10 +21,12 @@ __all__ = [
     "at_least",
     "at_most_gpus_per_node",
     "each",
+    "env_assignments",
     "exact_length",
     "greater_than",
     "job_name",
     "non_empty",
+    "non_empty_items",
     "reward_function",
     "slurm_memory",
     "slurm_time",
@@ -147,4 +149,23 @@ def slurm_time(value: str) -> str | None:
         slurm_time_to_seconds(value)
     except ValueError as error:
         return f"is not a Slurm time limit ({error}); forms: {SLURM_TIME_FORMATS}"
+    return None
+
+
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def env_assignments(values: Sequence[str]) -> str | None:
+    """Every element is ``NAME=VALUE`` with a shell-safe variable name."""
+    for index, item in enumerate(values):
+        name, equals, _ = item.partition("=")
+        if not equals or _ENV_NAME.match(name) is None:
+            return f'element {index} ({item!r}) must be "NAME=VALUE" with NAME from A-Z a-z 0-9 _ (not starting with a digit)'
+    return None
+
+
+def non_empty_items(values: Sequence[str]) -> str | None:
+    for index, item in enumerate(values):
+        if not item.strip():
+            return f"element {index} must not be empty"
     return None

@@ -14,6 +14,7 @@ from typing import Any
 
 from relax_hpc.spec.errors import SpecProblem, show_value
 from relax_hpc.spec.schema import GROUP_NORMALISED_ALGORITHMS
+from relax_hpc.spec.slurm_values import slurm_time_to_seconds
 
 __all__ = ["CROSS_CHECKS", "Resolved"]
 
@@ -118,11 +119,38 @@ def _cuda_needs_gpus(spec: Resolved) -> list[SpecProblem]:
     return [SpecProblem(key="train.device", value=show_value(got[0]), message=message)]
 
 
+def _grace_fits_time_limit(spec: Resolved) -> list[SpecProblem]:
+    # The pre-emption signal must arrive after the job starts, with time left to train.
+    got = spec.get("cluster.signal_grace_s", "cluster.trainer.time")
+    if got is None:
+        return []
+    grace, time_text = got
+    limit = slurm_time_to_seconds(time_text)
+    if grace < limit:
+        return []
+    message = (
+        f"must be below cluster.trainer.time = {time_text!r} ({limit} s): Slurm sends the checkpoint "
+        "signal this many seconds before the limit; lower it or raise the time limit"
+    )
+    return [SpecProblem(key="cluster.signal_grace_s", value=show_value(grace), message=message)]
+
+
+def _opd_has_a_teacher(spec: Resolved) -> list[SpecProblem]:
+    got = spec.get("algorithm.name", "algorithm.opd_teacher_path")
+    if got is None or got[0] != "opd" or got[1] is not None:
+        return []
+    message = ('is required when algorithm.name = "opd": set it to the teacher\'s Hugging Face '
+               "model directory (on-policy distillation pulls the student toward it)")
+    return [SpecProblem(key="algorithm.opd_teacher_path", value=None, message=message)]
+
+
 CROSS_CHECKS: tuple[Callable[[Resolved], list[SpecProblem]], ...] = (
     _colocate_is_on_policy,
+    _opd_has_a_teacher,
     _samples_split_into_mini_batches,
     _groups_have_two_samples,
     _trainer_processes_fit,
     _rollout_engines_fit,
     _cuda_needs_gpus,
+    _grace_fits_time_limit,
 )

@@ -18,10 +18,12 @@ from relax_hpc.spec.constraints import (
     at_least,
     at_most_gpus_per_node,
     each,
+    env_assignments,
     exact_length,
     greater_than,
     job_name,
     non_empty,
+    non_empty_items,
     reward_function,
     slurm_memory,
     slurm_time,
@@ -37,6 +39,7 @@ __all__ = [
     "CheckpointSpec",
     "ClusterSpec",
     "ComponentSpec",
+    "ContainerSpec",
     "DataSpec",
     "JobInfoSpec",
     "JobSpec",
@@ -94,11 +97,18 @@ class ModelSpec:
 
 @dataclass(frozen=True, kw_only=True)
 class DataSpec:
-    """[data]: the prompt dataset (JSON lines)."""
+    """[data]: the prompt dataset (JSON lines or Parquet); keys may be dotted ("a.b")."""
 
     path: str = required(non_empty)
     prompt_key: str = setting("prompt", non_empty)
     label_key: str = setting("label", non_empty)
+    metadata_keys: list[str] = setting_from(list)  # empty: every other top-level column
+    prompt_template: str | None = setting(None, non_empty)  # "{question}\n{choices}": row fields
+    apply_chat_template: bool = setting(False)  # wrap string prompts as a user message
+    system_prompt: str | None = setting(None, non_empty)
+    image_key: str | None = setting(None, non_empty)
+    audio_key: str | None = setting(None, non_empty)
+    video_key: str | None = setting(None, non_empty)
     shuffle: bool = setting(True)
     max_prompt_tokens: int = setting(512, at_least(1))
 
@@ -116,6 +126,8 @@ class RolloutSpec:
     top_k: int = setting(0, at_least(0))  # 0 disables top-k
     stop: list[str] = setting_from(list)  # stop strings; EOS always stops
     num_engines: int = setting(1, at_least(1))
+    dynamic_sampling: bool = setting(False)  # DAPO: drop all-equal-reward groups, over-sample
+    max_sampling_rounds: int = setting(4, at_least(1))  # generation rounds per step to fill it
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -131,6 +143,12 @@ class AlgorithmSpec:
     loss_agg: Literal["seq_mean_token_mean", "token_mean"] = setting("seq_mean_token_mean")
     entropy_coef: float = setting(0.0, at_least(0))
     max_staleness: int = setting(0, at_least(0))
+    dual_clip_c: float | None = setting(None, greater_than(1))  # cap the loss at -c*A for A < 0
+    tis_cap: float | None = setting(None, greater_than(0))  # truncated importance sampling cap
+    sapo_tau_pos: float = setting(1.0, greater_than(0))
+    sapo_tau_neg: float = setting(1.05, greater_than(0))
+    opd_teacher_path: str | None = setting(None, non_empty)  # HF dir of the teacher (name = "opd")
+    opd_coef: float = setting(1.0, at_least(0))  # lambda of A_t - lambda*(logp_student - logp_teacher)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -138,6 +156,12 @@ class RewardSpec:
     """[reward]: how responses are scored."""
 
     function: str = required(reward_function)  # built-in name or "package.module:function"
+    type_key: str | None = setting(None, non_empty)  # metadata key naming a per-sample reward
+    concurrency: int = setting(16, at_least(1))
+    timeout_s: float = setting(60.0, greater_than(0))
+    remote_url: str | None = setting(None, non_empty)
+    remote_max_retries: int = setting(3, at_least(0))
+    genrm_prompt: str | None = setting(None, non_empty)  # {question} {answer} {label}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -200,6 +224,20 @@ class ClusterSpec:
     trainer: ComponentSpec = setting_from(ComponentSpec)
     rollout: ComponentSpec = setting_from(ComponentSpec)
     forward: ComponentSpec | None = setting(None)
+    # Slurm sends USR1 this long before the time limit; the driver checkpoints and the job requeues.
+    signal_grace_s: int = setting(120, at_least(10))
+    # How long the batch script waits for every node's Ray worker to join before failing the job.
+    ray_join_timeout_s: int = setting(300, at_least(10))
+    requeue: bool = setting(True)  # --requeue and `scontrol requeue` after a pre-emption checkpoint
+
+
+@dataclass(frozen=True, kw_only=True)
+class ContainerSpec:
+    """[container]: run every Slurm step in an Apptainer image (unset image: on the host)."""
+
+    image: str | None = setting(None, non_empty)  # a .sif file (or any apptainer exec target)
+    binds: list[str] = setting_from(list, non_empty_items)  # apptainer --bind "src[:dst[:opts]]"
+    env: list[str] = setting_from(list, env_assignments)  # "NAME=VALUE", set inside the container
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -216,6 +254,7 @@ class JobSpec:
     checkpoint: CheckpointSpec = setting_from(CheckpointSpec)
     metrics: MetricsSpec = setting_from(MetricsSpec)
     cluster: ClusterSpec = setting_from(ClusterSpec)
+    container: ContainerSpec = setting_from(ContainerSpec)
 
     def job_dir(self, base: Path | None = None) -> Path:
         """The job directory as an absolute path.

@@ -62,7 +62,7 @@ def test_resolve_module_function(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 
 
 def test_resolve_errors_say_what_is_wrong(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    with pytest.raises(ValueError, match=r"'nope' is neither a built-in reward \(tiny_sum\) nor"):
+    with pytest.raises(ValueError, match=r"'nope' is neither a built-in reward \(dapo, deepscaler, f1, .*tiny_sum\) nor"):
         resolve_reward("nope")
     with pytest.raises(ValueError, match=r"cannot import module 'no_such_reward_mod'.*PYTHONPATH"):
         resolve_reward("no_such_reward_mod:fn")

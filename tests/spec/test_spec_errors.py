@@ -347,3 +347,19 @@ def test_spec_error_survives_pickling() -> None:
     assert isinstance(copy, SpecError)
     assert copy.problems == caught.value.problems
     assert str(copy) == str(caught.value)
+
+
+def test_opd_without_a_teacher_is_reported() -> None:
+    from relax_hpc.spec import SpecError, parse_spec
+
+    text = (
+        '[job]\nname = "x"\n[model]\npath = "m"\n[data]\npath = "d.jsonl"\n'
+        '[algorithm]\nname = "opd"\n[reward]\nfunction = "tiny_sum"\n[train]\nsteps = 1\n'
+    )
+    try:
+        parse_spec(text)
+    except SpecError as e:
+        assert [p.key for p in e.problems] == ["algorithm.opd_teacher_path"]
+        assert "teacher" in str(e)
+    else:
+        raise AssertionError("opd without opd_teacher_path must be rejected")

@@ -65,7 +65,8 @@ def test_default_lists_are_not_shared_between_specs() -> None:
 def test_algorithms_constant_matches_allowed_names() -> None:
     assert ALGORITHMS == ("grpo", "dr_grpo", "gspo", "sapo", "opd")
     for name in ALGORITHMS:
-        assert parse_spec(spec_with({"algorithm": {"name": name}})).algorithm.name == name
+        teacher = {"opd_teacher_path": "/models/teacher"} if name == "opd" else {}
+        assert parse_spec(spec_with({"algorithm": {"name": name, **teacher}})).algorithm.name == name
 
 
 def test_job_dir_defaults_to_runs_name_under_the_cwd(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -88,7 +89,8 @@ def test_spec_to_dict_is_plain_and_complete() -> None:
     assert data["rollout"]["top_p"] == 1.0
     assert data["cluster"]["forward"] is None
     assert data["cluster"]["trainer"]["time"] == "01:00:00"
-    tables = {"job", "model", "data", "rollout", "algorithm", "reward", "train", "checkpoint", "metrics", "cluster"}
+    tables = {"job", "model", "data", "rollout", "algorithm", "reward", "train", "checkpoint", "metrics", "cluster",
+              "container"}
     assert set(data) == tables
 
 
@@ -99,7 +101,8 @@ def test_spec_to_dict_is_plain_and_complete() -> None:
         spec_with(
             {
                 "job": {"mode": "async", "output_dir": "/tmp/x"},
-                "algorithm": {"name": "opd", "max_staleness": 1, "kl_coef": 0.01},
+                "algorithm": {"name": "opd", "max_staleness": 1, "kl_coef": 0.01,
+                              "opd_teacher_path": "/models/teacher"},
                 "metrics": {"wandb_project": "p"},
                 "train": {"lr": 3e-7, "adam_betas": [0.8, 0.95]},
                 "cluster": {

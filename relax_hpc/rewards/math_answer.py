@@ -1,0 +1,107 @@
+"""Math rewards: answer extraction plus symbolic equivalence through the `math-verify` library.
+
+Three rewards share one equivalence test (`math_equal`):
+- `math_reward`: last \\boxed{} (else the last "Answer:" line), 1 when equivalent, else 0;
+- `dapo_reward`: DAPO's rule (verl's math_dapo): the last "Answer:" line within the final 300
+  characters; 1.0 when correct, -1.0 otherwise (no answer included);
+- `deepscaler_reward`: DeepScaleR's rule (slime's rm_hub): only the text after "</think>" (or
+  "###Response") counts, the last \\boxed{} there; 1 when correct, 0 otherwise.
+
+Equivalence: a normalised string match first, then math-verify on both sides wrapped in
+\\boxed{} (fractions, decimals, \\dfrac, units like "5 cm", thousands separators, sets,
+intervals, symbolic expressions). math-verify's own timeouts use SIGALRM, which only works on
+the main thread, so they are off here: the reward pool's `timeout_s` bounds a slow call.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from relax_hpc.data.sample import Sample
+from relax_hpc.rewards.extract import after_thinking, answer_line, last_boxed, tail
+
+# DAPO looks at the last 300 characters only (verl's math_dapo.compute_score).
+DAPO_WINDOW_CHARS = 300
+# A "final answer" longer than this is not an answer; parsing it would only burn CPU.
+MAX_ANSWER_CHARS = 1000
+
+
+def _math_verify() -> Any:
+    try:
+        import math_verify
+    except ImportError as e:  # pragma: no cover - exercised only without the package
+        raise ImportError(
+            "the math rewards (math, dapo, deepscaler, openr1mm) need the 'math-verify' package: "
+            "pip install 'math-verify>=0.7'"
+        ) from e
+    # It warns on every call that timeouts are off; that is intended here (see module docstring).
+    logging.getLogger("math_verify").setLevel(logging.ERROR)
+    return math_verify
+
+
+def normalize_answer(text: str) -> str:
+    """Cheap canonical form for the string fast path: no spaces, $, trailing dot, \\left/\\right."""
+    out = text.strip().strip("$").rstrip(".")
+    for token in ("\\left", "\\right", "\\!", "\\,", "\\;", "\\ ", " "):
+        out = out.replace(token, "")
+    return out.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
+
+
+def _strip_wrappers(label: str) -> str:
+    boxed = last_boxed(label)
+    return boxed if boxed is not None else label.strip().strip("$")
+
+
+def math_equal(pred: str, gold: str) -> bool:
+    """True when `pred` and `gold` are the same mathematical answer. Never raises."""
+    if not pred or len(pred) > MAX_ANSWER_CHARS:
+        return False
+    gold = _strip_wrappers(gold)
+    if normalize_answer(pred) == normalize_answer(gold):
+        return True
+    mv = _math_verify()
+    try:
+        gold_parsed = mv.parse("\\boxed{" + gold + "}", parsing_timeout=None)
+        pred_parsed = mv.parse("\\boxed{" + pred + "}", parsing_timeout=None)
+        if not gold_parsed or not pred_parsed:
+            return False
+        return bool(mv.verify(gold_parsed, pred_parsed, timeout_seconds=None))
+    except Exception:  # math-verify/sympy raise many kinds on odd input; odd input is wrong
+        return False
+
+
+def _labels(label: Any) -> list[str]:
+    if isinstance(label, (list, tuple)):
+        return [str(x) for x in label if x is not None]
+    return [] if label is None else [str(label)]
+
+
+def matches_any(pred: str | None, label: Any) -> bool:
+    return pred is not None and any(math_equal(pred, gold) for gold in _labels(label))
+
+
+def extract_math_answer(response: str) -> str | None:
+    """The final answer of a math response: the last \\boxed{}, else the last "Answer:" line."""
+    text = tail(response)
+    boxed = last_boxed(text)
+    return boxed if boxed is not None else answer_line(text)
+
+
+def math_reward(sample: Sample) -> dict[str, float]:
+    pred = extract_math_answer(sample.response_text)
+    correct = matches_any(pred, sample.label)
+    return {"score": float(correct), "has_answer": float(pred is not None)}
+
+
+def dapo_reward(sample: Sample) -> dict[str, float]:
+    pred = answer_line(sample.response_text, window=DAPO_WINDOW_CHARS)
+    correct = matches_any(pred, sample.label)
+    return {"score": 1.0 if correct else -1.0, "acc": float(correct), "has_answer": float(pred is not None)}
+
+
+def deepscaler_reward(sample: Sample) -> dict[str, float]:
+    solution = after_thinking(sample.response_text)
+    pred = last_boxed(tail(solution)) if solution is not None else None
+    correct = matches_any(pred, sample.label)
+    return {"score": float(correct), "has_answer": float(pred is not None)}

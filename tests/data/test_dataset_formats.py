@@ -1,0 +1,168 @@
+"""Parquet and JSON files, dotted keys, prompt templates, chat options, media fields, and the
+row formats of dapo-math-17k, multimodal-open-r1-8k-verified and AVQA-R1-6K (written here)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from relax_hpc.data.dataset import PromptFormat, load_dataset, load_prompt_rows
+from relax_hpc.data.records import get_dotted
+from relax_hpc.models.hf import load_tokenizer
+from relax_hpc.spec.schema import DataSpec
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir: Path) -> Any:
+    return load_tokenizer(tiny_model_dir)
+
+
+def _parquet(path: Path, rows: list[dict[str, Any]]) -> Path:
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
+# dapo-math-17k (BytedTsinghua-SIA/DAPO-Math-17k): prompt is a list of chat messages, the answer
+# sits in reward_model.ground_truth, data_source "math_dapo".
+DAPO_ROWS = [
+    {
+        "data_source": "math_dapo",
+        "prompt": [{"content": "Solve 1+1. Remember to put your answer on its own line after \"Answer:\".",
+                    "role": "user"}],
+        "ability": "MATH",
+        "reward_model": {"ground_truth": "2", "style": "rule-lighteval/MATH_v2"},
+        "extra_info": {"index": "9a9b6eb4-a1cb-49d1-8c1e-62eaf2f74079"},
+    },
+    {
+        "data_source": "math_dapo",
+        "prompt": [{"content": "What is 3*4?", "role": "user"}],
+        "ability": "MATH",
+        "reward_model": {"ground_truth": "12", "style": "rule-lighteval/MATH_v2"},
+        "extra_info": {"index": "b426d104-244d-4831-a2c4-cd756b61700a"},
+    },
+]
+
+
+def test_dapo_math_17k_parquet(tmp_path: Path, tokenizer: Any) -> None:
+    path = _parquet(tmp_path / "dapo-math-17k.parquet", DAPO_ROWS)
+    rows, report = load_prompt_rows(path, tokenizer, "prompt", "reward_model.ground_truth", 512)
+    assert [r.label for r in rows] == ["2", "12"] and report.kept == 2
+    assert rows[1].prompt_text == "<|im_start|>user:What is 3*4?<|im_end|><|im_start|>assistant:"
+    assert rows[0].metadata["data_source"] == "math_dapo"  # picks the dapo reward via type_key
+    assert rows[0].metadata["reward_model"]["style"] == "rule-lighteval/MATH_v2"
+    assert "prompt" not in rows[0].metadata
+
+
+def test_same_rows_from_jsonl_and_parquet_agree(tmp_path: Path, tokenizer: Any) -> None:
+    jsonl = tmp_path / "d.jsonl"
+    jsonl.write_text("".join(json.dumps(r) + "\n" for r in DAPO_ROWS))
+    parquet = _parquet(tmp_path / "d.parquet", DAPO_ROWS)
+    from_jsonl, _ = load_prompt_rows(jsonl, tokenizer, "prompt", "reward_model.ground_truth", 512)
+    from_parquet, _ = load_prompt_rows(parquet, tokenizer, "prompt", "reward_model.ground_truth", 512)
+    assert from_jsonl == from_parquet
+
+
+# multimodal-open-r1-8k-verified (lmms-lab): image (HF Image feature: {bytes, path}), problem,
+# solution ("<answer> ... </answer>"), original_question, original_answer.
+def test_multimodal_open_r1_parquet(tmp_path: Path, tokenizer: Any) -> None:
+    png = b"\x89PNG\r\n\x1a\n" + bytes(16)
+    rows = [
+        {"image": {"bytes": png, "path": None}, "problem": "Find x in the triangle.",
+         "solution": "<answer> 5 </answer>", "original_question": "Find x.", "original_answer": "5"},
+        {"image": None, "problem": "No picture here.", "solution": "<answer>1</answer>",
+         "original_question": "q", "original_answer": "1"},
+    ]
+    path = _parquet(tmp_path / "mm-open-r1.parquet", rows)
+    fmt = PromptFormat(image_key="image", apply_chat_template=True, system_prompt="Think, then answer.")
+    loaded, report = load_prompt_rows(path, tokenizer, "problem", "solution", 512, fmt)
+    assert report.summary() == "1 of 2 rows kept (dropped: 1 no 'image' field)"
+    row = loaded[0]
+    assert row.label == "<answer> 5 </answer>"  # the openr1mm reward reads the <answer> tag
+    assert row.metadata["multimodal"] == {"images": [{"bytes": png, "path": None}]}
+    assert "image" not in row.metadata and row.metadata["original_answer"] == "5"
+    assert row.prompt_text == ("<|im_start|>system:Think, then answer.<|im_end|>"
+                               "<|im_start|>user:Find x in the triangle.<|im_end|><|im_start|>assistant:")
+
+
+# AVQA-R1-6K: question, choices (list), answer (the option text), audio and video paths.
+AVQA_ROWS = [
+    {"id": 17, "question": "What makes the sound?", "choices": ["A. dog", "B. car", "C. rain", "D. bell"],
+     "answer": "B", "audio": "audios/17.wav", "video": "videos/17.mp4"},
+]
+
+
+def test_avqa_r1_jsonl_with_template(tmp_path: Path, tokenizer: Any) -> None:
+    path = tmp_path / "avqa.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in AVQA_ROWS))
+    fmt = PromptFormat(prompt_template="{question}\n{choices}", audio_key="audio", video_key="video",
+                       metadata_keys=("id", "choices"))
+    rows, _ = load_prompt_rows(path, tokenizer, "question", "answer", 512, fmt)
+    assert rows[0].prompt_text == "What makes the sound?\nA. dog\nB. car\nC. rain\nD. bell"
+    assert rows[0].label == "B"
+    assert rows[0].metadata == {
+        "id": 17, "choices": ["A. dog", "B. car", "C. rain", "D. bell"],
+        "multimodal": {"audios": ["audios/17.wav"], "videos": ["videos/17.mp4"]},
+    }
+
+
+def test_template_naming_a_missing_field(tmp_path: Path, tokenizer: Any) -> None:
+    path = tmp_path / "avqa.jsonl"
+    path.write_text(json.dumps(AVQA_ROWS[0]) + "\n")
+    with pytest.raises(ValueError, match=r"avqa.jsonl:1: \[data\] prompt_template uses \{options\} but the row"):
+        load_prompt_rows(path, tokenizer, "question", "answer", 512, PromptFormat(prompt_template="{options}"))
+
+
+def test_string_prompt_through_chat_template(tmp_path: Path, tokenizer: Any) -> None:
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps({"prompt": "1+2=", "label": "3"}) + "\n")
+    rows, _ = load_prompt_rows(path, tokenizer, "prompt", "label", 64, PromptFormat(apply_chat_template=True))
+    assert rows[0].prompt_text == "<|im_start|>user:1+2=<|im_end|><|im_start|>assistant:"
+
+
+def test_json_array_file_and_unknown_suffix(tmp_path: Path, tokenizer: Any) -> None:
+    path = tmp_path / "d.json"
+    path.write_text(json.dumps([{"prompt": "1+2=", "label": "3"}, {"prompt": "2+2=", "label": "4"}]))
+    rows, _ = load_prompt_rows(path, tokenizer, "prompt", "label", 64)
+    assert [r.label for r in rows] == ["3", "4"]
+    bad = tmp_path / "d.csv"
+    bad.write_text("prompt,label\n")
+    with pytest.raises(ValueError, match=r"unknown file type '\.csv'; \[data\] path must end in"):
+        load_prompt_rows(bad, tokenizer, "prompt", "label", 64)
+
+
+def test_parquet_errors_name_the_row(tmp_path: Path, tokenizer: Any) -> None:
+    path = _parquet(tmp_path / "d.parquet", [{"question": "1+2=", "label": "3"}])
+    with pytest.raises(ValueError, match=r"d.parquet:row 1: row has no 'prompt' key.*\['label', 'question'\]"):
+        load_prompt_rows(path, tokenizer, "prompt", "label", 64)
+    not_parquet = tmp_path / "e.parquet"
+    not_parquet.write_text("hello")
+    with pytest.raises(ValueError, match="is not a readable Parquet file"):
+        load_prompt_rows(not_parquet, tokenizer, "prompt", "label", 64)
+
+
+def test_length_filter_counts_on_parquet(tmp_path: Path, tokenizer: Any) -> None:
+    path = _parquet(tmp_path / "d.parquet", [{"prompt": "1+2=", "label": "3"}, {"prompt": "12+34=", "label": "46"}])
+    rows, report = load_prompt_rows(path, tokenizer, "prompt", "label", 4)
+    assert [r.prompt_text for r in rows] == ["1+2="]
+    assert report.summary() == "1 of 2 rows kept (dropped: 1 longer than max_prompt_tokens=4)"
+
+
+def test_get_dotted() -> None:
+    record = {"a": {"b": [10, {"c": 3}]}, "x.y": 1}
+    assert get_dotted(record, "a.b.1.c") == 3 and get_dotted(record, "x.y") == 1
+    assert get_dotted(record, "a.z", None) is None
+    with pytest.raises(KeyError):
+        get_dotted(record, "a.b.5")
+
+
+def test_load_dataset_from_spec(tmp_path: Path, tokenizer: Any) -> None:
+    path = _parquet(tmp_path / "dapo.parquet", DAPO_ROWS)
+    spec = DataSpec(path=str(path), label_key="reward_model.ground_truth", metadata_keys=["data_source"],
+                    max_prompt_tokens=512)
+    rows, report = load_dataset(spec, tokenizer)
+    assert report.kept == 2 and rows[0].metadata == {"data_source": "math_dapo"} and rows[0].label == "2"

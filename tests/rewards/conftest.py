@@ -1,0 +1,25 @@
+"""Shared fixture: one tiny Qwen3 model directory per test session (built locally, no downloads)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from relax_hpc.models.tiny import write_tiny_model
+
+
+# The tiny model's matrices are far too small to gain from intra-op threads, and on a shared,
+# oversubscribed CPU a second OpenMP thread makes each matmul wait milliseconds for a core.
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # Every test folder's conftest points at the same directory under the session's base temp
+    # dir, so the model is written once per session whichever folders run.
+    path = tmp_path_factory.getbasetemp() / "tiny-model-seed0"
+    if not path.exists():
+        write_tiny_model(path, seed=0)
+    return path

@@ -1,0 +1,135 @@
+"""The reward worker pool and the hub: concurrency, timeouts, errors, per-sample reward choice."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from relax_hpc.data.sample import Sample
+from relax_hpc.rewards.hub import RewardHub
+from relax_hpc.rewards.pool import RewardPool
+
+
+def _sample(text: str = "", label: object = None, **metadata: object) -> Sample:
+    return Sample([1], [2], [-1.0], 0, group_id=0, prompt_index=0, label=label, response_text=text,
+                  metadata=dict(metadata))
+
+
+def test_sync_rewards_run_on_threads_concurrently() -> None:
+    active, peak, lock = 0, 0, threading.Lock()
+
+    def slow(sample: Sample) -> float:
+        nonlocal active, peak
+        with lock:
+            active += 1
+            peak = max(peak, active)
+        time.sleep(0.2)
+        with lock:
+            active -= 1
+        return len(sample.response_text)
+
+    samples = [_sample("x" * i) for i in range(6)]
+    with RewardPool(concurrency=3, timeout_s=5) as pool:
+        start = time.monotonic()
+        stats = pool.score(samples, lambda s: ("slow", slow))
+        elapsed = time.monotonic() - start
+    assert peak == 3  # the limit holds, and three really ran at once
+    assert elapsed < 1.0  # 6 x 0.2 s one after the other would be 1.2 s
+    assert [s.reward for s in samples] == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+    assert stats.as_metrics() == {"reward/errors": 0.0, "reward/timeouts": 0.0, "reward/count/slow": 6.0}
+
+
+def test_failures_and_timeouts_score_zero_and_are_counted() -> None:
+    async def hangs(sample: Sample) -> float:
+        await asyncio.sleep(30)
+        return 1.0
+
+    def raises(sample: Sample) -> float:
+        raise RuntimeError("judge crashed")
+
+    pick = {"hang": ("hangs", hangs), "boom": ("raises", raises), "nan": ("nan", lambda s: float("nan")),
+            "nodict": ("nodict", lambda s: {"acc": 1.0}), "ok": ("ok", lambda s: {"score": 0.5, "acc": 1})}
+    samples = [_sample(k) for k in pick]
+    with RewardPool(concurrency=8, timeout_s=0.3) as pool:
+        start = time.monotonic()
+        stats = pool.score(samples, lambda s: pick[s.response_text])
+        assert time.monotonic() - start < 2.0
+    assert [s.reward for s in samples] == [0.0, 0.0, 0.0, 0.0, 0.5]
+    assert samples[0].reward_info == {"reward_timeout": 1.0}
+    assert samples[1].reward_info == {"reward_error": 1.0}
+    assert samples[4].reward_info == {"score": 0.5, "acc": 1.0}
+    assert (stats.errors, stats.timeouts) == (3, 1)
+    assert "reward hangs took longer than timeout_s=0.3" in stats.messages
+    assert "reward raises: RuntimeError: judge crashed" in stats.messages
+    assert any("returned a non-finite score nan" in m for m in stats.messages)
+    assert any("without a 'score' key (keys: ['acc'])" in m for m in stats.messages)
+
+
+def test_pool_settings_are_checked() -> None:
+    with pytest.raises(ValueError, match=r"\[reward\] concurrency = 0: must be >= 1"):
+        RewardPool(concurrency=0)
+    with pytest.raises(ValueError, match=r"\[reward\] timeout_s = 0: must be > 0"):
+        RewardPool(timeout_s=0)
+
+
+def test_hub_picks_reward_from_metadata() -> None:
+    samples = [
+        _sample(r"\boxed{2}", "2"),  # default: math
+        _sample("wrong\nAnswer: 3", "2", rm_type="dapo"),
+        _sample("<answer>B</answer>", "B", rm_type="multiple_choice"),
+        _sample("Answer: 2", "2", rm_type="math_dapo"),  # a data_source alias
+        _sample("x", "2", rm_type="no_such_reward"),
+    ]
+    hub = RewardHub("math", type_key="rm_type", concurrency=4, timeout_s=10)
+    try:
+        metrics = hub.score(samples)
+    finally:
+        hub.close()
+    assert [s.reward for s in samples] == [1.0, -1.0, 1.0, 1.0, 0.0]
+    assert samples[4].reward_info == {"reward_error": 1.0}
+    assert metrics["reward/count/math"] == 1.0 and metrics["reward/count/dapo"] == 2.0
+    assert metrics["reward/errors"] == 1.0
+    with pytest.raises(ValueError, match="metadata rm_type='no_such_reward' names no reward; use one of"):
+        hub.pick(samples[4])
+
+
+def test_hub_custom_async_reward_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "my_async_rm.py").write_text(textwrap.dedent("""
+        import asyncio
+
+        async def judge(sample):
+            await asyncio.sleep(0.01)
+            return {"score": float(sample.response_text == sample.label), "len": len(sample.response_text)}
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "my_async_rm", raising=False)
+    hub = RewardHub("my_async_rm:judge")
+    samples = [_sample("yes", "yes"), _sample("no", "yes")]
+    hub.score(samples)
+    hub.close()
+    assert [s.reward for s in samples] == [1.0, 0.0]
+    assert samples[0].reward_info == {"score": 1.0, "len": 3.0}
+
+
+def test_hub_configured_rewards_say_what_is_missing() -> None:
+    with pytest.raises(ValueError, match=r'"remote_rm" needs \[reward\] remote_url'):
+        RewardHub("remote_rm")
+    with pytest.raises(ValueError, match='"genrm" needs a judge engine'):
+        RewardHub("genrm")
+    with pytest.raises(ValueError, match="neither a built-in reward"):
+        RewardHub("not_a_reward")
+
+
+def test_hub_from_spec_settings() -> None:
+    from relax_hpc.spec.schema import RewardSpec
+
+    spec = RewardSpec(function="f1", type_key="data_source", concurrency=2, timeout_s=5.0)
+    hub = RewardHub.from_settings(spec)
+    assert (hub.pool.concurrency, hub.pool.timeout_s, hub.type_key) == (2, 5.0, "data_source")
+    hub.close()
