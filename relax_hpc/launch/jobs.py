@@ -1,0 +1,179 @@
+"""Submit a spec as a Slurm job and read a job's state back: the logic behind the CLI.
+
+Job directory of a submitted job (``[job] output_dir``, default runs/<name>, made absolute):
+
+    spec.original.toml   the spec file as the user wrote it
+    spec.submit.toml     the resolved spec the job runs (absolute paths)
+    job.sbatch           the rendered batch script that was submitted
+    slurm_job_id         the job id (one line; a resubmission replaces it)
+    cluster.json         head address, REST URL, access token (0600), once Ray is up
+    logs/restart-<n>/    batch.log, driver.log, ray-*.log of attempt n (SLURM_RESTART_COUNT)
+    ... plus what `relax-hpc run` writes: checkpoints/, metrics.jsonl, summary.json, ...
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from relax_hpc.launch.preflight import preflight_problems
+from relax_hpc.launch.render import components, render_sbatch
+from relax_hpc.launch.slurm_client import JobComponent, SlurmClient
+from relax_hpc.spec import JobSpec, spec_to_toml
+
+__all__ = ["JobStatus", "Submission", "find_job", "job_status", "pin_paths", "submit_spec"]
+
+JOB_ID_FILE = "slurm_job_id"
+SUBMIT_SPEC = "spec.submit.toml"
+SCRIPT = "job.sbatch"
+
+
+class PreflightError(ValueError):
+    """The spec asks for something the cluster cannot give; the message lists every problem."""
+
+
+def _absolute(path: str, base: Path) -> str:
+    chosen = Path(path).expanduser()
+    return str(chosen if chosen.is_absolute() else base / chosen)
+
+
+def pin_paths(spec: JobSpec, base: Path) -> JobSpec:
+    """``spec`` with its job dir, model and data paths absolute (relative ones taken from ``base``).
+
+    Ray workers on other nodes do not share the submitting shell's working directory.
+    """
+    job = dataclasses.replace(spec.job, output_dir=str(spec.job_dir(base)))
+    model = dataclasses.replace(spec.model, path=_absolute(spec.model.path, base))
+    data = dataclasses.replace(spec.data, path=_absolute(spec.data.path, base))
+    return dataclasses.replace(spec, job=job, model=model, data=data)
+
+
+def _write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    tmp.replace(path)
+
+
+@dataclass(frozen=True)
+class Submission:
+    job_id: str
+    job_dir: Path
+    script: Path
+
+
+def submit_spec(spec: JobSpec, spec_path: Path, client: SlurmClient, base: Path | None = None,
+                check_cluster: bool = True) -> Submission:
+    """Preflight, write the job directory, sbatch the rendered script; the submission."""
+    base = base or Path.cwd()
+    if check_cluster:
+        problems = preflight_problems(spec, client.nodes())
+        if problems:
+            raise PreflightError(f"{spec_path}: the cluster cannot run this job:\n  " + "\n  ".join(problems))
+    pinned = pin_paths(spec, base)
+    job_dir = pinned.job_dir()
+    (job_dir / "logs").mkdir(parents=True, exist_ok=True)
+    _write(job_dir / "spec.original.toml", spec_path.read_text(encoding="utf-8"))
+    _write(job_dir / SUBMIT_SPEC, spec_to_toml(pinned))
+    script = job_dir / SCRIPT
+    _write(script, render_sbatch(pinned, str(job_dir), str(job_dir / SUBMIT_SPEC)))
+    env = dict(os.environ)
+    if spec.container.image is None:
+        env["RELAX_HPC_PYTHON"] = sys.executable  # the Python that has relax_hpc installed
+    job_id = client.sbatch(script, base, env)
+    _write(job_dir / JOB_ID_FILE, job_id + "\n")
+    return Submission(job_id, job_dir, script)
+
+
+def find_job(job: str, client: SlurmClient | None = None,
+             search_roots: list[Path] | None = None) -> tuple[str, Path | None]:
+    """(job id, job dir or None) for a job id or a job directory given on the command line.
+
+    For a job id the directory is looked up under ./runs, then from the job's --output path
+    (JOBDIR/logs/slurm-%j.out) while Slurm still knows the job.
+    """
+    path = Path(job)
+    if path.is_dir():
+        id_file = path / JOB_ID_FILE
+        if not id_file.is_file():
+            raise FileNotFoundError(f"{path} has no {JOB_ID_FILE}: not a job directory made by relax-hpc submit")
+        return id_file.read_text().strip(), path.resolve()
+    if not job.isdigit():
+        raise ValueError(f"JOB = {job!r}: expected a Slurm job id (digits) or a job directory")
+    for root in search_roots or [Path.cwd() / "runs"]:
+        for id_file in sorted(root.glob(f"*/{JOB_ID_FILE}")):
+            if id_file.read_text().strip() == job:
+                return job, id_file.parent.resolve()
+    for component in client.job_components(job) if client is not None else []:
+        out = Path(component.stdout)
+        if out.parent.name == "logs" and (out.parent.parent / JOB_ID_FILE).is_file():
+            return job, out.parent.parent
+    return job, None
+
+
+@dataclass(frozen=True)
+class JobStatus:
+    job_id: str
+    job_dir: Path | None
+    components: list[tuple[str, JobComponent]]  # (component name, Slurm view)
+    source: str  # "squeue", "sacct" or "none"
+    step: int | None
+    reward: float | None
+    restarts: int
+    summary: dict[str, object] | None
+
+    def lines(self) -> list[str]:
+        out = [f"job {self.job_id}" + (f"  ({self.job_dir})" if self.job_dir else "")]
+        if not self.components:
+            out.append("  Slurm: no longer in the queue and no accounting (sacct) to ask; "
+                       "see the job directory")
+        for name, c in self.components:
+            reason = f" ({c.reason})" if c.reason and c.reason != "None" else ""
+            out.append(f"  {name:<8} {c.job_id:<10} {c.state:<11} {c.nodes or '-'}{reason}  [{self.source}]")
+        if self.step is not None:
+            reward = f", reward {self.reward:.3f}" if self.reward is not None else ""
+            out.append(f"  step {self.step}{reward}, restarts {self.restarts}")
+        if self.summary is not None:
+            out.append(f"  summary: {self.summary.get('summary')}")
+        return out
+
+
+def _last_metrics(job_dir: Path) -> tuple[int | None, float | None]:
+    path = job_dir / "metrics.jsonl"
+    if not path.is_file():
+        return None, None
+    last = None
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            last = line
+    if last is None:
+        return None, None
+    record = json.loads(last)
+    reward = record.get("reward/mean")
+    return int(record.get("step", 0)), float(reward) if reward is not None else None
+
+
+def job_status(job_id: str, job_dir: Path | None, client: SlurmClient,
+               names: list[str] | None = None) -> JobStatus:
+    """Slurm state of every component plus progress read from the job directory."""
+    found, source = client.job_components(job_id), "squeue"
+    if not found:
+        accounted = client.accounting(job_id)
+        found, source = (accounted or []), ("sacct" if accounted else "none")
+    labels = names or ["trainer", "rollout", "forward"]
+    named = [(labels[c.offset] if c.offset < len(labels) else f"group{c.offset}", c) for c in found]
+    step = reward = summary = None
+    restarts = 0
+    if job_dir is not None:
+        step, reward = _last_metrics(job_dir)
+        restarts = max(0, len(list((job_dir / "logs").glob("restart-*"))) - 1)
+        if (job_dir / "summary.json").is_file():
+            summary = json.loads((job_dir / "summary.json").read_text())
+    return JobStatus(job_id, job_dir, named, source, step, reward, restarts, summary)
+
+
+def component_names(spec: JobSpec) -> list[str]:
+    return [c.name for c in components(spec)]

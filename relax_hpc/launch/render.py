@@ -1,0 +1,128 @@
+"""Compile a validated job spec into the text of one heterogeneous sbatch script (pure).
+
+    from relax_hpc.launch.render import render_sbatch
+    text = render_sbatch(spec, job_dir="/shared/runs/x", spec_file="/shared/runs/x/spec.submit.toml")
+
+The text comes from the readable template ``sbatch/hetjob.sbatch.in``: ``{{name}}``
+placeholders are filled in here and nothing else is generated, so someone who knows sbatch
+but not Python can read (and change) what every job runs. Same spec, same text: the golden
+files in tests/launch/golden/ pin it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+
+from relax_hpc.launch.container import render_wrapper
+from relax_hpc.spec import ComponentSpec, JobSpec
+
+__all__ = ["Component", "components", "render_sbatch", "sbatch_headers", "template_dir"]
+
+_PLACEHOLDER = re.compile(r"\{\{([a-z_]+)\}\}")
+
+
+def template_dir() -> Path:
+    """The sbatch/ template directory ($RELAX_HPC_SBATCH_DIR, else the project's sbatch/)."""
+    override = os.environ.get("RELAX_HPC_SBATCH_DIR")
+    return Path(override) if override else Path(__file__).resolve().parents[2] / "sbatch"
+
+
+@dataclass(frozen=True)
+class Component:
+    """One hetjob group: its index, name, spec and the Ray slot of its first node."""
+
+    group: int
+    name: str
+    spec: ComponentSpec
+    first_slot: int
+
+
+def components(spec: JobSpec) -> list[Component]:
+    """The hetjob groups in order: trainer (0), rollout (1), forward (2) when present."""
+    named = [("trainer", spec.cluster.trainer), ("rollout", spec.cluster.rollout)]
+    if spec.cluster.forward is not None:
+        named.append(("forward", spec.cluster.forward))
+    out, slot = [], 0
+    for group, (name, component) in enumerate(named):
+        out.append(Component(group, name, component, slot))
+        slot += component.nodes
+    return out
+
+
+def _option(name: str, value: object) -> str:
+    return f"#SBATCH --{name}={value}"
+
+
+def sbatch_headers(spec: JobSpec, job_dir: str) -> list[str]:
+    """Every ``#SBATCH`` line: job-wide options first, then one block per hetjob group."""
+    lines = [
+        _option("job-name", spec.job.name),
+        # Only the first lines of an attempt land here; the script logs to logs/restart-N/.
+        _option("output", f"{job_dir}/logs/slurm-%j.out"),
+        _option("open-mode", "append"),
+        f"#SBATCH --signal=B:USR1@{spec.cluster.signal_grace_s}",
+        "#SBATCH --requeue" if spec.cluster.requeue else "#SBATCH --no-requeue",
+    ]
+    groups = components(spec)
+    for component in groups:
+        c = component.spec
+        if component.group > 0:
+            lines.append("#SBATCH hetjob")
+        lines.append(f"# group {component.group}: {component.name}, {c.nodes} node(s)")
+        lines += [_option("nodes", c.nodes), _option("ntasks-per-node", 1),
+                  _option("cpus-per-task", c.cpus_per_node), _option("time", c.time)]
+        if c.gpus_per_node > 0:
+            lines.append(_option("gpus-per-node", c.gpus_per_node))
+        optional = [("mem", c.memory), ("partition", c.partition), ("account", c.account),
+                    ("qos", c.qos), ("constraint", c.constraint)]
+        lines += [_option(name, value) for name, value in optional if value is not None]
+        lines += [f"#SBATCH {extra}" for extra in c.extra_sbatch]
+    return lines
+
+
+def _start_ray_lines(spec: JobSpec) -> list[str]:
+    lines = []
+    for component in components(spec):
+        c = component.spec
+        resource = c.gpus_per_node if c.gpus_per_node > 0 else 1
+        common = f"{c.cpus_per_node} {c.gpus_per_node} {resource}"
+        name, group, slot = component.name, component.group, component.first_slot
+        if group == 0:
+            lines.append(f'start_ray ray-head 0 trainer 1 0 {common} --nodelist="$HEAD_NODE" --head')
+            if c.nodes > 1:
+                lines.append(f'start_ray ray-trainer 0 trainer {c.nodes - 1} 1 {common} '
+                             f'--exclude="$HEAD_NODE" "--address=$HEAD"')
+        else:
+            lines.append(f'start_ray ray-{name} {group} {name} {c.nodes} {slot} {common} - "--address=$HEAD"')
+    return lines
+
+
+def _fill(template: str, values: dict[str, str], source: Path) -> str:
+    missing = sorted(set(_PLACEHOLDER.findall(template)) - set(values))
+    if missing:
+        raise ValueError(f"{source}: no value for placeholder(s) {missing}; known: {sorted(values)}")
+    return _PLACEHOLDER.sub(lambda m: values[m.group(1)], template)
+
+
+def render_sbatch(spec: JobSpec, job_dir: str, spec_file: str) -> str:
+    """The sbatch script of ``spec``; ``job_dir`` and ``spec_file`` as the job will see them."""
+    source = template_dir() / "hetjob.sbatch.in"
+    groups = components(spec)
+    python = "python3" if spec.container.image is not None else '"${RELAX_HPC_PYTHON:-python3}"'
+    values = {
+        "job_name": spec.job.name,
+        "sbatch_headers": "\n".join(sbatch_headers(spec, job_dir)),
+        "job_dir": shlex.quote(job_dir),
+        "spec_file": shlex.quote(spec_file),
+        "total_nodes": str(sum(g.spec.nodes for g in groups)),
+        "ray_join_timeout_s": str(spec.cluster.ray_join_timeout_s),
+        "requeue": "1" if spec.cluster.requeue else "0",
+        "python": python,
+        "wrappers": "\n".join(render_wrapper(g.name, spec.container, g.spec.gpus_per_node) for g in groups),
+        "start_ray_lines": "\n".join(_start_ray_lines(spec)),
+    }
+    return _fill(source.read_text(encoding="utf-8"), values, source)

@@ -1,0 +1,156 @@
+"""Launch layer without a cluster: ports, container prefix, preflight, submit/status via the fake."""
+
+from __future__ import annotations
+
+import json
+import stat
+from pathlib import Path
+
+import pytest
+
+from relax_hpc.launch.container import container_prefix
+from relax_hpc.launch.incluster import ray_start_command, write_cluster_json
+from relax_hpc.launch.jobs import PreflightError, find_job, job_status, pin_paths, submit_spec
+from relax_hpc.launch.ports import PORT_HIGH, PORT_LOW, SLOTS_PER_JOB, ray_ports, ray_temp_dir
+from relax_hpc.launch.preflight import gpus_of, preflight_problems
+from relax_hpc.launch.slurm_client import FakeSlurmClient, JobComponent
+from relax_hpc.spec import ContainerSpec, SpecError, load_spec, parse_spec
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = REPO / "jobspecs" / "tiny_slurm.toml"
+QWEN = REPO / "jobspecs" / "qwen3_omni.toml"
+
+
+def test_ports_differ_per_node_and_between_consecutive_jobs() -> None:
+    used: dict[int, tuple[int, int]] = {}
+    for job in (41, 42, 43):
+        for slot in range(SLOTS_PER_JOB):
+            for port in ray_ports(job, slot).all_ports():
+                assert PORT_LOW <= port < PORT_HIGH  # below the ephemeral range
+                assert port not in used, f"job {job} slot {slot} port {port} clashes with {used[port]}"
+                used[port] = (job, slot)
+
+
+def test_ports_are_a_pure_function_of_job_and_slot() -> None:
+    assert ray_ports(123456, 2) == ray_ports(123456, 2)
+    assert ray_ports(123456, 2) != ray_ports(123457, 2)
+    with pytest.raises(ValueError, match="job id and node slot"):
+        ray_ports(-1, 0)
+
+
+def test_temp_dir_is_short_and_per_node() -> None:
+    path = ray_temp_dir(987654321, 15)
+    assert path == "/tmp/relax-987654321-15" and path != ray_temp_dir(987654321, 14)
+    # Ray adds session_<date>_<time>_<pid>/sockets/plasma_store (~70 bytes); Unix sockets allow ~107.
+    assert len(path) + 70 < 107
+
+
+def test_ray_start_command_head_and_worker() -> None:
+    ports = ray_ports(7, 0)
+    head = ray_start_command("ray", ports, "/tmp/relax-7-0", "10.0.0.1", head_address=None, num_cpus=4,
+                             num_gpus=8, resources={"trainer": 8.0})
+    assert "--head" in head and f"--port={ports.gcs}" in head and '--resources={"trainer": 8.0}' in head
+    assert "--num-gpus=8" in head and "--temp-dir=/tmp/relax-7-0" in head and "--block" in head
+    worker = ray_start_command("ray", ray_ports(7, 1), "/tmp/relax-7-1", "10.0.0.2",
+                               head_address="10.0.0.1:1", num_cpus=2, num_gpus=0, resources={"rollout": 1.0})
+    assert "--address=10.0.0.1:1" in worker and "--head" not in worker
+
+
+def test_cluster_json_is_owner_only(tmp_path: Path) -> None:
+    target = tmp_path / "cluster.json"
+    write_cluster_json(target, {"head_address": "h:1", "token": "t"})
+    assert stat.S_IMODE(target.stat().st_mode) == 0o600
+    assert json.loads(target.read_text())["token"] == "t"
+    assert not (tmp_path / "cluster.json.tmp").exists()
+
+
+def test_container_prefix_nv_only_for_gpu_components() -> None:
+    c = ContainerSpec(image="/img/relax.sif", binds=["/models", "/data:/d:ro"], env=["A=1", "B=x y"])
+    gpu, cpu = container_prefix(c, 8), container_prefix(c, 0)
+    assert gpu[:3] == ["apptainer", "exec", "--nv"] and "--nv" not in cpu
+    assert gpu[-1] == "/img/relax.sif"
+    assert "/data:/d:ro" in gpu and "'B=x y'" in gpu and '"$JOB_DIR"' in gpu
+    assert container_prefix(ContainerSpec(), 8) == []
+
+
+def test_spec_rejects_bad_container_env_and_grace_beyond_time_limit() -> None:
+    text = TINY.read_text().replace('time = "00:30:00"', 'time = "1"', 1)  # 1 minute
+    text += '\n[container]\nimage = "x.sif"\nenv = ["NO_EQUALS", "1BAD=2"]\n'
+    with pytest.raises(SpecError) as error:
+        parse_spec(text)
+    report = str(error.value)
+    assert "container.env" in report and "NAME=VALUE" in report
+    assert "cluster.signal_grace_s = 60: must be below cluster.trainer.time = '1' (60 s)" in report
+
+
+def test_spec_rejects_impossible_slurm_values() -> None:
+    text = TINY.read_text().replace('time = "00:30:00"', 'time = "25:61"', 1).replace("nodes = 1", "nodes = 0", 1)
+    with pytest.raises(SpecError) as error:
+        parse_spec(text)
+    report = str(error.value)
+    assert "cluster.trainer.time" in report and "cluster.trainer.nodes = 0: must be >= 1" in report
+
+
+NODES = [
+    {"name": f"g{i}", "cpus": 64, "gres": "gpu:h100:8(S:0-1)", "partitions": ["gpu"]} for i in range(2)
+] + [{"name": "c1", "cpus": 8, "gres": "", "partitions": ["cpu"]}]
+
+
+def test_gpus_of_reads_gres() -> None:
+    assert [gpus_of(n) for n in NODES] == [8, 8, 0]
+    assert gpus_of({"gres": "gpu:4,gpu:a100:2"}) == 6
+
+
+def test_preflight_accepts_a_fitting_spec_and_names_each_impossible_request() -> None:
+    spec = load_spec(QWEN)
+    assert preflight_problems(spec, NODES) == []
+    too_many = [dict(n, gres="gpu:4") for n in NODES[:2]] + NODES[2:]
+    problems = preflight_problems(spec, too_many)
+    assert any("cluster.trainer.gpus_per_node = 8" in p and "at most 4 GPU" in p for p in problems)
+    one_node = NODES[:1]
+    problems = preflight_problems(spec, one_node)
+    assert any("need 2 distinct nodes" in p for p in problems), problems
+    missing = preflight_problems(spec, NODES[2:])
+    assert missing[0].startswith("cluster.trainer.partition = 'gpu': no such partition; known: cpu")
+
+
+def test_submit_writes_job_dir_and_refuses_before_sbatch(tmp_path: Path) -> None:
+    spec_path = tmp_path / "t.toml"
+    spec_path.write_text(TINY.read_text())
+    fake = FakeSlurmClient(node_records=[{"name": f"n{i}", "cpus": 2, "gres": "", "partitions": ["debug"]}
+                                         for i in range(3)])
+    done = submit_spec(load_spec(spec_path), spec_path, fake, base=tmp_path)
+    assert done.job_dir == tmp_path / "runs" / "tiny_slurm"
+    assert (done.job_dir / "slurm_job_id").read_text().strip() == done.job_id == "1000"
+    submitted = load_spec(done.job_dir / "spec.submit.toml")
+    assert submitted.model.path == str(tmp_path / "runs/models/tiny-qwen3")  # absolute for other nodes
+    assert submitted.job.output_dir == str(done.job_dir)
+    assert fake.submitted[0][1] == done.script.read_text() and "#SBATCH hetjob" in fake.submitted[0][1]
+    assert find_job(str(done.job_dir)) == ("1000", done.job_dir)
+    assert find_job("1000", search_roots=[tmp_path / "runs"]) == ("1000", done.job_dir)
+
+    fake_one_node = FakeSlurmClient(node_records=fake.node_records[:1])
+    with pytest.raises(PreflightError, match="need 2 distinct nodes"):
+        submit_spec(load_spec(spec_path), spec_path, fake_one_node, base=tmp_path)
+    assert fake_one_node.submitted == []
+
+
+def test_status_reads_slurm_and_the_job_dir(tmp_path: Path) -> None:
+    (tmp_path / "logs" / "restart-0").mkdir(parents=True)
+    (tmp_path / "logs" / "restart-1").mkdir()
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "reward/mean": 0.1}\n{"step": 2, "reward/mean": 0.5}\n')
+    fake = FakeSlurmClient(jobs={"7": [JobComponent("7", 0, "RUNNING", "n1"), JobComponent("8", 1, "RUNNING", "n2")]})
+    status = job_status("7", tmp_path, fake)
+    text = "\n".join(status.lines())
+    assert "trainer  7" in text and "rollout  8" in text and "RUNNING" in text
+    assert "step 2, reward 0.500, restarts 1" in text
+    gone = job_status("9", tmp_path, FakeSlurmClient(accounted={"9": [JobComponent("9", 0, "COMPLETED", "n1")]}))
+    assert gone.source == "sacct" and gone.components[0][1].state == "COMPLETED"
+    assert job_status("9", None, FakeSlurmClient()).source == "none"
+
+
+def test_pin_paths_keeps_absolute_paths(tmp_path: Path) -> None:
+    spec = load_spec(QWEN)
+    pinned = pin_paths(spec, tmp_path)
+    assert pinned.model.path == "/models/Qwen3-Omni-30B-A3B-Instruct"
+    assert pinned.job.output_dir == str(tmp_path / "runs" / "qwen3_omni")

@@ -1,0 +1,169 @@
+"""relax-hpc jobs on the local dev Slurm: submit, status, requeue, pre-emption, clashes, failures.
+
+Each test submits a short variant of jobspecs/tiny_slurm.toml (trainer and rollout, one node
+each) with `relax-hpc submit` and watches it through Slurm and its job directory. Needs
+tools/dev-slurm (see conftest.py); run with RELAX_TEST_SLURM=1. About 3 minutes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from devslurm import DevSlurm
+
+from relax_hpc.launch.ports import ray_ports
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.timeout(400)]
+
+REPO = Path(__file__).resolve().parents[2]
+RELAX_HPC = Path(sys.executable).parent / "relax-hpc"
+PROMPTS, SAMPLES = 16, 16
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One tiny model for every job here, so concurrent jobs never build it at the same time."""
+    from relax_hpc.models.tiny import write_tiny_model
+
+    return write_tiny_model(tmp_path_factory.mktemp("model") / "tiny-qwen3", seed=1)
+
+
+def write_spec(tmp_path: Path, name: str, model: Path, steps: int, save_interval: int) -> Path:
+    text = (REPO / "jobspecs" / "tiny_slurm.toml").read_text()
+    text = text.replace('name = "tiny_slurm"', f'name = "{name}"\noutput_dir = "{tmp_path / name}"')
+    text = text.replace('path = "runs/models/tiny-qwen3"', f'path = "{model}"')
+    text = re.sub(r"(?m)^steps = \d+", f"steps = {steps}", text)
+    text = re.sub(r"(?m)^save_interval = \d+", f"save_interval = {save_interval}", text)
+    path = tmp_path / f"{name}.toml"
+    path.write_text(text)
+    return path
+
+
+def relax_hpc(cluster: DevSlurm, *args: str, env: dict[str, str] | None = None) -> str:
+    done = subprocess.run([str(RELAX_HPC), *args], capture_output=True, text=True, cwd=REPO, timeout=120,
+                          env={**cluster.env(), "RAY_AUTH_MODE": "disabled", **(env or {})}, check=False)
+    assert done.returncode == 0, f"relax-hpc {' '.join(args)} exited {done.returncode}:\n{done.stderr}"
+    return done.stdout
+
+
+def submit(cluster: DevSlurm, spec: Path, env: dict[str, str] | None = None) -> str:
+    out = relax_hpc(cluster, "submit", str(spec), env=env)
+    found = re.search(r"submitted job (\d+)", out)
+    assert found, out
+    return found.group(1)
+
+
+def last_step(job_dir: Path) -> int:
+    path = job_dir / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.is_file() else []
+    return json.loads(lines[-1])["step"] if lines else 0
+
+
+def wait_for_step(job_dir: Path, step: int, timeout: float = 150.0) -> int:
+    deadline = time.monotonic() + timeout
+    while (now := last_step(job_dir)) < step:
+        assert time.monotonic() < deadline, f"{job_dir} did not reach step {step} (at {now})"
+        time.sleep(0.5)
+    return now
+
+
+def summary(job_dir: Path) -> dict[str, object]:
+    return json.loads((job_dir / "summary.json").read_text())
+
+
+def logs_of(job_dir: Path, restart: int) -> str:
+    return "\n".join(p.read_text(errors="replace") for p in sorted((job_dir / "logs" / f"restart-{restart}").glob("*.log")))
+
+
+def test_submit_runs_one_hetjob_with_one_ray_cluster_and_completes(
+        dev_slurm: DevSlurm, tmp_path: Path, tiny_model: Path) -> None:
+    steps = 30
+    spec = write_spec(tmp_path, "t_complete", tiny_model, steps=steps, save_interval=10)
+    job_dir = tmp_path / "t_complete"
+    job_id = submit(dev_slurm, spec)
+    wait_for_step(job_dir, 1)
+    running = relax_hpc(dev_slurm, "status", job_id)
+    assert re.search(r"trainer\s+\d+\s+RUNNING", running) and re.search(r"rollout\s+\d+\s+RUNNING", running), running
+
+    assert dev_slurm.wait_job_done(job_id, timeout=240) == ["COMPLETED", "COMPLETED"], logs_of(job_dir, 0)
+    done = summary(job_dir)
+    assert done["end_step"] == steps and done["samples_trained"] == steps * PROMPTS * SAMPLES
+    batch = (job_dir / "logs" / "restart-0" / "batch.log").read_text()
+    assert "2 Ray nodes joined" in batch  # trainer + rollout formed one cluster
+    status = relax_hpc(dev_slurm, "status", str(job_dir))
+    nodes = dict(re.findall(r"(trainer|rollout)\s+\d+\s+COMPLETED\s+(\S+)", status))
+    assert set(nodes) == {"trainer", "rollout"} and nodes["trainer"] != nodes["rollout"], status
+    assert f"step {steps}" in status
+    cluster = job_dir / "cluster.json"
+    assert stat.S_IMODE(cluster.stat().st_mode) == 0o600
+    info = json.loads(cluster.read_text())
+    assert info["job_id"] == int(job_id) and len(info["token"]) == 32 and "rest_url" in info
+    assert "finished step 30" in relax_hpc(dev_slurm, "logs", job_id)
+
+    # The DCP -> HF export as a one-node Slurm job through submitit.
+    out = relax_hpc(dev_slurm, "convert", str(job_dir), str(tmp_path / "hf"), "--slurm")
+    convert_id = re.search(r"submitted convert job (\d+)", out)
+    assert convert_id, out
+    assert dev_slurm.wait_job_done(convert_id.group(1), timeout=120) == ["COMPLETED"]
+    assert (tmp_path / "hf" / "config.json").is_file() and (tmp_path / "hf" / "model.safetensors").is_file()
+
+
+def test_requeue_and_preemption_resume_and_train_every_sample_once(
+        dev_slurm: DevSlurm, tmp_path: Path, tiny_model: Path) -> None:
+    """Two jobs at once on the same nodes: one is requeued, the other gets the pre-emption signal."""
+    steps, interval = 40, 10
+    requeued = write_spec(tmp_path, "t_requeue", tiny_model, steps=steps, save_interval=interval)
+    signalled = write_spec(tmp_path, "t_signal", tiny_model, steps=steps, save_interval=interval)
+    requeued_id, signalled_id = submit(dev_slurm, requeued), submit(dev_slurm, signalled)
+    requeued_dir, signalled_dir = tmp_path / "t_requeue", tmp_path / "t_signal"
+
+    at_requeue = wait_for_step(requeued_dir, interval + 2)
+    dev_slurm.slurm("scontrol", "requeue", requeued_id)
+    at_signal = wait_for_step(signalled_dir, interval + 3)
+    dev_slurm.slurm("scancel", "--signal=USR1", "--batch", signalled_id)
+
+    for job_id, job_dir in ((requeued_id, requeued_dir), (signalled_id, signalled_dir)):
+        states = dev_slurm.wait_job_done(job_id, timeout=300)
+        assert states == ["COMPLETED", "COMPLETED"], logs_of(job_dir, 0) + logs_of(job_dir, 1)
+        done = summary(job_dir)
+        assert done["end_step"] == steps and done["stopped_early"] is False
+        assert done["samples_trained"] == steps * PROMPTS * SAMPLES  # none twice, none lost
+        assert (job_dir / "logs" / "restart-1" / "driver.log").is_file()
+    # scontrol requeue kills the job: it resumes from the last periodic checkpoint.
+    assert 0 < summary(requeued_dir)["start_step"] <= at_requeue  # type: ignore[operator]
+    # The signal makes the driver checkpoint the step it is on: nothing is redone.
+    assert summary(signalled_dir)["start_step"] >= at_signal  # type: ignore[operator]
+    assert "got SIGUSR1" in (signalled_dir / "logs" / "restart-0" / "batch.log").read_text()
+    assert "requeueing job" in (signalled_dir / "logs" / "restart-0" / "batch.log").read_text()
+
+
+def test_job_whose_ray_worker_cannot_start_fails_with_the_reason_in_its_log(
+        dev_slurm: DevSlurm, tmp_path: Path, tiny_model: Path) -> None:
+    spec = write_spec(tmp_path, "t_fail", tiny_model, steps=5, save_interval=5)
+    job_dir = tmp_path / "t_fail"
+    # Held at submission, so the rollout node's port can be taken before the job starts.
+    job_id = submit(dev_slurm, spec, env={"SBATCH_HOLD": "1"})
+    blocker = socket.socket()
+    try:
+        blocker.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        blocker.bind(("127.0.0.1", ray_ports(int(job_id), 1).node_manager))
+        blocker.listen()
+        started = time.monotonic()
+        dev_slurm.slurm("scontrol", "release", job_id)
+        states = dev_slurm.wait_job_done(job_id, timeout=150)
+        assert "FAILED" in states, states
+        assert time.monotonic() - started < 120  # fails fast, well before ray_join_timeout_s
+    finally:
+        blocker.close()
+    text = logs_of(job_dir, 0)
+    assert "cannot start Ray" in text and "in use" in text, text
+    assert "FAILED: the Ray cluster did not form" in text
