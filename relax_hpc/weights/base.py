@@ -3,7 +3,8 @@
 `WeightSync.sync(version)` returns once every receiver runs `version`. Implementations:
 `InProcessWeightSync` (objects in one process, for tests), `RayObjectStoreWeightSync` (the
 trainer's weights go once through Ray's object store to every engine; the embedded default in
-colocate mode). The bucketed torch.distributed broadcast channel implements the same interface.
+colocate mode). The bucketed torch.distributed broadcast channel implements the same interface:
+`relax_hpc.weights.ray_sync.DistributedWeightSync` (see docs/weights.md).
 """
 
 from __future__ import annotations

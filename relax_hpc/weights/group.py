@@ -1,0 +1,179 @@
+"""The collective behind the weight channel: a broadcast group, and the store used to rendezvous.
+
+`BroadcastGroup` is the small interface the channel needs (`broadcast(tensor, src)` returning a
+handle with `wait()`). Two implementations:
+
+* `TorchBroadcastGroup`: a torch.distributed backend (`ProcessGroupGloo` for CPU tensors,
+  `ProcessGroupNCCL` for CUDA tensors) built directly from a `PrefixStore` over the channel's
+  TCPStore. It never touches the default process group, so it coexists with the trainer's
+  data-parallel group (which *is* the default group in the trainer ranks) and with engines that
+  run their own torch.distributed worlds.
+* `LocalBroadcastGroup`: threads of one process sharing a `LocalBroadcastHub` (unit tests).
+
+The store is any `torch.distributed.Store`: a `TCPStore` hosted by the sender (trainer rank 0)
+in production, a `HashStore` in process for tests.
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+import threading
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+
+class PendingOp(Protocol):
+    def wait(self) -> object: ...
+
+
+class BroadcastGroup(Protocol):
+    rank: int
+    size: int
+    backend: str
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> PendingOp:
+        """Start broadcasting `tensor` from rank `src` into every rank's `tensor` (same shape/dtype)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def backend_for(device: torch.device) -> str:
+    """NCCL for CUDA tensors, gloo for CPU tensors."""
+    if device.type == "cuda":
+        return "nccl"
+    if device.type == "cpu":
+        return "gloo"
+    raise ValueError(f"weight channel device '{device}': allowed are 'cpu' (gloo) and 'cuda[:N]' (NCCL)")
+
+
+def local_address_towards(host: str, port: int) -> str:
+    """This machine's address on the interface that routes to `host`.
+
+    Gloo binds its pairs to the address it is given; picking the interface that reaches the
+    trainer head avoids the classic multi-NIC mistake (binding to a management or docker
+    interface that the peer cannot reach). No packet is sent: UDP connect only picks a route.
+    """
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, port))
+            return str(s.getsockname()[0])
+    except OSError:
+        return socket.gethostname()
+
+
+def open_store(host: str, port: int, world_size: int, is_sender: bool, timeout_s: float) -> dist.TCPStore:
+    """The channel's TCPStore: hosted by the sender (`port=0` picks a free port), joined by receivers."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    try:
+        return dist.TCPStore(
+            host, port, world_size, is_sender, timeout=timeout, wait_for_workers=False, use_libuv=True
+        )
+    except (RuntimeError, OSError) as exc:
+        role = "host" if is_sender else "reach"
+        raise ConnectionError(
+            f"weight channel: could not {role} the TCP store at {host}:{port} within {timeout_s:.0f} s ({exc}); "
+            "check that the trainer head's address and weight-channel port are reachable from this node"
+        ) from exc
+
+
+class TorchBroadcastGroup:
+    """A gloo or NCCL group over ranks 0..size-1, built from a store without the default group."""
+
+    def __init__(
+        self, store: dist.Store, rank: int, size: int, backend: str, timeout_s: float,
+        bind_host: str = "", device: torch.device | None = None, name: str = "channel",
+    ) -> None:
+        self.rank, self.size, self.backend = rank, size, backend
+        timeout = datetime.timedelta(seconds=timeout_s)
+        # `name` keeps several groups on one store apart (their rendezvous keys would collide).
+        prefixed = dist.PrefixStore(f"pg/{name}/{backend}/", store)
+        if backend == "gloo":
+            opts = dist.ProcessGroupGloo._Options()
+            opts._timeout = timeout
+            opts._devices = [dist.ProcessGroupGloo.create_device(hostname=bind_host)]
+            self.pg: dist.Backend = dist.ProcessGroupGloo(prefixed, rank, size, opts)
+        elif backend == "nccl":
+            nccl = getattr(dist, "ProcessGroupNCCL", None)
+            if nccl is None or not torch.cuda.is_available():
+                raise RuntimeError(
+                    "weight channel backend 'nccl' needs a CUDA build of torch and a visible GPU; "
+                    "use device='cpu' (gloo) on machines without one"
+                )
+            if device is not None and device.index is not None:
+                torch.cuda.set_device(device)
+            opts = nccl.Options()
+            opts._timeout = timeout
+            self.pg = nccl(prefixed, rank, size, opts)
+        else:
+            raise ValueError(f"weight channel backend '{backend}': allowed are 'gloo' and 'nccl'")
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> PendingOp:
+        opts = dist.BroadcastOptions()
+        opts.rootRank, opts.rootTensor = src, 0
+        return self.pg.broadcast([tensor], opts)
+
+    def close(self) -> None:
+        shutdown = getattr(self.pg, "shutdown", None)
+        if callable(shutdown):
+            try:
+                shutdown()
+            except RuntimeError:
+                pass  # already torn down by a failed peer; nothing left to release
+
+
+class _Done:
+    def wait(self) -> bool:
+        return True
+
+
+class LocalBroadcastHub:
+    """Shared state for `LocalBroadcastGroup`s in one process: the n-th broadcast's payload."""
+
+    def __init__(self, size: int, timeout_s: float = 10.0) -> None:
+        self.size, self.timeout_s = size, timeout_s
+        self._cond = threading.Condition()
+        self._slots: dict[int, tuple[torch.Tensor, int]] = {}  # op index -> (payload, readers left)
+
+    def group(self, rank: int) -> LocalBroadcastGroup:
+        return LocalBroadcastGroup(self, rank)
+
+    def _put(self, op: int, payload: torch.Tensor) -> None:
+        with self._cond:
+            self._slots[op] = (payload, self.size - 1)
+            self._cond.notify_all()
+
+    def _take(self, op: int, rank: int) -> torch.Tensor:
+        with self._cond:
+            if not self._cond.wait_for(lambda: op in self._slots, timeout=self.timeout_s):
+                raise RuntimeError(f"local broadcast #{op}: rank {rank} timed out after {self.timeout_s} s")
+            payload, left = self._slots[op]
+            if left <= 1:
+                del self._slots[op]
+            else:
+                self._slots[op] = (payload, left - 1)
+            return payload
+
+
+class LocalBroadcastGroup:
+    """In-process `BroadcastGroup`: ranks are threads; the source's bytes are copied to each receiver."""
+
+    backend = "local"
+
+    def __init__(self, hub: LocalBroadcastHub, rank: int) -> None:
+        self.hub, self.rank, self.size = hub, rank, hub.size
+        self._ops = 0
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> PendingOp:
+        op, self._ops = self._ops, self._ops + 1
+        if self.rank == src:
+            self.hub._put(op, tensor.clone())
+        else:
+            tensor.copy_(self.hub._take(op, self.rank))
+        return _Done()
+
+    def close(self) -> None:
+        pass
