@@ -16,7 +16,13 @@ from typing import Iterable, Iterator
 import torch
 import torch.distributed as dist
 
-from relax_hpc.algos import LossConfig, LossInputs, policy_loss, token_logprobs_and_entropy
+from relax_hpc.algos import (
+    LossConfig,
+    LossInputs,
+    opd_advantages,
+    policy_loss,
+    token_logprobs_and_entropy,
+)
 from relax_hpc.backends.batch import TrainBatch, pack_samples
 from relax_hpc.ckpt import CheckpointManager, ResumeState
 from relax_hpc.data.sample import Sample
@@ -44,6 +50,8 @@ class TorchBackend:
         dtype: str = "float32",
         device: str = "cpu",
         temperature: float = 1.0,
+        teacher_path: str | Path | None = None,
+        opd_coef: float = 1.0,
     ) -> None:
         self.device = torch.device(device)
         self.model = load_causal_lm(model_path, dtype=dtype, device=device)
@@ -65,6 +73,11 @@ class TorchBackend:
         self.reference: torch.nn.Module | None = None
         if loss.kl_coef > 0:
             self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
+        # On-policy distillation: a frozen teacher whose log-probs shape the per-token advantage.
+        self.teacher: torch.nn.Module | None = None
+        if teacher_path is not None:
+            self.teacher = load_causal_lm(teacher_path, dtype=dtype, device=device).eval().requires_grad_(False)
+        self.opd_coef = opd_coef
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
 
     # -- log-probs -----------------------------------------------------------------------------
@@ -72,6 +85,14 @@ class TorchBackend:
     def _logprobs(self, model: torch.nn.Module, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
         logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
         return token_logprobs_and_entropy(logits[:, :-1], batch.targets, self.temperature)
+
+    def _advantages(self, micro: TrainBatch, logp: torch.Tensor) -> torch.Tensor:
+        """Per-sequence advantages, or per-token ones with the teacher's pull under OPD."""
+        if self.teacher is None:
+            return micro.advantages
+        with torch.no_grad():
+            teacher_logp = self._logprobs(self.teacher, micro)[0]
+        return opd_advantages(micro.advantages, logp.detach(), teacher_logp, micro.loss_mask, self.opd_coef)
 
     @torch.no_grad()
     def compute_log_probs(self, samples: list[Sample], reference: bool = False) -> list[list[float]]:
@@ -125,7 +146,7 @@ class TorchBackend:
             micro = batch.slice(i, j)
             logp, entropy = self._logprobs(self.model, micro)
             inputs = LossInputs(
-                logp=logp, old_logp=old_logp[i:j], advantages=micro.advantages,
+                logp=logp, old_logp=old_logp[i:j], advantages=self._advantages(micro, logp),
                 mask=micro.loss_mask, ref_logp=None if ref_logp is None else ref_logp[i:j],
                 rollout_logp=micro.rollout_log_probs, entropy=entropy,
             )
@@ -142,15 +163,17 @@ class TorchBackend:
         stats["grad_norm"] = float(norm)
         return stats
 
-    def train_stream(self, micro_batches: Iterable[list[Sample]], total_rows: int) -> dict[str, float]:
+    def train_stream(self, micro_batches: Iterable[list[Sample]]) -> dict[str, float]:
         """One optimizer step over micro-batches consumed as they arrive (the streaming loader).
 
-        `total_rows` counts the whole step across every rank, so each micro-batch's loss is
-        weighted by its share and the summed gradients equal the full batch's mean. The old
+        Each micro-batch's mean loss is back-propagated weighted by its row count; once the
+        stream ends, gradients are summed over ranks and divided by the total row count, so
+        the step equals one pass over the whole batch however the rows were split. The old
         log-probs are the current policy's (one optimizer step per rollout batch).
         """
         self.optimizer.zero_grad(set_to_none=True)
-        stats: dict[str, float] = {}
+        sums: dict[str, float] = {}
+        rows = 0
         for samples in micro_batches:
             micro = pack_samples(samples, self.pad_id).to(self.device)
             logp, entropy = self._logprobs(self.model, micro)
@@ -159,22 +182,36 @@ class TorchBackend:
                 with torch.no_grad():
                     ref_logp = self._logprobs(self.reference, micro)[0]
             inputs = LossInputs(
-                logp=logp, old_logp=logp.detach(), advantages=micro.advantages,
+                logp=logp, old_logp=logp.detach(), advantages=self._advantages(micro, logp),
                 mask=micro.loss_mask, ref_logp=ref_logp, rollout_logp=micro.rollout_log_probs,
                 entropy=entropy,
             )
             loss, micro_stats = policy_loss(self.loss_cfg, inputs)
-            share = len(samples) / total_rows
-            (loss * share).backward()
+            (loss * len(samples)).backward()
+            rows += len(samples)
             for k, v in micro_stats.items():
-                stats[k] = stats.get(k, 0.0) + v * share
+                sums[k] = sums.get(k, 0.0) + v * len(samples)
+        total = self._sum_over_ranks(float(rows))
+        if total == 0:
+            raise RuntimeError("the training step received no rows; is rollout producing?")
         self._all_reduce_grads(average=False)
+        for p in self.model.parameters():
+            if p.grad is not None:
+                p.grad /= total
         clip = self.optim_cfg.grad_clip
         params = [p for p in self.model.parameters() if p.grad is not None]
         norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
         self.optimizer.step()
+        stats = {k: self._sum_over_ranks(v) / total for k, v in sums.items()}
         stats["grad_norm"] = float(norm)
         return stats
+
+    def _sum_over_ranks(self, value: float) -> float:
+        if self.world_size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return float(t.item())
 
     def _all_reduce_grads(self, average: bool = True) -> None:
         if self.world_size == 1:

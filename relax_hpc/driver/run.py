@@ -73,17 +73,17 @@ def role_configs(spec: JobSpec, job_dir: Path, device: str) -> tuple[RolloutConf
         top_k=r.top_k, stop=tuple(r.stop),
     )
     rollout = RolloutConfig(
-        model_path=spec.model.path, data_path=spec.data.path, prompt_key=spec.data.prompt_key,
-        label_key=spec.data.label_key, max_prompt_tokens=spec.data.max_prompt_tokens,
-        shuffle=spec.data.shuffle, seed=spec.job.seed, reward_function=spec.reward.function,
+        model_path=spec.model.path, data=spec.data, reward=spec.reward, seed=spec.job.seed,
         prompts_per_step=r.prompts_per_step, n_samples_per_prompt=r.n_samples_per_prompt,
         sampling=sampling, dtype=spec.model.dtype, device=device, num_threads=threads,
         normalize_std=a.normalize_std and normalizes_std(a.name),
+        dynamic_sampling=r.dynamic_sampling, max_sampling_rounds=r.max_sampling_rounds,
     )
     loss = LossConfig(
         name=a.name, clip_eps_low=a.clip_eps_low, clip_eps_high=a.clip_eps_high,
         kl_coef=a.kl_coef, kl_estimator=a.kl_estimator, loss_agg=a.loss_agg,
-        entropy_coef=a.entropy_coef,
+        entropy_coef=a.entropy_coef, dual_clip_c=a.dual_clip_c, tis_cap=a.tis_cap,
+        sapo_tau_pos=a.sapo_tau_pos, sapo_tau_neg=a.sapo_tau_neg,
     )
     optim = OptimConfig(
         lr=t.lr, weight_decay=t.weight_decay, adam_betas=(t.adam_betas[0], t.adam_betas[1]),
@@ -94,6 +94,7 @@ def role_configs(spec: JobSpec, job_dir: Path, device: str) -> tuple[RolloutConf
         checkpoint_dir=str(job_dir / "checkpoints"), keep_last=spec.checkpoint.keep_last,
         seed=spec.job.seed, dtype=spec.model.dtype, device=device, temperature=r.temperature,
         num_threads=threads,
+        teacher_path=a.opd_teacher_path if a.name == "opd" else None, opd_coef=a.opd_coef,
     )
     return rollout, actor
 
@@ -168,10 +169,9 @@ def run_job(spec: JobSpec, in_process: bool = False, ray_address: str | None = N
     stop = StopFlag()
     install_stop_handlers(stop)
     r, staleness = spec.rollout, spec.algorithm.max_staleness
-    rows_per_step = r.prompts_per_step * r.n_samples_per_prompt
     capacity = queue_capacity(r.prompts_per_step, staleness, r.n_samples_per_prompt)
-    roles: Roles = (LocalRoles(rollout_cfg, actor_cfg, rows_per_step, capacity) if in_process
-                    else RayRoles(rollout_cfg, actor_cfg, spec.train.num_processes, rows_per_step, capacity))
+    roles: Roles = (LocalRoles(rollout_cfg, actor_cfg, capacity) if in_process
+                    else RayRoles(rollout_cfg, actor_cfg, spec.train.num_processes, capacity))
     print(f"dataset: {roles.dataset_summary()}", file=sys.stderr)
     metrics = make_sinks(spec, job_dir)
     bar = tqdm(total=spec.train.steps, desc=spec.job.name, unit="step", disable=not progress,

@@ -21,6 +21,7 @@ from relax_hpc.data.rows import TRAIN_FIELDS, row_to_sample
 from relax_hpc.data.sample import Sample
 from relax_hpc.transfer.connect import connect_queue
 from relax_hpc.transfer.queue import TransferQueue, partition_name
+from relax_hpc.weights.endpoints import WeightSenderEndpoint
 
 
 @dataclass(frozen=True)
@@ -35,9 +36,11 @@ class ActorConfig:
     device: str = "cpu"
     temperature: float = 1.0
     num_threads: int = 0
+    teacher_path: str | None = None  # on-policy distillation
+    opd_coef: float = 1.0
 
 
-class ActorWorker:
+class ActorWorker(WeightSenderEndpoint):
     def __init__(self, cfg: ActorConfig, rank: int = 0, world_size: int = 1, master: str = "") -> None:
         if cfg.num_threads > 0:
             torch.set_num_threads(cfg.num_threads)
@@ -49,7 +52,7 @@ class ActorWorker:
         self.cfg_micro_batch, self.mini_batches = cfg.optim.micro_batch_size, cfg.optim.mini_batches
         self.backend = TorchBackend(
             cfg.model_path, cfg.optim, cfg.loss, dtype=cfg.dtype, device=cfg.device,
-            temperature=cfg.temperature,
+            temperature=cfg.temperature, teacher_path=cfg.teacher_path, opd_coef=cfg.opd_coef,
         )
         self.checkpoints = CheckpointManager(Path(cfg.checkpoint_dir), keep_last=cfg.keep_last)
         self._queue: TransferQueue | None = None
@@ -57,7 +60,7 @@ class ActorWorker:
     def train(self, samples: list[Sample]) -> dict[str, float]:
         return self.backend.train(samples)
 
-    def train_from_queue(self, target: Any, step: int, total_rows: int, timeout_s: float) -> dict[str, float]:
+    def train_from_queue(self, target: Any, step: int, timeout_s: float) -> dict[str, float]:
         """Train on partition train_<step> as its rows arrive; ack them only after the optimizer step."""
         if self._queue is None:
             self._queue = connect_queue(target, f"actor-rank{self.rank}")
@@ -79,7 +82,7 @@ class ActorWorker:
         if self.mini_batches > 1:  # several optimizer steps need the whole batch first
             stats = self.backend.train([s for chunk in micro_batches() for s in chunk])
         else:
-            stats = self.backend.train_stream(micro_batches(), total_rows)
+            stats = self.backend.train_stream(micro_batches())
         queue.ack(partition, "actor", received)
         return {**stats, "rows": float(len(received)), "reward_sum": float(sum(rewards))}
 
@@ -100,6 +103,7 @@ class ActorWorker:
         return self.backend.load_checkpoint(self.checkpoints)
 
     def shutdown(self) -> None:
+        self.close_weight_channel()
         if self._queue is not None:
             self._queue.close()
         if dist.is_initialized():

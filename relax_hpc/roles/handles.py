@@ -15,7 +15,8 @@ from relax_hpc.data.sample import Sample
 from relax_hpc.roles.actor import ActorConfig, ActorWorker
 from relax_hpc.roles.rollout import RolloutConfig, RolloutWorker
 from relax_hpc.transfer.memory import InMemoryTransferQueue
-from relax_hpc.weights.base import InProcessWeightSync, RayObjectStoreWeightSync, WeightSync
+from relax_hpc.weights.base import InProcessWeightSync, WeightSync
+from relax_hpc.weights.ray_sync import DistributedWeightSync
 
 
 class Roles(Protocol):
@@ -54,20 +55,20 @@ def mean_stats(all_stats: list[dict[str, float]]) -> dict[str, float]:
 class LocalRoles:
     """Every role in this process (one trainer rank); the queue is in memory."""
 
-    def __init__(self, rollout: RolloutConfig, actor: ActorConfig, steps_rows: int,
+    def __init__(self, rollout: RolloutConfig, actor: ActorConfig,
                  capacity: int | None = None, timeout_s: float = 600.0) -> None:
         self.queue = InMemoryTransferQueue(capacity=capacity)
         self.rollout = RolloutWorker(rollout)
         self.actor = ActorWorker(actor)
         self.weights: WeightSync = InProcessWeightSync(self.actor, [self.rollout])
-        self.rows_per_step, self.timeout_s = steps_rows, timeout_s
+        self.timeout_s = timeout_s
 
     def start_rollout(self, start_step: int, total_steps: int, max_staleness: int) -> None:
         self.rollout.start_producer(self.queue, start_step, total_steps, max_staleness)
 
     def train_step(self, step: int) -> dict[str, float]:
         return _guard(self.rollout.producer_error,
-                      lambda: self.actor.train_from_queue(self.queue, step, self.rows_per_step, self.timeout_s))
+                      lambda: self.actor.train_from_queue(self.queue, step, self.timeout_s))
 
     def finish_step(self, step: int) -> dict[str, float]:
         self.actor.clear_partition(step)
@@ -118,7 +119,7 @@ class RayRoles:
     """
 
     def __init__(self, rollout: RolloutConfig, actor: ActorConfig, num_processes: int,
-                 steps_rows: int, capacity: int | None = None, timeout_s: float = 600.0) -> None:
+                 capacity: int | None = None, timeout_s: float = 600.0) -> None:
         import ray
 
         from relax_hpc.transfer.zmq_server import TransferQueueServer
@@ -126,7 +127,7 @@ class RayRoles:
         host = ray.util.get_node_ip_address()
         self._server = TransferQueueServer(f"tcp://{host}:0", capacity=capacity)
         self.queue_address = self._server.start()
-        self.rows_per_step, self.timeout_s = steps_rows, timeout_s
+        self.timeout_s = timeout_s
         # max_concurrency: new weights and status calls must reach rollout while it produces.
         self._rollout = ray.remote(RolloutWorker).options(
             max_concurrency=4, **self._placement("rollout")).remote(rollout)
@@ -137,8 +138,12 @@ class RayRoles:
                 actor, rank, num_processes, master)
             for rank in range(num_processes)
         ]
-        self.weights: WeightSync = RayObjectStoreWeightSync(self._actors[0], [self._rollout])
         ray.get(self._rollout.weight_version.remote())  # surfaces construction errors now
+        # Trainer rank 0 broadcasts to every engine over gloo (CPU) / NCCL (GPU) in buckets.
+        self.weights = DistributedWeightSync(
+            self._actors[0], [self._rollout], host=host, device=actor.device,
+            receiver_devices=[rollout.device], labels=["rollout 0"],
+        )
 
     @staticmethod
     def _placement(component: str) -> dict[str, Any]:
@@ -163,7 +168,7 @@ class RayRoles:
 
     def train_step(self, step: int) -> dict[str, float]:
         return _guard(lambda: self._rollout_call("producer_error"), lambda: _merge_rank_stats(
-            self._all("train_from_queue", self.queue_address, step, self.rows_per_step, self.timeout_s)))
+            self._all("train_from_queue", self.queue_address, step, self.timeout_s)))
 
     def finish_step(self, step: int) -> dict[str, float]:
         import ray
@@ -191,6 +196,7 @@ class RayRoles:
 
         try:
             self._rollout_call("stop_producer")
+            self.weights.close()
             self._all("shutdown")
         finally:
             for a in [*self._actors, self._rollout]:

@@ -9,33 +9,29 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Iterable
 
 import torch
 
 from relax_hpc.algos import group_advantages
-from relax_hpc.data.dataset import DataCursor, load_prompt_rows
+from relax_hpc.data.dataset import DataCursor, DataSettings, load_dataset
 from relax_hpc.data.rows import sample_to_row
 from relax_hpc.data.sample import Sample
 from relax_hpc.engines.base import SamplingParams
 from relax_hpc.engines.native import NativeEngine
-from relax_hpc.rewards.registry import resolve_reward, score_samples
+from relax_hpc.rewards.hub import RewardHub, RewardSettings
 from relax_hpc.transfer.connect import connect_queue
 from relax_hpc.transfer.memory import InMemoryTransferQueue
 from relax_hpc.transfer.queue import partition_name
+from relax_hpc.weights.endpoints import WeightReceiverEndpoint
 
 
 @dataclass(frozen=True)
 class RolloutConfig:
     model_path: str
-    data_path: str
-    prompt_key: str
-    label_key: str
-    max_prompt_tokens: int
-    shuffle: bool
+    data: DataSettings  # the spec's [data] table
+    reward: RewardSettings  # the spec's [reward] table
     seed: int
-    reward_function: str
     prompts_per_step: int
     n_samples_per_prompt: int
     sampling: SamplingParams
@@ -44,9 +40,11 @@ class RolloutConfig:
     device: str = "cpu"
     num_threads: int = 0  # 0: leave torch's default
     queue_timeout_s: float = 3600.0  # how long the producer waits for the trainer to clear a step
+    dynamic_sampling: bool = False
+    max_sampling_rounds: int = 1
 
 
-class RolloutWorker:
+class RolloutWorker(WeightReceiverEndpoint):
     def __init__(self, cfg: RolloutConfig) -> None:
         if cfg.num_threads > 0:
             torch.set_num_threads(cfg.num_threads)
@@ -55,19 +53,18 @@ class RolloutWorker:
         tok = self.engine.tokenizer
         stop_ids = tuple(cfg.sampling.stop_token_ids) + (self.engine.eos_id,)
         self.sampling = SamplingParams(**{**cfg.sampling.__dict__, "stop_token_ids": stop_ids})
-        self.rows, self.report = load_prompt_rows(
-            Path(cfg.data_path), tok, cfg.prompt_key, cfg.label_key, cfg.max_prompt_tokens
-        )
-        self.cursor = DataCursor(len(self.rows), cfg.seed, cfg.shuffle)
-        self.reward_fn = resolve_reward(cfg.reward_function)
+        self.rows, self.report = load_dataset(cfg.data, tok)
+        self.cursor = DataCursor(len(self.rows), cfg.seed, cfg.data.shuffle)
+        self.rewards = RewardHub.from_settings(cfg.reward)
         # Producer state: new weights wait here until the next batch boundary.
         self._lock = threading.Lock()
-        self._pending_weights: tuple[list[tuple[str, torch.Tensor]], int] | None = None
+        self._pending_weights: tuple[dict[str, torch.Tensor], int] | None = None
         self._cursor_after: dict[int, dict] = {}
         self._stats: dict[int, dict[str, float]] = {}
         self._producer: threading.Thread | None = None
         self._stop = threading.Event()
         self._error: str | None = None
+        self._next_group = 0
 
     def dataset_summary(self) -> str:
         return self.report.summary()
@@ -87,9 +84,13 @@ class RolloutWorker:
         return self.engine.weight_version
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Take new weights; the engine swaps them in at its next batch boundary."""
+        """Take new weights (possibly one bucket at a time); the engine swaps them in at its next
+        batch boundary, all at once, under the version of the last call."""
         with self._lock:
-            self._pending_weights = (list(named_tensors), version)
+            pending = self._pending_weights[0] if self._pending_weights else {}
+            # Copies: a weight channel may reuse its bucket buffer for the next bucket.
+            pending.update((name, tensor.detach().clone()) for name, tensor in named_tensors)
+            self._pending_weights = (pending, version)
         if self._producer is None:
             self._apply_pending_weights()
 
@@ -97,7 +98,8 @@ class RolloutWorker:
         with self._lock:
             pending, self._pending_weights = self._pending_weights, None
         if pending is not None:
-            self.engine.update_weights(*pending)
+            weights, version = pending
+            self.engine.update_weights(weights.items(), version)
 
     # -- the producer: rollout's own loop, paced by the staleness rule --------------------------
 
@@ -113,6 +115,9 @@ class RolloutWorker:
 
     def stop_producer(self) -> None:
         self._stop.set()
+        if self._producer is not None:
+            self._producer.join(timeout=30)
+        self.rewards.close()
 
     def producer_error(self) -> str | None:
         return self._error
@@ -151,28 +156,64 @@ class RolloutWorker:
             queue.close()
 
     def generate(self, step: int) -> tuple[list[Sample], dict[str, float]]:
-        """Generate and score one step's groups: prompts_per_step prompts x n_samples_per_prompt."""
+        """Generate and score one step's groups: prompts_per_step prompts x n_samples_per_prompt.
+
+        With dynamic sampling (DAPO), groups whose rewards are all equal carry no learning signal:
+        they are dropped and more prompts are generated, up to max_sampling_rounds rounds; a step
+        still short after that trains on the groups it has.
+        """
+        t0 = time.perf_counter()
+        want, n = self.cfg.prompts_per_step, self.cfg.n_samples_per_prompt
+        kept: list[list[Sample]] = []
+        stats: dict[str, float] = {}
+        rounds = dropped = 0
+        while len(kept) < want and rounds < self.cfg.max_sampling_rounds:
+            groups, round_stats = self._generate_groups(want - len(kept), step, rounds)
+            for k, v in round_stats.items():
+                stats[k] = stats.get(k, 0.0) + v
+            rounds += 1
+            if not self.cfg.dynamic_sampling:
+                kept = groups
+                break
+            for group in groups:
+                rewards = {s.reward for s in group}
+                if len(rewards) > 1:
+                    kept.append(group)
+                else:
+                    dropped += 1
+            if rounds == self.cfg.max_sampling_rounds and not kept:
+                kept = groups  # nothing had signal: train on zero advantages rather than stall
+        samples = [s for group in kept[:want] for s in group]
+        stats.update({
+            "time/rollout_s": time.perf_counter() - t0,
+            "rollout/response_len": sum(s.response_length for s in samples) / len(samples),
+            "rollout/truncated_frac": sum(s.finish_reason == "length" for s in samples) / len(samples),
+        })
+        if self.cfg.dynamic_sampling:
+            stats["rollout/dropped_groups"] = float(dropped)
+            stats["rollout/sampling_rounds"] = float(rounds)
+        return samples, stats
+
+    def _generate_groups(self, prompts: int, step: int, round_: int) -> tuple[list[list[Sample]], dict[str, float]]:
         t0 = time.perf_counter()
         n = self.cfg.n_samples_per_prompt
-        picked = [self.rows[i] for i in self.cursor.take(self.cfg.prompts_per_step)]
-        prompts = [row.prompt_ids for row in picked for _ in range(n)]
-        gens = self.engine.generate(prompts, self.sampling, seed=self.cfg.seed * 1_000_003 + step)
-        samples = []
+        picked = [self.rows[i] for i in self.cursor.take(prompts)]
+        flat = [row.prompt_ids for row in picked for _ in range(n)]
+        seed = (self.cfg.seed * 1_000_003 + step) * 131 + round_
+        gens = self.engine.generate(flat, self.sampling, seed=seed)
+        groups: list[list[Sample]] = []
         for k, gen in enumerate(gens):
             row = picked[k // n]
-            samples.append(Sample(
+            if k % n == 0:
+                groups.append([])
+                self._next_group += 1
+            groups[-1].append(Sample(
                 prompt_ids=gen.prompt_ids, response_ids=gen.token_ids,
                 rollout_log_probs=gen.logprobs, weight_version=gen.weight_version,
-                group_id=step * self.cfg.prompts_per_step + k // n, prompt_index=row.index,
+                group_id=self._next_group, prompt_index=row.index,
                 label=row.label, prompt_text=row.prompt_text, response_text=gen.text,
                 finish_reason=gen.finish_reason, metadata=dict(row.metadata),
             ))
         t1 = time.perf_counter()
-        score_samples(self.reward_fn, samples)
-        stats = {
-            "time/generate_s": t1 - t0,
-            "time/reward_s": time.perf_counter() - t1,
-            "rollout/response_len": sum(s.response_length for s in samples) / len(samples),
-            "rollout/truncated_frac": sum(s.finish_reason == "length" for s in samples) / len(samples),
-        }
-        return samples, stats
+        reward_stats = self.rewards.score([s for g in groups for s in g])
+        return groups, {**reward_stats, "time/generate_s": t1 - t0, "time/reward_s": time.perf_counter() - t1}

@@ -1,0 +1,107 @@
+"""The Rollout role in process: dynamic sampling, weight versions, the producer and staleness."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from relax_hpc.data.sample import Sample
+from relax_hpc.engines.base import SamplingParams
+from relax_hpc.roles.rollout import RolloutConfig, RolloutWorker
+from relax_hpc.spec import parse_spec
+from relax_hpc.transfer import InMemoryTransferQueue, partition_name
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from relax_hpc.models.tiny import write_tiny_model
+
+    return write_tiny_model(tmp_path_factory.mktemp("m") / "tiny", seed=1)
+
+
+def zero_for_zero_plus(sample: Sample) -> float:
+    """No signal for prompts "0+b=" (every sample 0); a distinct value per sample otherwise."""
+    return 0.0 if sample.prompt_text.startswith("0+") else sample.rollout_log_probs[0]
+
+
+def _worker(model_dir: Path, dynamic: bool = False, rounds: int = 1, prompts: int = 8,
+            reward: str = "tiny_sum") -> RolloutWorker:
+    spec = parse_spec(
+        f'[job]\nname = "r"\n[model]\npath = "{model_dir}"\n'
+        f'[data]\npath = "{REPO / "jobspecs/data/tiny_sum.jsonl"}"\n'
+        f'[reward]\nfunction = "{reward}"\n[train]\nsteps = 1\n'
+    )
+    cfg = RolloutConfig(
+        model_path=str(model_dir), data=spec.data, reward=spec.reward, seed=3,
+        prompts_per_step=prompts, n_samples_per_prompt=8,
+        sampling=SamplingParams(max_new_tokens=3), dynamic_sampling=dynamic, max_sampling_rounds=rounds,
+    )
+    return RolloutWorker(cfg)
+
+
+def test_dynamic_sampling_keeps_only_groups_with_signal(model_dir: Path) -> None:
+    worker = _worker(model_dir, dynamic=True, rounds=4, prompts=10,
+                     reward="test_rollout_worker:zero_for_zero_plus")
+    samples, stats = worker.generate(0)
+    groups: dict[int, list[Sample]] = {}
+    for s in samples:
+        groups.setdefault(s.group_id, []).append(s)
+    assert len(groups) == 10 and all(len(g) == 8 for g in groups.values())
+    assert not any(g[0].prompt_text.startswith("0+") for g in groups.values())
+    assert all(len({s.reward for s in g}) > 1 for g in groups.values())
+    # 10 of the 25 shuffled prompts are taken first; the 0+b ones among them were dropped and
+    # replaced from the next round.
+    assert stats["rollout/dropped_groups"] >= 1
+    assert stats["rollout/sampling_rounds"] >= 2
+
+
+def test_dynamic_sampling_trains_on_what_it_has_when_nothing_has_signal(model_dir: Path) -> None:
+    worker = _worker(model_dir, dynamic=True, rounds=2, prompts=4, reward="test_rollout_worker:always_zero")
+    samples, stats = worker.generate(0)
+    assert len(samples) == 4 * 8 and stats["rollout/sampling_rounds"] == 2
+
+
+def always_zero(sample: Sample) -> float:
+    return 0.0
+
+
+def test_without_dynamic_sampling_every_group_is_kept(model_dir: Path) -> None:
+    samples, stats = _worker(model_dir).generate(0)
+    assert len(samples) == 8 * 8 and "rollout/dropped_groups" not in stats
+
+
+def test_samples_carry_the_weight_version_the_engine_used(model_dir: Path) -> None:
+    worker = _worker(model_dir)
+    assert {s.weight_version for s in worker.generate(0)[0]} == {0}
+    weights = [(n, t + 0.01) for n, t in worker.engine.model.state_dict().items()]
+    worker.update_weights(weights, 7)  # no producer running: applied at once
+    assert worker.weight_version() == 7
+    assert {s.weight_version for s in worker.generate(1)[0]} == {7}
+
+
+def test_producer_follows_the_staleness_rule_and_swaps_weights_at_a_batch_boundary(model_dir: Path) -> None:
+    queue = InMemoryTransferQueue()
+    worker = _worker(model_dir, prompts=2)
+    worker.start_producer(queue, start_step=0, total_steps=3, max_staleness=0)
+    consumer = queue.open_session("test")
+    batch0 = consumer.get(partition_name(0), "actor", ["tokens"], 16, timeout=30)
+    assert len(batch0) == 16
+    # max_staleness 0: step 1 may not start while step 0 is uncleared.
+    assert not queue.may_start(1, 0)
+    assert [p.name for p in queue.partitions()] == [partition_name(0)]
+    # New weights arrive while the producer waits: they must be used for step 1, not before.
+    worker.update_weights([(n, t * 1.0) for n, t in worker.engine.model.state_dict().items()], 1)
+    assert worker.weight_version() == 0
+    queue.clear(partition_name(0))
+    batch1 = consumer.get(partition_name(1), "actor", ["tokens", "weight_version"], 16, timeout=30)
+    assert {int(v) for v in batch1.column("weight_version")} == {1}
+    assert worker.cursor_after(0) != worker.cursor_after(1)
+    queue.clear(partition_name(1))
+    consumer.get(partition_name(2), "actor", ["tokens"], 16, timeout=30)
+    worker.stop_producer()
+    assert worker.producer_error() is None
+    assert torch.is_tensor(batch0.rows[0]["tokens"])
