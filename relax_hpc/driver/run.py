@@ -63,6 +63,20 @@ def resolve_device(requested: str) -> str:
     return requested
 
 
+def check_backends_available(spec: JobSpec) -> None:
+    """The spec may name the cluster backends; refuse clearly where this build cannot run them."""
+    if spec.rollout.engine != "native":
+        raise ValueError(
+            f'rollout.engine = "{spec.rollout.engine}" is not available in this version of relax-hpc '
+            '(only the native torch engine is); set [rollout] engine = "native"'
+        )
+    if spec.train.backend != "torch":
+        raise ValueError(
+            f'train.backend = "{spec.train.backend}" is not available in this version of relax-hpc '
+            '(only the torch backend is); set [train] backend = "torch"'
+        )
+
+
 def role_configs(spec: JobSpec, job_dir: Path, device: str) -> tuple[RolloutConfig, ActorConfig]:
     r, a, t = spec.rollout, spec.algorithm, spec.train
     # One thread per role: these models are small, and oversubscribed intra-op threads slow
@@ -159,6 +173,7 @@ def run_job(spec: JobSpec, in_process: bool = False, ray_address: str | None = N
     from tqdm import tqdm
 
     t_start = time.perf_counter()
+    check_backends_available(spec)
     job_dir = prepare_job_dir(spec)
     ensure_model(spec)
     device = resolve_device(spec.train.device)

@@ -40,11 +40,32 @@ class ActorConfig:
     opd_coef: float = 1.0
 
 
+def rendezvous_address() -> str:
+    """host:port on this node for the trainer group's TCP store (rank 0 calls it on its own node)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("", 0))
+        port = s.getsockname()[1]
+    try:
+        import ray
+
+        host = ray.util.get_node_ip_address()
+    except Exception:  # not under Ray: a single machine
+        host = "127.0.0.1"
+    return f"{host}:{port}"
+
+
 class ActorWorker(WeightSenderEndpoint):
+    """Rank `rank` of the trainer. With several ranks, rank 0's node hosts the group's TCP store:
+    the placement code asks rank 0 for `rendezvous_address()` first, then passes it to every rank."""
+
     def __init__(self, cfg: ActorConfig, rank: int = 0, world_size: int = 1, master: str = "") -> None:
         if cfg.num_threads > 0:
             torch.set_num_threads(cfg.num_threads)
         if world_size > 1:
+            if not master:
+                raise ValueError("a trainer with several ranks needs the rendezvous address of rank 0")
             backend = "nccl" if cfg.device.startswith("cuda") else "gloo"
             dist.init_process_group(backend, init_method=f"tcp://{master}", rank=rank, world_size=world_size)
         torch.manual_seed(cfg.seed + rank)

@@ -7,12 +7,11 @@ in-memory queue (fast tests, debugging).
 
 from __future__ import annotations
 
-import socket
 from typing import Any, Protocol
 
 from relax_hpc.ckpt import ResumeState
 from relax_hpc.data.sample import Sample
-from relax_hpc.roles.actor import ActorConfig, ActorWorker
+from relax_hpc.roles.actor import ActorConfig, ActorWorker, rendezvous_address
 from relax_hpc.roles.rollout import RolloutConfig, RolloutWorker
 from relax_hpc.transfer.memory import InMemoryTransferQueue
 from relax_hpc.weights.base import InProcessWeightSync, WeightSync
@@ -105,10 +104,10 @@ def _guard(producer_error: Any, train: Any) -> dict[str, float]:
         raise
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _node_and_rendezvous() -> tuple[str, str]:
+    import ray
+
+    return ray.get_runtime_context().get_node_id(), rendezvous_address()
 
 
 class RayRoles:
@@ -131,10 +130,17 @@ class RayRoles:
         # max_concurrency: new weights and status calls must reach rollout while it produces.
         self._rollout = ray.remote(RolloutWorker).options(
             max_concurrency=4, **self._placement("rollout")).remote(rollout)
-        # Rank 0's node hosts the TCP store of the trainer's process group.
-        master = f"{host}:{_free_port()}"
+        # Rank 0's node hosts the TCP store of the trainer's process group: a task on a trainer
+        # node picks the address, and rank 0 is pinned to that node.
+        placement = self._placement("trainer")
+        master, rank0 = "", placement
+        if num_processes > 1:
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+            node_id, master = ray.get(ray.remote(_node_and_rendezvous).options(**placement).remote())
+            rank0 = {**placement, "scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=False)}
         self._actors = [
-            ray.remote(ActorWorker).options(**self._placement("trainer")).remote(
+            ray.remote(ActorWorker).options(**(rank0 if rank == 0 else placement)).remote(
                 actor, rank, num_processes, master)
             for rank in range(num_processes)
         ]

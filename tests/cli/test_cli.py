@@ -95,3 +95,16 @@ def test_help_lists_the_commands() -> None:
     assert result.returncode == 0
     for command in ("run", "validate", "show", "make-tiny", "plot"):
         assert command in result.stdout
+
+
+def test_run_refuses_a_backend_this_build_does_not_have(tmp_path: Path) -> None:
+    spec = tmp_path / "s.toml"
+    spec.write_text(
+        f'[job]\nname = "x"\noutput_dir = "{tmp_path / "job"}"\n[model]\npath = "{tmp_path / "m"}"\n'
+        f'[data]\npath = "{REPO / "jobspecs/data/tiny_sum.jsonl"}"\n[rollout]\nengine = "sglang"\n'
+        '[reward]\nfunction = "tiny_sum"\n[train]\nsteps = 1\n'
+    )
+    result = relax("run", str(spec), "--in-process", "--no-progress")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert 'rollout.engine = "sglang" is not available' in result.stderr
+    assert not (tmp_path / "job").exists()  # refused before anything was written
