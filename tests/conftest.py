@@ -1,4 +1,4 @@
-"""Shared fixture: one tiny Qwen3 model directory per test session (built locally, no downloads)."""
+"""Shared fixtures: one tiny Qwen3 model directory per test session (built locally, no downloads)."""
 
 from __future__ import annotations
 
@@ -17,8 +17,7 @@ torch.set_num_threads(1)
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    # Every test folder's conftest points at the same directory under the session's base temp
-    # dir, so the model is written once per session whichever folders run.
+    # Written once per session; tests/driver overrides it with the seed of the embedded default.
     path = tmp_path_factory.getbasetemp() / "tiny-model-seed0"
     if not path.exists():
         write_tiny_model(path, seed=0)
