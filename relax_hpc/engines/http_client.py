@@ -1,0 +1,210 @@
+"""`HttpEngine`: a `RolloutEngine` that generates through an engine server's `POST /generate`.
+
+The server is either `relax-hpc serve-engine` (relax_hpc.engines.http_server) or a real SGLang
+server: both speak SGLang's native API. Token ids go in and come out, so the caller tokenizes
+with the served model's tokenizer. Used for judges (GenRM) and other frozen models: the weights
+of a remote engine are the server's business, and `update_weights` refuses.
+
+    engine = HttpEngine("http://judge-node:30000", timeout_s=60, retries=3)
+    gens = engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=8), seed=0)
+
+Connection errors, timeouts, HTTP 429 and 5xx are retried with exponential backoff; other 4xx
+replies mean the request is wrong and fail at once with the server's message. Every error
+names the URL.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from typing import Any, Iterable
+
+import torch
+
+from relax_hpc.engines.base import FinishReason, Generation, SamplingParams
+
+__all__ = ["EngineHttpError", "HttpEngine", "parse_generate_reply"]
+
+
+class EngineHttpError(RuntimeError):
+    """The engine server could not be reached or gave an answer this client cannot use."""
+
+
+def _weight_version(value: Any) -> int:
+    # SGLang reports a string ("default" until the first update, then whatever the updater sent).
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        return int(value)
+    return 0
+
+
+def _one_reply(item: Any, prompt: list[int], url: str) -> Generation:
+    if not isinstance(item, dict) or not isinstance(item.get("meta_info"), dict):
+        raise EngineHttpError(f"engine at {url} replied {json.dumps(item)[:200]}; expected an object with 'meta_info'")
+    meta = item["meta_info"]
+    pairs = meta.get("output_token_logprobs")
+    if not isinstance(pairs, list):
+        raise EngineHttpError(
+            f"engine at {url} sent no meta_info.output_token_logprobs; the request asked for return_logprob"
+        )
+    logprobs = [float(p[0]) for p in pairs]
+    # Older SGLang releases have no "output_ids"; the log-prob triples carry the same ids.
+    token_ids = [int(t) for t in item["output_ids"]] if "output_ids" in item else [int(p[1]) for p in pairs]
+    if len(token_ids) != len(logprobs):
+        raise EngineHttpError(
+            f"engine at {url} sent {len(token_ids)} output ids but {len(logprobs)} log-probs"
+        )
+    finish = meta.get("finish_reason")
+    kind = finish.get("type") if isinstance(finish, dict) else finish
+    if kind not in ("stop", "length"):
+        detail = finish.get("message", "") if isinstance(finish, dict) else ""
+        raise EngineHttpError(f"engine at {url} ended a generation with finish_reason {kind!r} {detail}".rstrip())
+    reason: FinishReason = "stop" if kind == "stop" else "length"
+    text = item.get("text", "")
+    return Generation(
+        prompt_ids=list(prompt), token_ids=token_ids, logprobs=logprobs, finish_reason=reason,
+        weight_version=_weight_version(meta.get("weight_version")), text=text if isinstance(text, str) else "",
+        extra={"request_id": meta.get("id")},
+    )
+
+
+def parse_generate_reply(body: Any, prompts: list[list[int]], url: str) -> list[Generation]:
+    """Generations from a decoded batched `/generate` reply (one object per prompt)."""
+    if isinstance(body, dict) and len(prompts) == 1:
+        body = [body]
+    if not isinstance(body, list) or len(body) != len(prompts):
+        got = len(body) if isinstance(body, list) else type(body).__name__
+        raise EngineHttpError(f"engine at {url} answered {got} for {len(prompts)} prompts; expected one object each")
+    try:
+        return [_one_reply(item, prompt, url) for item, prompt in zip(body, prompts)]
+    except (KeyError, TypeError, ValueError, IndexError) as e:
+        raise EngineHttpError(f"engine at {url} sent a malformed generation ({type(e).__name__}: {e})") from e
+
+
+def sampling_payload(params: SamplingParams, seed: int | None) -> dict[str, Any]:
+    """SGLang's sampling_params for ours (top_k 0 is SGLang's -1: no top-k filter)."""
+    payload: dict[str, Any] = {
+        "max_new_tokens": params.max_new_tokens,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "top_k": params.top_k if params.top_k > 0 else -1,
+    }
+    if params.stop:
+        payload["stop"] = list(params.stop)
+    if params.stop_token_ids:
+        payload["stop_token_ids"] = list(params.stop_token_ids)
+    if seed is not None:
+        payload["sampling_seed"] = seed
+    return payload
+
+
+class HttpEngine:
+    """A `RolloutEngine` whose model runs behind an HTTP engine server."""
+
+    def __init__(
+        self,
+        base_url: str,
+        timeout_s: float = 60.0,
+        retries: int = 3,
+        backoff_s: float = 0.5,
+        max_backoff_s: float = 10.0,
+    ) -> None:
+        if not base_url.startswith(("http://", "https://")):
+            raise ValueError(f"engine URL {base_url!r} must start with http:// or https://, e.g. http://node1:30000")
+        if timeout_s <= 0 or retries < 0:
+            raise ValueError(f"HttpEngine needs timeout_s > 0 and retries >= 0, got {timeout_s} and {retries}")
+        self.base_url = base_url.rstrip("/")
+        self.timeout_s, self.retries = timeout_s, retries
+        self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
+        self._version = 0
+
+    @property
+    def weight_version(self) -> int:
+        """The weight version of the server's last answer (0 before the first generation)."""
+        return self._version
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        raise RuntimeError(
+            f"weights of an HTTP engine are updated by its server ({self.base_url}), not through this client; "
+            "a judge or teacher served this way is frozen"
+        )
+
+    def health(self) -> bool:
+        """True when GET /health answers 200 (one attempt, no retries)."""
+        try:
+            self._send("GET", "/health", None, attempts=1)
+            return True
+        except EngineHttpError:
+            return False
+
+    def model_info(self) -> dict[str, Any]:
+        # /get_model_info is the name both SGLang and relax-hpc's server answer.
+        body = self._send("GET", "/get_model_info", None)
+        if not isinstance(body, dict):
+            raise EngineHttpError(f"engine at {self.base_url}/get_model_info replied {body!r}; expected an object")
+        return body
+
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams, seed: int | None = None
+    ) -> list[Generation]:
+        if not prompts:
+            return []
+        request = {
+            "input_ids": [list(p) for p in prompts],
+            "sampling_params": sampling_payload(params, seed),
+            "return_logprob": True,
+        }
+        gens = parse_generate_reply(self._send("POST", "/generate", request), prompts, self.base_url)
+        self._version = max((g.weight_version for g in gens), default=self._version)
+        return gens
+
+    def _backoff(self, retry: int) -> float:
+        return min(self.backoff_s * 2**retry, self.max_backoff_s)
+
+    def _send(self, method: str, path: str, payload: Any, attempts: int | None = None) -> Any:
+        url = self.base_url + path
+        data = None if payload is None else json.dumps(payload).encode("utf-8")
+        tries = self.retries + 1 if attempts is None else attempts
+        last = ""
+        for attempt in range(tries):
+            try:
+                return self._once(method, url, data)
+            except urllib.error.HTTPError as e:
+                last = f"HTTP {e.code}: {_error_message(e)}"
+                if e.code != 429 and e.code < 500:
+                    raise EngineHttpError(f"engine at {url} rejected the request: {last}") from e
+            except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as e:
+                reason = getattr(e, "reason", e)
+                last = f"{type(reason).__name__}: {reason}"
+            except json.JSONDecodeError as e:
+                last = f"reply is not JSON ({e.msg})"
+            if attempt + 1 < tries:
+                time.sleep(self._backoff(attempt))
+        raise EngineHttpError(
+            f"engine at {url} failed after {tries} attempt(s) (last error: {last}); is the server up and "
+            f"reachable from here? timeout_s = {self.timeout_s}"
+        )
+
+    def _once(self, method: str, url: str, data: bytes | None) -> Any:
+        headers = {"Content-Type": "application/json"} if data is not None else {}
+        request = urllib.request.Request(url, data=data, method=method, headers=headers)
+        with urllib.request.urlopen(request, timeout=self.timeout_s) as reply:
+            raw = reply.read()
+        return json.loads(raw.decode("utf-8")) if raw.strip() else {}
+
+
+def _error_message(error: urllib.error.HTTPError) -> str:
+    """The server's own message from a JSON error body, else the HTTP reason."""
+    try:
+        body = json.loads(error.read().decode("utf-8"))
+    except (OSError, ValueError):
+        return str(error.reason)
+    if isinstance(body, dict):
+        inner = body.get("error", body)
+        message = inner.get("message") if isinstance(inner, dict) else inner
+        if message:
+            return str(message)[:500]
+    return str(error.reason)
