@@ -5,6 +5,7 @@
     relax-hpc show SPEC         print the fully resolved spec (every default filled in)
     relax-hpc make-tiny DIR     write the tiny Qwen3-architecture model + tokenizer
     relax-hpc plot JOBDIR       (re)draw JOBDIR/reward_curve.png from JOBDIR/metrics.jsonl
+    relax-hpc serve-engine DIR  serve a model over HTTP (SGLang's /generate subset); prints the URL
     relax-hpc render SPEC       print the heterogeneous sbatch script of a spec (no side effects)
     relax-hpc submit SPEC       submit it to Slurm; status | logs | cancel JOB; convert JOBDIR OUT
 """
@@ -63,6 +64,26 @@ def _cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve_engine(args: argparse.Namespace) -> int:
+    from relax_hpc.engines.http_server import EngineServer
+    from relax_hpc.engines.native import NativeEngine
+
+    engine = NativeEngine(args.model_dir, dtype=args.dtype, device=args.device)
+    info = {"model_path": str(args.model_dir), "tokenizer_path": str(args.model_dir)}
+    try:
+        server = EngineServer(engine, host=args.host, port=args.port, model_info=info,
+                              vocab_size=int(engine.model.config.vocab_size))
+    except OSError as e:
+        raise ValueError(f"cannot listen on {args.host}:{args.port} ({e.strerror}); "
+                         "pick another --port, or --port 0 for a free one") from e
+    print(server.url, flush=True)  # the first line of output: scripts read it to find a free port
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="relax-hpc",
@@ -95,6 +116,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plot", help="draw JOBDIR/reward_curve.png from JOBDIR/metrics.jsonl")
     p.add_argument("job_dir")
     p.set_defaults(func=_cmd_plot)
+
+    p = sub.add_parser("serve-engine", help="serve MODEL_DIR over HTTP (POST /generate, GET /health); prints the URL")
+    p.add_argument("model_dir", help="local Hugging Face model directory")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 for all)")
+    p.add_argument("--port", type=int, default=0, help="port (default 0: a free one, printed at start)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0 (default cpu)")
+    p.set_defaults(func=_cmd_serve_engine)
 
     slurm_commands.add_parsers(sub)  # render, submit, status, logs, cancel, convert
     return parser

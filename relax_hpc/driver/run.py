@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from relax_hpc.agents.config import agentic_from_spec
 from relax_hpc.algos import LossConfig, normalizes_std
 from relax_hpc.backends.torch_backend import OptimConfig
 from relax_hpc.driver.loop import LoopConfig, LoopResult, StopFlag, run_loop
@@ -92,6 +93,7 @@ def role_configs(spec: JobSpec, job_dir: Path, device: str) -> tuple[RolloutConf
         sampling=sampling, dtype=spec.model.dtype, device=device, num_threads=threads,
         normalize_std=a.normalize_std and normalizes_std(a.name),
         dynamic_sampling=r.dynamic_sampling, max_sampling_rounds=r.max_sampling_rounds,
+        agentic=agentic_from_spec(r),
     )
     loss = LossConfig(
         name=a.name, clip_eps_low=a.clip_eps_low, clip_eps_high=a.clip_eps_high,

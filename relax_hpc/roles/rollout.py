@@ -13,12 +13,15 @@ from typing import Any, Iterable
 
 import torch
 
+from relax_hpc.agents.config import AgenticConfig
 from relax_hpc.algos import group_advantages
 from relax_hpc.data.dataset import DataCursor, DataSettings, load_dataset
 from relax_hpc.data.rows import sample_to_row
 from relax_hpc.data.sample import Sample
-from relax_hpc.engines.base import SamplingParams
+from relax_hpc.engines.base import RolloutEngine, SamplingParams
+from relax_hpc.engines.http_client import HttpEngine
 from relax_hpc.engines.native import NativeEngine
+from relax_hpc.models.hf import load_tokenizer
 from relax_hpc.rewards.hub import RewardHub, RewardSettings
 from relax_hpc.transfer.connect import connect_queue
 from relax_hpc.transfer.memory import InMemoryTransferQueue
@@ -42,6 +45,33 @@ class RolloutConfig:
     queue_timeout_s: float = 3600.0  # how long the producer waits for the trainer to clear a step
     dynamic_sampling: bool = False
     max_sampling_rounds: int = 1
+    agentic: AgenticConfig | None = None  # multi-turn env / custom generate / agent (docs/agents.md)
+
+
+def build_genrm_judge(reward: RewardSettings, dtype: str, device: str) -> tuple[RolloutEngine | None, Any]:
+    """The GenRM judge engine and its tokenizer from [reward], or (None, None) when none is set.
+
+    genrm_url: an engine server (frozen weights), tokenizer from genrm_tokenizer_path (required:
+    the server takes token ids). genrm_model_path: a native engine in this process on rollout's
+    device, tokenizer from the same directory unless genrm_tokenizer_path overrides it.
+    """
+    model_path: str | None = getattr(reward, "genrm_model_path", None)
+    url: str | None = getattr(reward, "genrm_url", None)
+    tokenizer_path: str | None = getattr(reward, "genrm_tokenizer_path", None)
+    if url:
+        if not tokenizer_path:
+            raise ValueError(
+                f"[reward] genrm_url = {url!r} needs genrm_tokenizer_path (the judge's local HF directory)"
+            )
+        # A judge call, retries and their backoffs (0.5 s, 1 s) included, must fit in the reward
+        # pool's per-sample timeout; split what the backoffs leave over the 3 attempts.
+        per_attempt = max((reward.timeout_s - 1.5) / 3, 0.1)
+        engine = HttpEngine(url, timeout_s=per_attempt, retries=2, backoff_s=0.5)
+        return engine, load_tokenizer(tokenizer_path)
+    if model_path:
+        native = NativeEngine(model_path, dtype=dtype, device=device)
+        return native, load_tokenizer(tokenizer_path) if tokenizer_path else native.tokenizer
+    return None, None
 
 
 class RolloutWorker(WeightReceiverEndpoint):
@@ -55,7 +85,16 @@ class RolloutWorker(WeightReceiverEndpoint):
         self.sampling = SamplingParams(**{**cfg.sampling.__dict__, "stop_token_ids": stop_ids})
         self.rows, self.report = load_dataset(cfg.data, tok)
         self.cursor = DataCursor(len(self.rows), cfg.seed, cfg.data.shuffle)
-        self.rewards = RewardHub.from_settings(cfg.reward)
+        judge, judge_tokenizer = build_genrm_judge(cfg.reward, cfg.dtype, cfg.device)
+        self.rewards = RewardHub.from_settings(cfg.reward, genrm_engine=judge, genrm_tokenizer=judge_tokenizer)
+        self.agentic: Any = None
+        if cfg.agentic is not None:
+            from relax_hpc.agents.service import AgenticRollout
+
+            model_config = getattr(getattr(self.engine, "model", None), "config", None)
+            max_ctx = getattr(model_config, "max_position_embeddings", None)
+            self.agentic = AgenticRollout(cfg.agentic, self.engine, tok, self.sampling,
+                                          self.engine.eos_id, max_ctx)
         # Producer state: new weights wait here until the next batch boundary.
         self._lock = threading.Lock()
         self._pending_weights: tuple[dict[str, torch.Tensor], int] | None = None
@@ -118,6 +157,8 @@ class RolloutWorker(WeightReceiverEndpoint):
         if self._producer is not None:
             self._producer.join(timeout=30)
         self.rewards.close()
+        if self.agentic is not None:
+            self.agentic.close()
 
     def producer_error(self) -> str | None:
         return self._error
@@ -141,7 +182,13 @@ class RolloutWorker(WeightReceiverEndpoint):
                 self._apply_pending_weights()  # the batch boundary
                 samples, stats = self.generate(step)
                 rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
-                advantages = group_advantages(rewards, self.cfg.n_samples_per_prompt, self.cfg.normalize_std)
+                if self.agentic is not None:  # agent sessions export a varying number of samples
+                    from relax_hpc.agents.export import advantages_by_group
+
+                    advantages = torch.tensor(advantages_by_group(
+                        rewards.tolist(), [s.group_id for s in samples], self.cfg.normalize_std))
+                else:
+                    advantages = group_advantages(rewards, self.cfg.n_samples_per_prompt, self.cfg.normalize_std)
                 for sample, adv in zip(samples, advantages.tolist()):
                     sample.advantage = adv
                 with self._lock:
@@ -200,6 +247,13 @@ class RolloutWorker(WeightReceiverEndpoint):
         picked = [self.rows[i] for i in self.cursor.take(prompts)]
         flat = [row.prompt_ids for row in picked for _ in range(n)]
         seed = (self.cfg.seed * 1_000_003 + step) * 131 + round_
+        if self.agentic is not None:
+            groups, extra = self.agentic.generate_groups(picked, n, seed, self._next_group + 1)
+            self._next_group += len(groups)
+            t1 = time.perf_counter()
+            reward_stats = self.rewards.score([s for g in groups for s in g])
+            return groups, {**extra, **reward_stats, "time/generate_s": t1 - t0,
+                            "time/reward_s": time.perf_counter() - t1}
         gens = self.engine.generate(flat, self.sampling, seed=seed)
         groups: list[list[Sample]] = []
         for k, gen in enumerate(gens):

@@ -144,9 +144,34 @@ def _opd_has_a_teacher(spec: Resolved) -> list[SpecProblem]:
     return [SpecProblem(key="algorithm.opd_teacher_path", value=None, message=message)]
 
 
+def _genrm_has_a_judge(spec: Resolved) -> list[SpecProblem]:
+    got = spec.get("reward.function", "reward.genrm_model_path", "reward.genrm_url", "reward.genrm_tokenizer_path")
+    if got is None:
+        return []
+    function, model_path, url, tokenizer_path = got
+    if model_path is not None and url is not None:
+        message = ("cannot be set together with reward.genrm_model_path: the judge is either served in the "
+                   "rollout process (genrm_model_path) or by an engine server (genrm_url); keep one")
+        return [SpecProblem(key="reward.genrm_url", value=show_value(url), message=message)]
+    if url is not None and not url.startswith(("http://", "https://")):
+        message = ("must be an engine server's base URL starting with http:// or https://, "
+                   'e.g. "http://judge-node:30000"')
+        return [SpecProblem(key="reward.genrm_url", value=show_value(url), message=message)]
+    if url is not None and tokenizer_path is None:
+        message = ("is required with reward.genrm_url: the judge server takes token ids, so rollout needs the "
+                   "judge's tokenizer; set it to the judge's Hugging Face directory or hub name")
+        return [SpecProblem(key="reward.genrm_tokenizer_path", value=None, message=message)]
+    if function == "genrm" and model_path is None and url is None:
+        message = ('is required when reward.function = "genrm": set genrm_model_path to the judge\'s Hugging Face '
+                   'directory (served in the rollout process) or genrm_url = "http://host:port" (an engine server)')
+        return [SpecProblem(key="reward.genrm_model_path", value=None, message=message)]
+    return []
+
+
 CROSS_CHECKS: tuple[Callable[[Resolved], list[SpecProblem]], ...] = (
     _colocate_is_on_policy,
     _opd_has_a_teacher,
+    _genrm_has_a_judge,
     _samples_split_into_mini_batches,
     _groups_have_two_samples,
     _trainer_processes_fit,

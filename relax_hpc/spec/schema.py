@@ -128,6 +128,18 @@ class RolloutSpec:
     num_engines: int = setting(1, at_least(1))
     dynamic_sampling: bool = setting(False)  # DAPO: drop all-equal-reward groups, over-sample
     max_sampling_rounds: int = setting(4, at_least(1))  # generation rounds per step to fill it
+    # Agentic rollouts (docs/agents.md): a multi-turn environment, a custom generate function,
+    # or an agent workflow behind the OpenAI-compatible proxy ("package.module:Name" paths).
+    env: str | None = setting(None, non_empty)
+    generate: str | None = setting(None, non_empty)
+    max_turns: int = setting(4, at_least(1))  # model turns per episode
+    max_total_tokens: int = setting(256, at_least(1))  # response budget: model + observation tokens
+    agent: str | None = setting(None, non_empty)
+    agent_mode: Literal["inline", "subproc"] = setting("inline")
+    agent_turn_discount: float = setting(1.0, within(0, 1))
+    agent_export_style: Literal["individual", "concat"] = setting("individual")
+    agent_subproc_max_workers: int = setting(4, at_least(1))
+    agent_session_timeout_s: float = setting(600.0, greater_than(0))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -162,6 +174,9 @@ class RewardSpec:
     remote_url: str | None = setting(None, non_empty)
     remote_max_retries: int = setting(3, at_least(0))
     genrm_prompt: str | None = setting(None, non_empty)  # {question} {answer} {label}
+    genrm_model_path: str | None = setting(None, non_empty)  # judge HF dir, served in the rollout process
+    genrm_url: str | None = setting(None, non_empty)  # or a judge engine server (relax-hpc serve-engine, SGLang)
+    genrm_tokenizer_path: str | None = setting(None, non_empty)  # judge tokenizer; required with genrm_url
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,0 +1,60 @@
+"""The agentic part of the rollout configuration, built from `[rollout]` and checked up front."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from relax_hpc.agents.dotted import load_dotted
+
+
+@dataclass(frozen=True)
+class AgenticConfig:
+    """Multi-turn / agent settings of the rollout role (docs/spec.md's [rollout] rows)."""
+
+    env: str | None = None  # "module:Class", a BaseInteractionEnv
+    generate: str | None = None  # "module:function", async def generate(args, sample, params)
+    agent: str | None = None  # "module:Class" with async def run(self, data, **kwargs)
+    max_turns: int = 4
+    max_total_tokens: int = 256
+    agent_mode: str = "inline"
+    turn_discount: float = 1.0
+    export_style: str = "individual"
+    subproc_max_workers: int = 4
+    session_timeout_s: float = 600.0
+
+    def check(self) -> None:
+        """Raise ValueError listing every problem (keys, values, what is allowed); imports the
+        named code so a wrong path fails before any role starts."""
+        problems = []
+        if self.agent and (self.env or self.generate):
+            problems.append("[rollout] agent cannot be combined with env or generate: an agent drives "
+                            "the conversation itself through the proxy; set either agent, or env/generate")
+        if self.agent_mode not in ("inline", "subproc"):
+            problems.append(f'[rollout] agent_mode = "{self.agent_mode}": must be "inline" or "subproc"')
+        if self.export_style not in ("individual", "concat"):
+            problems.append(f'[rollout] agent_export_style = "{self.export_style}": must be "individual" or "concat"')
+        for key, path in (("[rollout] env", self.env), ("[rollout] generate", self.generate),
+                          ("[rollout] agent", self.agent)):
+            if path:
+                try:
+                    load_dotted(key, path)
+                except ValueError as e:
+                    problems.append(str(e))
+        if problems:
+            raise ValueError("invalid agentic rollout settings:\n  " + "\n  ".join(problems))
+
+
+def agentic_from_spec(rollout: Any) -> AgenticConfig | None:
+    """The AgenticConfig of a RolloutSpec, or None for plain single-turn rollouts."""
+    if not (rollout.env or rollout.generate or rollout.agent):
+        return None
+    cfg = AgenticConfig(
+        env=rollout.env, generate=rollout.generate, agent=rollout.agent,
+        max_turns=rollout.max_turns, max_total_tokens=rollout.max_total_tokens,
+        agent_mode=rollout.agent_mode, turn_discount=rollout.agent_turn_discount,
+        export_style=rollout.agent_export_style, subproc_max_workers=rollout.agent_subproc_max_workers,
+        session_timeout_s=rollout.agent_session_timeout_s,
+    )
+    cfg.check()
+    return cfg

@@ -1,0 +1,227 @@
+"""An OpenAI-compatible HTTP proxy in front of a rollout engine that records every completion.
+
+Serves `POST /v1/chat/completions`, `GET /v1/chat/completions/{id}` and `GET /v1/models`. Each
+agent session gets its own API key (see `sessions.py`); the proxy applies the model's chat
+template to the request's messages, generates through the `EngineBatcher` (so concurrent
+sessions share engine calls) and keeps the prompt and response token ids and log-probs of each
+completion for training. Sampling uses the rollout's configured temperature/top-p/top-k (the
+trainer recomputes log-probs at that temperature); a request may lower `max_tokens` and add
+`stop` strings. Requests that cannot be served get a 4xx with a message saying why.
+
+    proxy = AgentProxy(batcher, tokenizer, sampling, model_name="policy", ttl_s=600)
+    await proxy.start()                 # in the event loop that owns the batcher
+    session = proxy.sessions.open()     # session.api_key, proxy.base_url
+    ...
+    records = proxy.sessions.close(session)
+    await proxy.stop()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from relax_hpc.agents.batcher import EngineBatcher
+from relax_hpc.agents.export import CompletionRecord
+from relax_hpc.agents.sessions import SessionAuthError, SessionStore
+from relax_hpc.engines.base import SamplingParams
+
+
+class RequestError(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status, self.message = status, message
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    messages: list[dict[str, str]]
+    max_tokens: int | None
+    stop: tuple[str, ...]
+
+
+_ROLES = ("system", "user", "assistant", "tool", "developer")
+
+
+def _text_content(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for k, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise RequestError(400, f"{where}.content[{k}]: only text parts "
+                                        '({"type": "text", "text": "..."}) are supported')
+            parts.append(part["text"])
+        return "".join(parts)
+    if content is None:
+        return ""
+    raise RequestError(400, f"{where}.content must be a string or a list of text parts")
+
+
+def parse_chat_request(body: Any) -> ChatRequest:
+    """Validate a /v1/chat/completions body; RequestError(4xx, what is wrong) when invalid."""
+    if not isinstance(body, dict):
+        raise RequestError(400, "the request body must be a JSON object")
+    if body.get("stream"):
+        raise RequestError(400, "stream = true is not supported; request a whole completion")
+    if body.get("n", 1) != 1:
+        raise RequestError(400, f"n = {body.get('n')!r}: only n = 1 is supported (one completion per request)")
+    if body.get("tools") or body.get("functions"):
+        raise RequestError(400, "native tool calling is not supported; describe tools in the prompt "
+                                "and parse the model's text")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise RequestError(400, "messages must be a non-empty list of {role, content} objects")
+    parsed = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in _ROLES:
+            raise RequestError(400, f"messages[{i}] must be an object with role one of {', '.join(_ROLES)}")
+        parsed.append({"role": str(m["role"]), "content": _text_content(m.get("content"), f"messages[{i}]")})
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1):
+        raise RequestError(400, f"max_tokens = {max_tokens!r}: must be an integer >= 1")
+    stop = body.get("stop")
+    if stop is None:
+        stops: tuple[str, ...] = ()
+    elif isinstance(stop, str):
+        stops = (stop,)
+    elif isinstance(stop, list) and all(isinstance(s, str) and s for s in stop):
+        stops = tuple(stop)
+    else:
+        raise RequestError(400, "stop must be a string or a list of non-empty strings")
+    return ChatRequest(parsed, max_tokens, stops)
+
+
+class AgentProxy:
+    """The HTTP proxy; start it inside the event loop that owns `batcher`."""
+
+    def __init__(self, batcher: EngineBatcher, tokenizer: Any, sampling: SamplingParams,
+                 model_name: str = "policy", ttl_s: float = 600.0, host: str = "127.0.0.1",
+                 max_context_tokens: int | None = None) -> None:
+        self.batcher, self.tokenizer, self.sampling = batcher, tokenizer, sampling
+        self.model_name, self.host = model_name, host
+        self.max_context_tokens = max_context_tokens
+        self.sessions = SessionStore(ttl_s)
+        self.port = 0
+        self.app = self._build_app()
+        self._server: Any = None
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}/v1"
+
+    async def start(self) -> None:
+        import uvicorn
+
+        # Bind the socket here so the port is known before the server task runs.
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self.host, 0))
+        self.port = sock.getsockname()[1]
+        config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off")
+        self._server = uvicorn.Server(config)
+        self._task = asyncio.get_running_loop().create_task(self._server.serve(sockets=[sock]))
+        while not self._server.started:
+            if self._task.done():
+                self._task.result()  # raises the server's start-up error
+            await asyncio.sleep(0.01)
+
+    async def stop(self) -> None:
+        if self._server is not None and self._task is not None:
+            self._server.should_exit = True
+            await self._task
+
+    def _build_app(self) -> FastAPI:
+        # FastAPI reads the handlers' annotations, so Request must be importable at module level.
+        app = FastAPI(title="relax-hpc agent proxy", docs_url=None, redoc_url=None, openapi_url=None)
+
+        def error(status: int, message: str) -> JSONResponse:
+            kind = "authentication_error" if status == 401 else "invalid_request_error"
+            return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
+
+        def key_of(request: Request) -> str | None:
+            header = request.headers.get("authorization", "")
+            scheme, _, token = header.partition(" ")
+            return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+
+        @app.get("/v1/models")
+        async def models(request: Request) -> JSONResponse:
+            try:
+                self.sessions.lookup(key_of(request))
+            except SessionAuthError as e:
+                return error(401, str(e))
+            return JSONResponse({"object": "list", "data": [
+                {"id": self.model_name, "object": "model", "created": 0, "owned_by": "relax-hpc"}]})
+
+        @app.get("/v1/chat/completions/{completion_id}")
+        async def get_completion(completion_id: str, request: Request) -> JSONResponse:
+            try:
+                session = self.sessions.lookup(key_of(request))
+            except SessionAuthError as e:
+                return error(401, str(e))
+            record = session.find(completion_id)
+            if record is None:  # another session's id looks exactly like an unknown one
+                return error(404, f"no completion {completion_id!r} in this session")
+            return JSONResponse(self._response(record))
+
+        @app.post("/v1/chat/completions")
+        async def chat(request: Request) -> JSONResponse:
+            try:
+                session = self.sessions.lookup(key_of(request))
+            except SessionAuthError as e:
+                return error(401, str(e))
+            try:
+                raw = await request.body()
+                try:
+                    body = json.loads(raw)
+                except (ValueError, UnicodeDecodeError) as e:
+                    raise RequestError(400, f"the request body is not valid JSON ({e})") from e
+                req = parse_chat_request(body)
+                record = await self._complete(req)
+            except RequestError as e:
+                return error(e.status, e.message)
+            try:
+                session = self.sessions.lookup(key_of(request))  # it may have expired meanwhile
+            except SessionAuthError as e:
+                return error(401, str(e))
+            session.completions.append(record)
+            return JSONResponse(self._response(record))
+
+        return app
+
+    async def _complete(self, req: ChatRequest) -> CompletionRecord:
+        try:
+            text = self.tokenizer.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=False)
+        except Exception as e:  # a template may reject a role order; that is the caller's to fix
+            raise RequestError(400, f"the chat template rejected these messages: {e}") from e
+        prompt_ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+        limit = self.sampling.max_new_tokens
+        max_new = min(limit, req.max_tokens) if req.max_tokens is not None else limit
+        if self.max_context_tokens is not None and len(prompt_ids) + max_new > self.max_context_tokens:
+            raise RequestError(400, f"prompt of {len(prompt_ids)} tokens + max_tokens {max_new} exceeds the "
+                                    f"model's context of {self.max_context_tokens} tokens")
+        params = SamplingParams(**{**self.sampling.__dict__, "max_new_tokens": max_new,
+                                   "stop": tuple(self.sampling.stop) + req.stop})
+        gen = await self.batcher.generate(prompt_ids, params)
+        return CompletionRecord(f"chatcmpl-{uuid.uuid4().hex}", prompt_ids, list(gen.token_ids),
+                                list(gen.logprobs), gen.finish_reason, gen.weight_version, gen.text)
+
+    def _response(self, r: CompletionRecord) -> dict[str, Any]:
+        return {
+            "id": r.completion_id, "object": "chat.completion", "created": int(time.time()),
+            "model": self.model_name,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": r.text},
+                         "finish_reason": r.finish_reason, "logprobs": None}],
+            "usage": {"prompt_tokens": len(r.prompt_ids), "completion_tokens": len(r.response_ids),
+                      "total_tokens": len(r.prompt_ids) + len(r.response_ids)},
+        }

@@ -1,0 +1,174 @@
+"""The OpenAI-compatible proxy: the official SDK in both modes, recorded tokens, security."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+
+import httpx
+import pytest
+
+from relax_hpc.agents.config import AgenticConfig
+from relax_hpc.agents.proxy import RequestError, parse_chat_request
+from relax_hpc.agents.service import AgenticRollout
+from relax_hpc.agents.sessions import SessionAuthError, SessionStore
+from relax_hpc.engines.base import SamplingParams
+from agent_doubles import ScriptedEngine, tiny_tokenizer
+
+TOK = tiny_tokenizer()
+EOS = int(TOK.eos_token_id)
+PARAMS = SamplingParams(max_new_tokens=6, stop_token_ids=(EOS,))
+
+
+@dataclass
+class Row:
+    index: int
+    prompt_ids: list[int]
+    prompt_text: str
+    label: str
+    metadata: dict
+
+
+ROWS = [Row(0, [], "hi", "x", {}), Row(1, [], "yo", "y", {})]
+
+
+def service(agent: str, script: list[str], **kw: object) -> tuple[AgenticRollout, ScriptedEngine]:
+    engine = ScriptedEngine(TOK, script)
+    return AgenticRollout(AgenticConfig(agent=agent, **kw), engine, TOK, PARAMS, EOS, 256), engine  # type: ignore[arg-type]
+
+
+def produced_set(engine: ScriptedEngine) -> list[tuple]:
+    """Every (prompt, response, log-probs) the engine generated, sorted."""
+    return sorted((tuple(g.prompt_ids), tuple(g.token_ids), tuple(g.logprobs)) for g in engine.produced)
+
+
+def recorded_set(samples: list) -> list[tuple]:
+    return sorted((tuple(s.prompt_ids), tuple(s.response_ids), tuple(s.rollout_log_probs)) for s in samples)
+
+
+def test_inline_sdk_chat_records_exactly_what_the_engine_produced() -> None:
+    svc, engine = service("agent_doubles:ChatAgent", ["ab", "cd"])
+    try:
+        groups, stats = svc.generate_groups(ROWS, 2, seed=5, first_group_id=1)
+    finally:
+        svc.close()
+    samples = [s for g in groups for s in g]
+    assert len(samples) == 8 and stats["rollout/completions_per_session"] == 2.0  # 4 sessions x 2 turns
+    assert recorded_set(samples) == produced_set(engine)
+    for s in samples:
+        assert s.loss_mask == [1] * len(s.response_ids)
+        assert s.metadata["env_reward"] == 1.0  # turn discount 1.0: both turns get the final reward
+    first = TOK.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
+    assert TOK.encode(first, add_special_tokens=False) in [s.prompt_ids for s in groups[0]]
+    assert [s.group_id for s in samples] == [1] * 4 + [2] * 4
+    # The 4 sessions' first turns were decoded together, then their second turns.
+    assert svc.batcher.batch_sizes == [4, 4]
+
+
+def test_inline_concat_export_and_discount() -> None:
+    engine = ScriptedEngine(TOK, ["ab"])
+    svc = AgenticRollout(AgenticConfig(agent="agent_doubles:ChatAgent", export_style="concat",
+                                       turn_discount=0.5), engine, TOK, PARAMS, EOS)
+    try:
+        groups, _ = svc.generate_groups(ROWS[:1], 1, seed=5, first_group_id=1)
+    finally:
+        svc.close()
+    [[s]] = groups
+    g1, g2 = engine.produced
+    between = g2.prompt_ids[len(g1.prompt_ids) + len(g1.token_ids):]
+    assert s.prompt_ids == g1.prompt_ids
+    assert s.response_ids == g1.token_ids + between + g2.token_ids
+    assert s.loss_mask == [1] * 3 + [0] * len(between) + [1] * 3
+    assert s.rollout_log_probs == g1.logprobs + [0.0] * len(between) + g2.logprobs
+    assert s.metadata["env_reward"] == 1.0  # the chain's last completion's reward
+
+
+def test_dict_reward_maps_to_the_named_completion() -> None:
+    svc, _ = service("agent_doubles:DictRewardAgent", ["ab"], turn_discount=0.5)
+    try:
+        groups, _ = svc.generate_groups(ROWS[:1], 1, seed=5, first_group_id=1)
+    finally:
+        svc.close()
+    # The first completion was rewarded 0.5 by id; the second, after it, gets 0.
+    assert [s.metadata["env_reward"] for s in groups[0]] == [0.5, 0.0]
+
+
+def test_subproc_sync_sdk_reads_the_endpoint_from_the_environment() -> None:
+    svc, engine = service("sync_agent:SyncEnvAgent", ["zz"], agent_mode="subproc", subproc_max_workers=1)
+    try:
+        groups, _ = svc.generate_groups(ROWS, 1, seed=5, first_group_id=1)
+    finally:
+        svc.close()
+    samples = [s for g in groups for s in g]
+    assert len(samples) == 4 and len(engine.produced) == 4
+    assert recorded_set(samples) == produced_set(engine)
+    assert all(s.metadata["env_reward"] == 2.0 for s in samples)
+
+
+def test_security_401_cross_session_expiry_and_malformed_requests() -> None:
+    svc, _ = service("agent_doubles:ChatAgent", ["ab"])
+    try:
+        assert svc.proxy is not None
+        url = svc.proxy.base_url
+        a, b = svc.proxy.sessions.open(), svc.proxy.sessions.open()
+        body = {"model": "policy", "messages": [{"role": "user", "content": "hi"}]}
+
+        def post(key: str | None, payload: object, raw: bytes | None = None) -> httpx.Response:
+            headers = {"Authorization": f"Bearer {key}"} if key else {}
+            content = raw if raw is not None else json.dumps(payload).encode()
+            return httpx.post(f"{url}/chat/completions", content=content, headers=headers, timeout=30)
+
+        assert post(None, body).status_code == 401
+        assert post("sk-wrong", body).status_code == 401
+        assert httpx.get(f"{url}/models", timeout=30).status_code == 401
+        ok = post(a.api_key, body)
+        assert ok.status_code == 200
+        cid = ok.json()["id"]
+        # Only session a can read its completion; b sees it as unknown.
+        assert httpx.get(f"{url}/chat/completions/{cid}", headers={"Authorization": f"Bearer {a.api_key}"}).status_code == 200
+        assert httpx.get(f"{url}/chat/completions/{cid}", headers={"Authorization": f"Bearer {b.api_key}"}).status_code == 404
+        assert len(a.completions) == 1 and b.completions == []
+        for payload, raw, needle in [
+            (None, b"{not json", "not valid JSON"),
+            ([], None, "JSON object"),
+            ({"model": "p"}, None, "messages"),
+            ({**body, "n": 2}, None, "n = 2"),
+            ({**body, "stream": True}, None, "stream"),
+            ({**body, "max_tokens": 0}, None, "max_tokens"),
+            ({"messages": [{"role": "robot", "content": "x"}]}, None, "role"),
+            ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, None, "text parts"),
+            ({**body, "messages": [{"role": "user", "content": "z" * 300}]}, None, "context"),
+        ]:
+            r = post(b.api_key, payload, raw)
+            assert 400 <= r.status_code < 500, (payload, r.status_code, r.text)
+            assert needle in r.json()["error"]["message"]
+        # A closed session's key stops working.
+        svc.proxy.sessions.close(a)
+        r = post(a.api_key, body)
+        assert r.status_code == 401 and "expired" in r.json()["error"]["message"]
+    finally:
+        svc.close()
+
+
+def test_sessions_expire_after_their_ttl() -> None:
+    now = [0.0]
+    store = SessionStore(10.0, clock=lambda: now[0])
+    s = store.open()
+    assert store.lookup(s.api_key) is s
+    now[0] = 10.0
+    with pytest.raises(SessionAuthError, match="expired after 10 s"):
+        store.lookup(s.api_key)
+    with pytest.raises(SessionAuthError, match="session expired"):
+        store.lookup(s.api_key)  # still reported as expired, not unknown
+    with pytest.raises(SessionAuthError, match="missing API key"):
+        store.lookup(None)
+
+
+def test_parse_chat_request_accepts_text_parts_and_stop_strings() -> None:
+    req = parse_chat_request({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                                      {"type": "text", "text": "b"}]}],
+                              "max_tokens": 3, "stop": "x"})
+    assert req.messages == [{"role": "user", "content": "ab"}] and req.max_tokens == 3 and req.stop == ("x",)
+    with pytest.raises(RequestError, match="stop must be"):
+        parse_chat_request({"messages": [{"role": "user", "content": "a"}], "stop": [1]})
