@@ -5,6 +5,7 @@
     relax-hpc show SPEC         print the fully resolved spec (every default filled in)
     relax-hpc make-tiny DIR     write the tiny Qwen3-architecture model + tokenizer
     relax-hpc plot JOBDIR       (re)draw JOBDIR/reward_curve.png from JOBDIR/metrics.jsonl
+    relax-hpc inspect JOBDIR    per-step summaries (and example samples) of the trajectory archive
     relax-hpc serve-engine DIR  serve a model over HTTP (SGLang's /generate subset); prints the URL
     relax-hpc render SPEC       print the heterogeneous sbatch script of a spec (no side effects)
     relax-hpc submit SPEC       submit it to Slurm; status | logs | cancel JOB; convert JOBDIR OUT
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Callable
 
 from relax_hpc.launch import commands as slurm_commands
 from relax_hpc.launch.slurm_client import SlurmError
@@ -61,6 +63,32 @@ def _cmd_plot(args: argparse.Namespace) -> int:
     job_dir = Path(args.job_dir)
     out = plot_reward_curve(job_dir / "metrics.jsonl", job_dir / "reward_curve.png", job_dir.name)
     print(f"wrote {out}")
+    return 0
+
+
+def _archive_decoder(job_dir: Path) -> Callable[[list[int]], str] | None:
+    """The job's tokenizer (model path of JOBDIR/spec.toml) as a decoder, or None if not loadable."""
+    try:
+        from relax_hpc.models.hf import load_tokenizer
+
+        tokenizer = load_tokenizer(load_spec(job_dir / "spec.toml").model.path)
+    except Exception as e:  # inspecting must work without the model: fall back to token ids
+        print(f"relax-hpc inspect: showing token ids, the job's tokenizer is not loadable ({e})",
+              file=sys.stderr)
+        return None
+    return lambda ids: str(tokenizer.decode(ids))
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    from relax_hpc.ops.archive import inspect_report
+
+    job_dir = Path(args.job_dir)
+    if not job_dir.is_dir():
+        raise FileNotFoundError(f"no job directory {job_dir}; pass the job's output_dir (e.g. runs/<name>)")
+    if args.samples < 0:
+        raise ValueError(f"--samples {args.samples}: pass a count >= 0")
+    decode = _archive_decoder(job_dir) if args.samples > 0 else None
+    print(inspect_report(job_dir, args.step, args.samples, decode))
     return 0
 
 
@@ -116,6 +144,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plot", help="draw JOBDIR/reward_curve.png from JOBDIR/metrics.jsonl")
     p.add_argument("job_dir")
     p.set_defaults(func=_cmd_plot)
+
+    p = sub.add_parser("inspect", help="summarise JOBDIR's trajectory archive per step; --samples K shows examples")
+    p.add_argument("job_dir")
+    p.add_argument("--step", type=int, default=None,
+                   help="only this rollout step (from 0; metrics.jsonl step - 1)")
+    p.add_argument("--samples", type=int, default=0,
+                   help="also print K example samples of --step (default: the last step), decoded "
+                        "with the job's tokenizer when it loads")
+    p.set_defaults(func=_cmd_inspect)
 
     p = sub.add_parser("serve-engine", help="serve MODEL_DIR over HTTP (POST /generate, GET /health); prints the URL")
     p.add_argument("model_dir", help="local Hugging Face model directory")

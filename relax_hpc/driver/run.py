@@ -5,6 +5,7 @@ Job directory layout (`[job] output_dir`, default runs/<name>):
     checkpoints/         DCP checkpoints (step_N, latest)
     metrics.jsonl        one record per step (appended across restarts)
     tensorboard/         TensorBoard event files
+    trajectories/        trained samples, rank<r>/step_N.h5 ([metrics] trajectory_archive)
     reward_curve.png     written at the end
     summary.json         the final numbers, written at the end
 """
@@ -25,6 +26,7 @@ from relax_hpc.algos import LossConfig, normalizes_std
 from relax_hpc.backends.torch_backend import OptimConfig
 from relax_hpc.driver.loop import LoopConfig, LoopResult, StopFlag, run_loop
 from relax_hpc.engines.base import SamplingParams
+from relax_hpc.ops.archive import archive_dir
 from relax_hpc.ops.metrics import FanOut, JsonlSink, MetricsSink, TensorBoardSink, WandbSink
 from relax_hpc.ops.plot import plot_reward_curve
 from relax_hpc.roles.actor import ActorConfig
@@ -111,6 +113,7 @@ def role_configs(spec: JobSpec, job_dir: Path, device: str) -> tuple[RolloutConf
         seed=spec.job.seed, dtype=spec.model.dtype, device=device, temperature=r.temperature,
         num_threads=threads,
         teacher_path=a.opd_teacher_path if a.name == "opd" else None, opd_coef=a.opd_coef,
+        archive_dir=str(archive_dir(job_dir)) if spec.metrics.trajectory_archive else None,
     )
     return rollout, actor
 

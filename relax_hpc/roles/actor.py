@@ -19,6 +19,7 @@ from relax_hpc.backends.torch_backend import OptimConfig, TorchBackend
 from relax_hpc.ckpt import CheckpointManager, ResumeState
 from relax_hpc.data.rows import TRAIN_FIELDS, row_to_sample
 from relax_hpc.data.sample import Sample
+from relax_hpc.ops.archive import HDF5TrajectoryArchive, TrajectoryArchive
 from relax_hpc.transfer.connect import connect_queue
 from relax_hpc.transfer.queue import TransferQueue, partition_name
 from relax_hpc.weights.endpoints import WeightSenderEndpoint
@@ -38,6 +39,7 @@ class ActorConfig:
     num_threads: int = 0
     teacher_path: str | None = None  # on-policy distillation
     opd_coef: float = 1.0
+    archive_dir: str | None = None  # JOBDIR/trajectories when [metrics] trajectory_archive is on
 
 
 def rendezvous_address() -> str:
@@ -77,6 +79,8 @@ class ActorWorker(WeightSenderEndpoint):
         )
         self.checkpoints = CheckpointManager(Path(cfg.checkpoint_dir), keep_last=cfg.keep_last)
         self._queue: TransferQueue | None = None
+        self.archive: TrajectoryArchive | None = (
+            HDF5TrajectoryArchive(Path(cfg.archive_dir), rank, world_size) if cfg.archive_dir else None)
 
     def train(self, samples: list[Sample]) -> dict[str, float]:
         return self.backend.train(samples)
@@ -88,14 +92,19 @@ class ActorWorker(WeightSenderEndpoint):
         queue, partition = self._queue, partition_name(step)
         received: list[int] = []
         rewards: list[float] = []
+        trained: list[Sample] = []  # kept only for the trajectory archive
+        # Training does not need the dataset row of a sample; the archive records it.
+        fields = TRAIN_FIELDS if self.archive is None else (*TRAIN_FIELDS, "prompt_index")
 
         def micro_batches() -> Iterator[list[Sample]]:
             while True:
-                batch = queue.get(partition, "actor", TRAIN_FIELDS, self.cfg_micro_batch, timeout=timeout_s)
+                batch = queue.get(partition, "actor", fields, self.cfg_micro_batch, timeout=timeout_s)
                 if batch.rows:
                     received.extend(batch.indices)
                     samples = [row_to_sample(r) for r in batch.rows]
                     rewards.extend(s.reward for s in samples)
+                    if self.archive is not None:
+                        trained.extend(samples)
                     yield samples
                 if batch.end:
                     return
@@ -105,6 +114,8 @@ class ActorWorker(WeightSenderEndpoint):
         else:
             stats = self.backend.train_stream(micro_batches())
         queue.ack(partition, "actor", received)
+        if self.archive is not None:  # after the optimizer step: only trained samples are archived
+            self.archive.append(step, trained)
         return {**stats, "rows": float(len(received)), "reward_sum": float(sum(rewards))}
 
     def clear_partition(self, step: int) -> None:

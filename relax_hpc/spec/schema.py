@@ -214,6 +214,7 @@ class MetricsSpec:
     jsonl: bool = setting(True)
     plot: bool = setting(True)
     wandb_project: str | None = setting(None)
+    trajectory_archive: bool = setting(False)  # every trained sample to JOBDIR/trajectories (HDF5)
 
 
 @dataclass(frozen=True, kw_only=True)
