@@ -52,6 +52,7 @@ class TorchBackend:
         temperature: float = 1.0,
         teacher_path: str | Path | None = None,
         opd_coef: float = 1.0,
+        keep_reference: bool = True,
     ) -> None:
         self.device = torch.device(device)
         self.model = load_causal_lm(model_path, dtype=dtype, device=device)
@@ -71,7 +72,7 @@ class TorchBackend:
             weight_decay=optim.weight_decay,
         )
         self.reference: torch.nn.Module | None = None
-        if loss.kl_coef > 0:
+        if loss.kl_coef > 0 and keep_reference:  # else a Reference role supplies ref_log_probs
             self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
         # On-policy distillation: a frozen teacher whose log-probs shape the per-token advantage.
         self.teacher: torch.nn.Module | None = None
@@ -116,9 +117,13 @@ class TorchBackend:
     def train(self, samples: list[Sample]) -> dict[str, float]:
         """One rollout batch: `mini_batches` optimizer steps over this rank's samples."""
         batch = pack_samples(samples, self.pad_id).to(self.device)
-        with torch.no_grad():
-            old_logp = self._full_logprobs(self.model, batch)
-            ref_logp = self._full_logprobs(self.reference, batch) if self.reference is not None else None
+        with torch.no_grad():  # fields from the ActorFwd / Reference roles win when present
+            old_logp = batch.old_log_probs
+            if old_logp is None:
+                old_logp = self._full_logprobs(self.model, batch)
+            ref_logp = batch.ref_log_probs
+            if ref_logp is None and self.reference is not None:
+                ref_logp = self._full_logprobs(self.reference, batch)
         stats: dict[str, list[float]] = {}
         mini = self.optim_cfg.mini_batches
         size = math.ceil(len(batch) / mini)
@@ -177,12 +182,15 @@ class TorchBackend:
         for samples in micro_batches:
             micro = pack_samples(samples, self.pad_id).to(self.device)
             logp, entropy = self._logprobs(self.model, micro)
-            ref_logp = None
-            if self.reference is not None:
+            # Fields written by the ActorFwd / Reference roles are used when present; otherwise
+            # the trainer computes them itself.
+            ref_logp = micro.ref_log_probs
+            if ref_logp is None and self.reference is not None:
                 with torch.no_grad():
                     ref_logp = self._logprobs(self.reference, micro)[0]
+            old_logp = micro.old_log_probs if micro.old_log_probs is not None else logp.detach()
             inputs = LossInputs(
-                logp=logp, old_logp=logp.detach(), advantages=self._advantages(micro, logp),
+                logp=logp, old_logp=old_logp, advantages=self._advantages(micro, logp),
                 mask=micro.loss_mask, ref_logp=ref_logp, rollout_logp=micro.rollout_log_probs,
                 entropy=entropy,
             )

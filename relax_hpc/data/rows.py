@@ -39,4 +39,6 @@ def row_to_sample(row: dict[str, Any]) -> Sample:
         prompt_index=int(row.get("prompt_index", -1)), reward=float(row["rewards"]),
         raw_reward=float(row["raw_reward"]), advantage=float(row["advantages"]),
         loss_mask=[int(x) for x in row["loss_mask"].tolist()],
+        old_log_probs=row["log_probs"].tolist() if "log_probs" in row else None,
+        ref_log_probs=row["ref_log_probs"].tolist() if "ref_log_probs" in row else None,
     )

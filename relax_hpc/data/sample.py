@@ -28,6 +28,8 @@ class Sample:
     reward_info: dict[str, float] = field(default_factory=dict)
     advantage: float = 0.0
     loss_mask: list[int] | None = None  # None: every response token is trained
+    old_log_probs: list[float] | None = None  # written by ActorFwd: the PPO "old" policy
+    ref_log_probs: list[float] | None = None  # written by Reference: for the KL loss
     metadata: dict[str, Any] = field(default_factory=dict)
 
     @property

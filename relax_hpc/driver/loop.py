@@ -48,10 +48,12 @@ class LoopResult:
 def step_metrics(train: dict[str, float], rollout: dict[str, float], step_time: float,
                  version: int) -> dict[str, float]:
     rows = train.pop("rows")
+    timings = {f"time/{k}": train.pop(k) for k in ("train_s", "sync_s") if k in train}
     reward_sum = train.pop("reward_sum")
     return {
         "reward/mean": reward_sum / rows,
         "time/step_s": step_time,
+        **timings,
         "weight_version": float(version),
         **rollout,
         **{f"train/{k}": v for k, v in train.items()},
@@ -77,8 +79,11 @@ def run_loop(
     while step < cfg.total_steps and not stop.requested:
         t0 = time.perf_counter()
         train_stats = roles.train_step(step)      # consumes partition train_<step> as it streams in
+        t1 = time.perf_counter()
         version += 1
         roles.weights.sync(version)               # engines swap at their next batch boundary
+        train_stats["sync_s"] = time.perf_counter() - t1
+        train_stats["train_s"] = t1 - t0          # includes waiting for rollout's rows
         rollout_stats = roles.finish_step(step)   # clears the partition: rollout may run ahead again
         samples_trained += int(train_stats["rows"])
         cursor = roles.cursor_after(step)

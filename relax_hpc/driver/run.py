@@ -30,6 +30,7 @@ from relax_hpc.ops.archive import archive_dir
 from relax_hpc.ops.metrics import FanOut, JsonlSink, MetricsSink, TensorBoardSink, WandbSink
 from relax_hpc.ops.plot import plot_reward_curve
 from relax_hpc.roles.actor import ActorConfig
+from relax_hpc.roles.forward import OUTPUT_FIELD, ForwardConfig
 from relax_hpc.roles.handles import LocalRoles, RayRoles, Roles
 from relax_hpc.roles.rollout import RolloutConfig
 from relax_hpc.spec import JobSpec, spec_to_toml
@@ -114,8 +115,18 @@ def role_configs(spec: JobSpec, job_dir: Path, device: str) -> tuple[RolloutConf
         num_threads=threads,
         teacher_path=a.opd_teacher_path if a.name == "opd" else None, opd_coef=a.opd_coef,
         archive_dir=str(archive_dir(job_dir)) if spec.metrics.trajectory_archive else None,
+        role_fields=tuple(OUTPUT_FIELD[f.kind] for f in forward_configs(spec, device)),
     )
     return rollout, actor
+
+
+def forward_configs(spec: JobSpec, device: str) -> list[ForwardConfig]:
+    """The ActorFwd / Reference roles the spec asks for (the reference is the initial model)."""
+    kinds = [k for k, on in (("actor_fwd", spec.train.actor_fwd_role),
+                             ("reference", spec.train.reference_role)) if on]
+    return [ForwardConfig(kind=k, model_path=spec.model.path, micro_batch_size=spec.train.micro_batch_size,
+                          temperature=spec.rollout.temperature, dtype=spec.model.dtype, device=device,
+                          num_threads=1) for k in kinds]
 
 
 def prepare_job_dir(spec: JobSpec) -> Path:
@@ -190,8 +201,9 @@ def run_job(spec: JobSpec, in_process: bool = False, ray_address: str | None = N
     install_stop_handlers(stop)
     r, staleness = spec.rollout, spec.algorithm.max_staleness
     capacity = queue_capacity(r.prompts_per_step, staleness, r.n_samples_per_prompt)
-    roles: Roles = (LocalRoles(rollout_cfg, actor_cfg, capacity) if in_process
-                    else RayRoles(rollout_cfg, actor_cfg, spec.train.num_processes, capacity))
+    forwards = forward_configs(spec, device)
+    roles: Roles = (LocalRoles(rollout_cfg, actor_cfg, forwards, capacity) if in_process
+                    else RayRoles(rollout_cfg, actor_cfg, spec.train.num_processes, forwards, capacity))
     print(f"dataset: {roles.dataset_summary()}", file=sys.stderr)
     metrics = make_sinks(spec, job_dir)
     bar = tqdm(total=spec.train.steps, desc=spec.job.name, unit="step", disable=not progress,

@@ -40,6 +40,7 @@ class ActorConfig:
     teacher_path: str | None = None  # on-policy distillation
     opd_coef: float = 1.0
     archive_dir: str | None = None  # JOBDIR/trajectories when [metrics] trajectory_archive is on
+    role_fields: tuple[str, ...] = ()  # fields the ActorFwd / Reference roles write: wait for them
 
 
 def rendezvous_address() -> str:
@@ -76,7 +77,9 @@ class ActorWorker(WeightSenderEndpoint):
         self.backend = TorchBackend(
             cfg.model_path, cfg.optim, cfg.loss, dtype=cfg.dtype, device=cfg.device,
             temperature=cfg.temperature, teacher_path=cfg.teacher_path, opd_coef=cfg.opd_coef,
+            keep_reference="ref_log_probs" not in cfg.role_fields,
         )
+        self.role_fields = cfg.role_fields
         self.checkpoints = CheckpointManager(Path(cfg.checkpoint_dir), keep_last=cfg.keep_last)
         self._queue: TransferQueue | None = None
         self.archive: TrajectoryArchive | None = (
@@ -94,7 +97,9 @@ class ActorWorker(WeightSenderEndpoint):
         rewards: list[float] = []
         trained: list[Sample] = []  # kept only for the trajectory archive
         # Training does not need the dataset row of a sample; the archive records it.
-        fields = TRAIN_FIELDS if self.archive is None else (*TRAIN_FIELDS, "prompt_index")
+        fields = (*TRAIN_FIELDS, *self.role_fields)
+        if self.archive is not None:
+            fields = (*fields, "prompt_index")
 
         def micro_batches() -> Iterator[list[Sample]]:
             while True:

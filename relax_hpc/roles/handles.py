@@ -7,11 +7,12 @@ in-memory queue (fast tests, debugging).
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Protocol, Sequence
 
 from relax_hpc.ckpt import ResumeState
 from relax_hpc.data.sample import Sample
 from relax_hpc.roles.actor import ActorConfig, ActorWorker, rendezvous_address
+from relax_hpc.roles.forward import ForwardConfig, ForwardWorker
 from relax_hpc.roles.rollout import RolloutConfig, RolloutWorker
 from relax_hpc.transfer.memory import InMemoryTransferQueue
 from relax_hpc.weights.base import InProcessWeightSync, WeightSync
@@ -35,17 +36,6 @@ class Roles(Protocol):
     def shutdown(self) -> None: ...
 
 
-def shard(samples: list[Sample], parts: int) -> list[list[Sample]]:
-    """Split into `parts` contiguous shards of (nearly) equal size, keeping order."""
-    size, extra = divmod(len(samples), parts)
-    out, start = [], 0
-    for i in range(parts):
-        stop = start + size + (1 if i < extra else 0)
-        out.append(samples[start:stop])
-        start = stop
-    return out
-
-
 def mean_stats(all_stats: list[dict[str, float]]) -> dict[str, float]:
     keys = all_stats[0].keys()
     return {k: sum(s[k] for s in all_stats) / len(all_stats) for k in keys}
@@ -54,20 +44,27 @@ def mean_stats(all_stats: list[dict[str, float]]) -> dict[str, float]:
 class LocalRoles:
     """Every role in this process (one trainer rank); the queue is in memory."""
 
-    def __init__(self, rollout: RolloutConfig, actor: ActorConfig,
+    def __init__(self, rollout: RolloutConfig, actor: ActorConfig, forwards: Sequence[ForwardConfig] = (),
                  capacity: int | None = None, timeout_s: float = 600.0) -> None:
         self.queue = InMemoryTransferQueue(capacity=capacity)
         self.rollout = RolloutWorker(rollout)
+        self.forwards = [ForwardWorker(f) for f in forwards]
         self.actor = ActorWorker(actor)
-        self.weights: WeightSync = InProcessWeightSync(self.actor, [self.rollout])
+        receivers = [self.rollout, *(f for f in self.forwards if f.cfg.kind == "actor_fwd")]
+        self.weights: WeightSync = InProcessWeightSync(self.actor, receivers)
         self.timeout_s = timeout_s
 
     def start_rollout(self, start_step: int, total_steps: int, max_staleness: int) -> None:
         self.rollout.start_producer(self.queue, start_step, total_steps, max_staleness)
+        for f in self.forwards:
+            f.start(self.queue, start_step, total_steps)
+
+    def _errors(self) -> str | None:
+        found = [e for e in (self.rollout.producer_error(), *(f.error() for f in self.forwards)) if e]
+        return "; ".join(found) or None
 
     def train_step(self, step: int) -> dict[str, float]:
-        return _guard(self.rollout.producer_error,
-                      lambda: self.actor.train_from_queue(self.queue, step, self.timeout_s))
+        return _guard(self._errors, lambda: self.actor.train_from_queue(self.queue, step, self.timeout_s))
 
     def finish_step(self, step: int) -> dict[str, float]:
         self.actor.clear_partition(step)
@@ -90,11 +87,13 @@ class LocalRoles:
 
     def shutdown(self) -> None:
         self.rollout.stop_producer()
+        for f in self.forwards:
+            f.stop()
         self.actor.shutdown()
 
 
 def _guard(producer_error: Any, train: Any) -> dict[str, float]:
-    """Run a train step; if it fails because rollout died, say so instead of a queue timeout."""
+    """Run a train step; if it fails because a producing role died, say so instead of a queue timeout."""
     try:
         return train()
     except Exception as e:
@@ -118,7 +117,8 @@ class RayRoles:
     """
 
     def __init__(self, rollout: RolloutConfig, actor: ActorConfig, num_processes: int,
-                 capacity: int | None = None, timeout_s: float = 600.0) -> None:
+                 forwards: Sequence[ForwardConfig] = (), capacity: int | None = None,
+                 timeout_s: float = 600.0) -> None:
         import ray
 
         from relax_hpc.transfer.zmq_server import TransferQueueServer
@@ -144,11 +144,18 @@ class RayRoles:
                 actor, rank, num_processes, master)
             for rank in range(num_processes)
         ]
-        ray.get(self._rollout.weight_version.remote())  # surfaces construction errors now
-        # Trainer rank 0 broadcasts to every engine over gloo (CPU) / NCCL (GPU) in buckets.
+        # ActorFwd / Reference go to the forward component when the cluster has one.
+        self._forwards = [
+            ray.remote(ForwardWorker).options(max_concurrency=4, **self._placement("forward")).remote(f)
+            for f in forwards
+        ]
+        ray.get([self._rollout.weight_version.remote(), *(f.weight_version.remote() for f in self._forwards)])
+        # Trainer rank 0 broadcasts to every engine (and ActorFwd) over gloo / NCCL in buckets.
+        fwd = [(h, f) for h, f in zip(self._forwards, forwards) if f.kind == "actor_fwd"]
         self.weights = DistributedWeightSync(
-            self._actors[0], [self._rollout], host=host, device=actor.device,
-            receiver_devices=[rollout.device], labels=["rollout 0"],
+            self._actors[0], [self._rollout, *(h for h, _ in fwd)], host=host, device=actor.device,
+            receiver_devices=[rollout.device, *(f.device for _, f in fwd)],
+            labels=["rollout 0", *("actor_fwd" for _ in fwd)],
         )
 
     @staticmethod
@@ -170,10 +177,19 @@ class RayRoles:
         return ray.get(getattr(self._rollout, method).remote(*args))
 
     def start_rollout(self, start_step: int, total_steps: int, max_staleness: int) -> None:
+        import ray
+
         self._rollout_call("start_producer", self.queue_address, start_step, total_steps, max_staleness)
+        ray.get([f.start.remote(self.queue_address, start_step, total_steps) for f in self._forwards])
+
+    def _errors(self) -> str | None:
+        import ray
+
+        found = [self._rollout_call("producer_error"), *ray.get([f.error.remote() for f in self._forwards])]
+        return "; ".join(e for e in found if e) or None
 
     def train_step(self, step: int) -> dict[str, float]:
-        return _guard(lambda: self._rollout_call("producer_error"), lambda: _merge_rank_stats(
+        return _guard(self._errors, lambda: _merge_rank_stats(
             self._all("train_from_queue", self.queue_address, step, self.timeout_s)))
 
     def finish_step(self, step: int) -> dict[str, float]:
@@ -202,10 +218,11 @@ class RayRoles:
 
         try:
             self._rollout_call("stop_producer")
+            ray.get([f.stop.remote() for f in self._forwards])
             self.weights.close()
             self._all("shutdown")
         finally:
-            for a in [*self._actors, self._rollout]:
+            for a in [*self._actors, self._rollout, *self._forwards]:
                 ray.kill(a)
             self._server.stop()
 

@@ -168,8 +168,18 @@ def _genrm_has_a_judge(spec: Resolved) -> list[SpecProblem]:
     return []
 
 
+def _reference_role_has_a_use(spec: Resolved) -> list[SpecProblem]:
+    got = spec.get("train.reference_role", "algorithm.kl_coef")
+    if got is None or not got[0] or got[1] > 0:
+        return []
+    message = ("computes reference log-probs that nothing uses: set algorithm.kl_coef > 0 for the "
+               "KL loss, or reference_role = false")
+    return [SpecProblem(key="train.reference_role", value="true", message=message)]
+
+
 CROSS_CHECKS: tuple[Callable[[Resolved], list[SpecProblem]], ...] = (
     _colocate_is_on_policy,
+    _reference_role_has_a_use,
     _opd_has_a_teacher,
     _genrm_has_a_judge,
     _samples_split_into_mini_batches,

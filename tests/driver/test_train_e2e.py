@@ -113,3 +113,30 @@ def test_two_trainer_processes_train_data_parallel_over_gloo(tiny_model_dir: Pat
 
     resume = read_resume_file(job / "checkpoints" / "step_3")
     assert resume.world_size == 2 and resume.state.step == 3
+
+
+def test_async_mode_with_staleness_zero_matches_colocate(tiny_model_dir: Path, tmp_path: Path) -> None:
+    colocate = parse_spec(tiny_spec_text(tiny_model_dir, tmp_path / "colocate", steps=30, save_interval=30))
+    text = tiny_spec_text(tiny_model_dir, tmp_path / "async", steps=30, save_interval=30)
+    text = text.replace('[job]\nname = "e2e"', '[job]\nname = "e2e"\nmode = "async"')
+    asynchronous = parse_spec(text)
+    assert asynchronous.job.mode == "async" and asynchronous.algorithm.max_staleness == 0
+    a = run_job(colocate, in_process=True, progress=False).result.rewards
+    b = run_job(asynchronous, in_process=True, progress=False).result.rewards
+    # Same loop, same pacing: with max_staleness = 0 the two modes are the same computation.
+    assert a == b
+
+
+def test_forward_roles_supply_old_and_reference_log_probs(tiny_model_dir: Path, tmp_path: Path) -> None:
+    text = tiny_spec_text(tiny_model_dir, tmp_path / "job", steps=6, save_interval=6)
+    text = text.replace('name = "grpo"', 'name = "grpo"\nkl_coef = 0.05')
+    text = text.replace("micro_batch_size = 256", "micro_batch_size = 64\nactor_fwd_role = true\nreference_role = true")
+    report = run_job(parse_spec(text), in_process=True, progress=False)
+    assert report.result.end_step == 6
+    rows = read_metrics(tmp_path / "job" / "metrics.jsonl")
+    # The KL term is computed from the Reference role's field (the trainer keeps no copy), and
+    # grows from 0 as the policy moves away from the initial model.
+    assert rows[0]["train/loss/kl"] == pytest.approx(0.0, abs=1e-6)
+    assert rows[-1]["train/loss/kl"] > 1e-4
+    # ActorFwd's old log-probs come from the weights the step starts with: the ratio is 1.
+    assert all(r["train/ratio_mean"] == pytest.approx(1.0, abs=1e-4) for r in rows)

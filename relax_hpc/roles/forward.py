@@ -1,0 +1,171 @@
+"""The ActorFwd and Reference roles: forward passes that add per-token log-probs to queued rows.
+
+Both read each step's rows from the transfer queue as rollout writes them, run one forward pass
+per micro-batch and write a field back onto the same rows, so the trainer finds them ready and
+never runs these forwards on its own critical path:
+
+- ActorFwd writes `log_probs`: the policy's log-probs under the weights the trainer starts the
+  step with (version == step), the "old" policy of the PPO ratio. It receives every weight
+  update like a rollout engine and waits for that version before it starts a step.
+- Reference writes `ref_log_probs`: the frozen initial model's log-probs, for the KL loss.
+
+Rows are acked only after their field is written: a killed worker restarted under the same
+consumer id gets exactly the rows it had not finished, so none is lost or computed twice.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Iterable, Literal
+
+import torch
+
+from relax_hpc.algos import token_logprobs_and_entropy
+from relax_hpc.backends.batch import pack_samples
+from relax_hpc.data.sample import Sample
+from relax_hpc.models.hf import load_causal_lm, load_tokenizer
+from relax_hpc.transfer.connect import connect_queue
+from relax_hpc.transfer.queue import partition_name
+from relax_hpc.weights.endpoints import WeightReceiverEndpoint
+
+ForwardKind = Literal["actor_fwd", "reference"]
+OUTPUT_FIELD: dict[str, str] = {"actor_fwd": "log_probs", "reference": "ref_log_probs"}
+INPUT_FIELDS = ("tokens", "prompt_length")
+
+
+@dataclass(frozen=True)
+class ForwardConfig:
+    kind: ForwardKind
+    model_path: str
+    micro_batch_size: int = 64
+    temperature: float = 1.0
+    dtype: str = "float32"
+    device: str = "cpu"
+    num_threads: int = 0
+    timeout_s: float = 3600.0
+
+
+def response_log_probs(model: torch.nn.Module, samples: list[Sample], pad_id: int,
+                       temperature: float, device: str) -> list[torch.Tensor]:
+    """Per-sample log-probs of the response tokens under `model` (float32, one tensor per sample)."""
+    batch = pack_samples(samples, pad_id).to(torch.device(device))
+    with torch.no_grad():
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+        logp, _ = token_logprobs_and_entropy(logits[:, :-1], batch.targets, temperature)
+    out = []
+    for i, s in enumerate(samples):
+        p = len(s.prompt_ids)
+        out.append(logp[i, p - 1 : p - 1 + len(s.response_ids)].float().cpu().contiguous())
+    return out
+
+
+class ForwardWorker(WeightReceiverEndpoint):
+    """One ActorFwd or Reference worker; `start` runs its loop over steps in a background thread."""
+
+    def __init__(self, cfg: ForwardConfig) -> None:
+        if cfg.num_threads > 0:
+            torch.set_num_threads(cfg.num_threads)
+        self.cfg = cfg
+        self.model = load_causal_lm(cfg.model_path, dtype=cfg.dtype, device=cfg.device).eval()
+        tok = load_tokenizer(cfg.model_path)
+        self.pad_id = int(tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
+        self._version = 0
+        self._lock = threading.Lock()
+        self._pending: tuple[dict[str, torch.Tensor], int] | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._error: str | None = None
+        self.rows_done = 0
+
+    # -- weights (ActorFwd only; the reference model never changes) -----------------------------
+
+    def weight_version(self) -> int:
+        return self._version
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        if self.cfg.kind == "reference":
+            raise RuntimeError("the Reference role keeps the initial weights; it takes no updates")
+        with self._lock:
+            pending = self._pending[0] if self._pending else {}
+            pending.update((n, t.detach().clone()) for n, t in named_tensors)
+            self._pending = (pending, version)
+        if self._thread is None:
+            self._apply_pending()
+
+    def _apply_pending(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        weights, version = pending
+        own = self.model.state_dict()
+        with torch.no_grad():
+            for name, tensor in weights.items():
+                own[name].copy_(tensor.to(own[name].device, own[name].dtype))
+        self._version = version
+
+    def _wait_for_version(self, version: int) -> bool:
+        while not self._stop.is_set():
+            self._apply_pending()
+            if self._version >= version:
+                return True
+            time.sleep(0.002)
+        return False
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    def start(self, queue: Any, start_step: int, total_steps: int, consumer_id: str = "") -> None:
+        self._stop.clear()
+        self._thread = threading.Thread(
+            target=self._run, args=(queue, start_step, total_steps, consumer_id or self.cfg.kind),
+            name=f"{self.cfg.kind}-loop", daemon=True,
+        )
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    def error(self) -> str | None:
+        return self._error
+
+    def _run(self, target: Any, start_step: int, total_steps: int, consumer_id: str) -> None:
+        queue = connect_queue(target, consumer_id)
+        try:
+            for step in range(start_step, total_steps):
+                if self.cfg.kind == "actor_fwd" and not self._wait_for_version(step):
+                    return
+                if not self._process(queue, step):
+                    return
+        except Exception as e:  # reported to the driver
+            self._error = f"{self.cfg.kind} failed: {type(e).__name__}: {e}"
+        finally:
+            queue.close()
+
+    def _process(self, queue: Any, step: int) -> bool:
+        """Add this role's field to every row of one step; False when asked to stop."""
+        partition, field = partition_name(step), OUTPUT_FIELD[self.cfg.kind]
+        while not self._stop.is_set():
+            try:
+                batch = queue.get(partition, self.cfg.kind, INPUT_FIELDS, self.cfg.micro_batch_size, timeout=1.0)
+            except TimeoutError:
+                continue
+            if batch.rows:
+                samples = [_sample_of(row) for row in batch.rows]
+                values = response_log_probs(self.model, samples, self.pad_id, self.cfg.temperature, self.cfg.device)
+                queue.write(partition, batch.indices, [{field: v} for v in values])
+                queue.ack(partition, self.cfg.kind, batch.indices)
+                self.rows_done += len(batch.indices)
+            if batch.end:
+                return True
+        return False
+
+
+def _sample_of(row: dict[str, Any]) -> Sample:
+    tokens = row["tokens"].tolist()
+    p = int(row["prompt_length"])
+    return Sample(prompt_ids=tokens[:p], response_ids=tokens[p:], rollout_log_probs=[0.0] * (len(tokens) - p),
+                  weight_version=-1, group_id=-1, prompt_index=-1)
