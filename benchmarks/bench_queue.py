@@ -1,19 +1,22 @@
 """Throughput and latency of the ZMQ transfer queue against raw pyzmq PUSH/PULL.
 
-Run: ``python benchmarks/bench_queue.py [--quick]``
+Run: ``python benchmarks/bench_queue.py [--quick] [--relay]``
 
 For each sample size (64 KiB and 1 MiB) it measures, in the same run and on the same host:
 
-* raw zmq: one process PUSHes samples (one message each, zero-copy) to a PULL in this process,
-  and the same through a relay process running zmq.proxy (the two-hop ceiling for a broker);
-* queue: the server runs in its own process (like the driver), a producer process puts
-  samples into ``train_<k>`` partitions and completes them, this process gets, acks and clears
-  them (every byte crosses the loopback twice: producer -> server -> consumer);
+* raw zmq: one process PUSHes samples (one message each, zero-copy) to a PULL in this process;
+  with ``--relay`` also through a relay process running zmq.proxy (the two-hop ceiling for a
+  broker);
+* queue, per path: the server runs in its own process (like the driver), a producer process
+  puts samples into ``train_<k>`` partitions and completes them, this process gets, acks and
+  clears them. Path ``shm`` (the default on one host): payloads go through the server's
+  shared-memory directory and only headers cross the loopback. Path ``tcp`` (what a client on
+  another host uses): every byte crosses the loopback twice, producer -> server -> consumer;
 * latency: single samples put at a gentle pace while the consumer waits in ``get``; p50/p99 of
   put-call start -> get return (both clocks are CLOCK_MONOTONIC, shared across processes).
 
-It ends with one line per size, e.g.
-``queue 64KiB 0.91x of raw zmq (queue 1.23 GB/s 18.8k samples/s, raw 1.35 GB/s 20.6k samples/s; p50 0.21 ms, p99 0.80 ms)``.
+It ends with one line per size and path, e.g.
+``queue 64KiB 0.93x of raw zmq (shm; queue 2.10 GB/s 32.0k samples/s, raw 2.30 GB/s 35.1k samples/s; p50 0.20 ms, p99 0.90 ms)``.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ FORK = mp.get_context("fork")  # children inherit imports; each builds its own z
 
 @dataclass(frozen=True)
 class Plan:
+    shm: bool  # same-host shared-memory path (else TCP only)
     size: int
     samples: int
     rows_per_message: int
@@ -134,7 +138,7 @@ def _serve(bind: str, capacity: int, address_out: Any, stop: Event) -> None:
 
 
 def _queue_producer(address: str, plan: Plan, go: Event) -> None:
-    client = TransferQueueClient(address)
+    client = _client(address, plan)
     payload = torch.ones(plan.size // 4, dtype=torch.float32)
     go.wait()
     sent, step = 0, plan.first_step
@@ -149,17 +153,24 @@ def _queue_producer(address: str, plan: Plan, go: Event) -> None:
 
 
 def _latency_producer(address: str, plan: Plan, go: Event) -> None:
-    client = TransferQueueClient(address)
+    client = _client(address, plan)
     payload = torch.ones(plan.size // 4, dtype=torch.float32)
     go.wait()
     for i in range(plan.latency_samples):
-        client.put(f"latency_{i}", [{"x": payload, "t": time.perf_counter()}], timeout=60)
+        client.put(f"latency_{plan.first_step + i}", [{"x": payload, "t": time.perf_counter()}], timeout=60)
         time.sleep(0.002)  # one sample at a time: no queueing in the figure
     client.close()
 
 
+def _client(address: str, plan: Plan) -> TransferQueueClient:
+    client = TransferQueueClient(address, shm=plan.shm)
+    if plan.shm and client.shm_dir is None:
+        raise SystemExit("the server offers no shared-memory directory here (is /dev/shm mounted? RELAX_TQ_SHM=0?)")
+    return client
+
+
 def bench_queue(address: str, plan: Plan) -> Result:
-    client = TransferQueueClient(address)
+    client = _client(address, plan)
     go = FORK.Event()
     proc = FORK.Process(target=_queue_producer, args=(address, plan, go))
     proc.start()
@@ -184,17 +195,18 @@ def bench_queue(address: str, plan: Plan) -> Result:
 
 
 def bench_latency(address: str, plan: Plan) -> list[float]:
-    client = TransferQueueClient(address)
+    client = _client(address, plan)
     go = FORK.Event()
     proc = FORK.Process(target=_latency_producer, args=(address, plan, go))
     proc.start()
     go.set()
     delays = []
     for i in range(plan.latency_samples):  # one partition per sample, cleared at once: no capacity build-up
-        batch = client.get(f"latency_{i}", "bench", ["x", "t"], 1, timeout=60)
+        name = f"latency_{plan.first_step + i}"
+        batch = client.get(name, "bench", ["x", "t"], 1, timeout=60)
         delays.append((time.perf_counter() - float(batch.rows[0]["t"])) * 1e3)  # type: ignore[arg-type]
-        client.ack(f"latency_{i}", "bench", batch.indices)
-        client.clear(f"latency_{i}")
+        client.ack(name, "bench", batch.indices)
+        client.clear(name)
     proc.join()
     client.close()
     return delays
@@ -215,13 +227,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rows-per-message", type=int, default=16, help="rows per put and per get")
     parser.add_argument("--partitions-in-flight", type=int, default=2, help="queue capacity in partitions")
     parser.add_argument("--repeats", type=int, default=None, help="alternating runs per path (best is kept)")
+    parser.add_argument("--relay", action="store_true", help="also measure raw zmq through a zmq.proxy relay")
+    parser.add_argument("--paths", default="shm,tcp", help="queue paths to measure: shm, tcp or both")
     args = parser.parse_args(argv)
+    paths = [p.strip() for p in args.paths.split(",") if p.strip()]
+    if not paths or any(p not in ("shm", "tcp") for p in paths):
+        parser.error(f"--paths must name shm and/or tcp, got {args.paths!r}")
     volume = 128 * MIB if args.quick else 1024 * MIB
     args.repeats = args.repeats or (2 if args.quick else 3)
     # A partition of about 8 MiB and room for two of them: the consumer keeps pace, as the
     # actor does, so the queue is a pipeline and not a store (see docs/transfer-queue.md).
     plans = [
-        Plan(size, volume // size, args.rows_per_message, max(args.rows_per_message, 8 * MIB // size),
+        Plan(True, size, volume // size, args.rows_per_message, max(args.rows_per_message, 8 * MIB // size),
              200 if args.quick else 1000, 0)
         for size in (64 * KIB, MIB)
     ]
@@ -229,7 +246,8 @@ def main(argv: list[str] | None = None) -> None:
     summary = []
     for plan in plans:
         with _server_process(capacity=args.partitions_in_flight * plan.rows_per_partition) as address:
-            summary.append(_measure(address, plan, args.repeats))
+            summary.extend(_measure(address, plan, args.repeats, paths, args.relay))
+    print(f"load: {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} {os.getloadavg()[2]:.2f} on {os.cpu_count()} CPUs")
     print("\n".join(summary))
 
 
@@ -246,32 +264,45 @@ def _server_process(capacity: int) -> Iterator[str]:
         server.join(10)
 
 
-def _measure(address: str, plan: Plan, repeats: int) -> str:
-    # best of a few alternating runs: a shared host's noise hits both sides alike
-    raws, relays, queues = [], [], []
+def _measure(address: str, plan: Plan, repeats: int, paths: list[str], relay: bool) -> list[str]:
+    # best of a few alternating runs: a shared host's noise hits every path alike
+    raws: list[Result] = []
+    relays: list[Result] = []
+    queues: dict[str, list[Result]] = {path: [] for path in paths}
     for rep in range(repeats):
         raws.append(bench_raw(plan.size, plan.samples))
-        relays.append(bench_raw(plan.size, plan.samples, two_hops=True))
-        queues.append(bench_queue(address, replace(plan, first_step=rep * 10**5)))
+        if relay:
+            relays.append(bench_raw(plan.size, plan.samples, two_hops=True))
+        for k, path in enumerate(paths):
+            step = (rep * len(paths) + k) * 10**5  # partition names are never reused
+            queues[path].append(bench_queue(address, replace(plan, shm=path == "shm", first_step=step)))
     raw = max(raws, key=lambda r: r.gbps)
-    relay = max(relays, key=lambda r: r.gbps)
-    queue = max(queues, key=lambda r: r.gbps)
-    lat = bench_latency(address, plan)
-    p50, p99 = statistics.median(lat), percentile(lat, 0.99)
-    print(
-        f"{label(plan.size):>6}: raw {raw.gbps:6.2f} GB/s {raw.per_s:9.0f}/s | raw via relay "
-        f"{relay.gbps:6.2f} GB/s ({relay.gbps / raw.gbps:.2f}x) | queue {queue.gbps:6.2f} GB/s "
-        f"{queue.per_s:9.0f}/s | latency p50 {p50:.3f} ms p99 {p99:.3f} ms "
-        f"(best of {repeats} x {plan.samples} samples; raw runs "
-        f"{', '.join(f'{r.gbps:.2f}' for r in raws)}, queue runs {', '.join(f'{q.gbps:.2f}' for q in queues)})",
-        flush=True,
-    )
-    return (
-        f"queue {label(plan.size)} {queue.gbps / raw.gbps:.2f}x of raw zmq (queue {queue.gbps:.2f} GB/s "
-        f"{queue.per_s / 1e3:.1f}k samples/s, raw {raw.gbps:.2f} GB/s {raw.per_s / 1e3:.1f}k samples/s; "
-        f"p50 {p50:.2f} ms, p99 {p99:.2f} ms)"
-    )
+    line = f"{label(plan.size):>6}: raw {raw.gbps:6.2f} GB/s {raw.per_s:9.0f}/s (runs {_runs(raws)})"
+    if relays:
+        best_relay = max(relays, key=lambda r: r.gbps)
+        line += f" | raw via relay {best_relay.gbps:6.2f} GB/s ({best_relay.gbps / raw.gbps:.2f}x)"
+    print(line, flush=True)
+    summary = []
+    for path, results in queues.items():
+        queue = max(results, key=lambda r: r.gbps)
+        lat = bench_latency(address, replace(plan, shm=path == "shm", first_step=(1 + paths.index(path)) * 10**7))
+        p50, p99 = statistics.median(lat), percentile(lat, 0.99)
+        print(
+            f"{label(plan.size):>6} {path}: queue {queue.gbps:6.2f} GB/s {queue.per_s:9.0f}/s "
+            f"({queue.gbps / raw.gbps:.2f}x) | latency p50 {p50:.3f} ms p99 {p99:.3f} ms "
+            f"(best of {repeats} x {plan.samples} samples; runs {_runs(results)})",
+            flush=True,
+        )
+        summary.append(
+            f"queue {label(plan.size)} {queue.gbps / raw.gbps:.2f}x of raw zmq ({path}; queue {queue.gbps:.2f} GB/s "
+            f"{queue.per_s / 1e3:.1f}k samples/s, raw {raw.gbps:.2f} GB/s {raw.per_s / 1e3:.1f}k samples/s; "
+            f"p50 {p50:.2f} ms, p99 {p99:.2f} ms)"
+        )
+    return summary
 
+
+def _runs(results: list[Result]) -> str:
+    return ", ".join(f"{r.gbps:.2f}" for r in results)
 
 
 if __name__ == "__main__":

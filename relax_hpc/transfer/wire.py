@@ -7,6 +7,9 @@ descriptor is one of::
     ["t", "<torch dtype>", [shape...], k]   torch tensor, bytes in frame buf_k
     ["n", "<numpy dtype>", [shape...], k]   numpy array, bytes in frame buf_k
     ["v", value]                            None / bool / int / float / str, inline
+    ["s", "t"|"n", dtype, [shape...], file, offset]
+                                            same-host shared memory: the bytes are at
+                                            ``offset`` of ``file`` in the server's shm directory
 
 Buffers are sent zero-copy (a memoryview of the contiguous CPU data) and received zero-copy
 (tensors are built on the received frame). Nothing is unpickled: msgpack decodes plain data,
@@ -17,6 +20,7 @@ This module is pure (no sockets) so the server, the client and the tests share i
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +34,9 @@ from relax_hpc.transfer.queue import MAX_NAME_LEN, MAX_STR_LEN, Row, Scalar, Val
 WIRE_VERSION = 1
 MAX_DIMS = 32
 MAX_HEADER_BYTES = 64 * 1024 * 1024
+# A shared-memory payload file is named by a plain word: no "/", no ".", so a reference can
+# never leave the server's shm directory nor name a temporary (dot-prefixed) file.
+SHM_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,127}$")
 
 # Anything exposing the buffer protocol: bytes, memoryview, numpy arrays, zmq.Frame.
 Buffer = Any
@@ -64,6 +71,13 @@ class Encoded:
     shape: tuple[int, ...] = ()
     frame: Buffer = None
     value: Scalar = None
+    file: str = ""  # non-empty: the bytes live in this shm payload file, not in ``frame``
+    offset: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        table: Mapping[str, Any] = TORCH_DTYPES if self.kind == "t" else NUMPY_DTYPES
+        return math.prod(self.shape) * table[self.dtype].itemsize
 
 
 EncodedRow = dict[str, Encoded]
@@ -155,6 +169,8 @@ def encode_rows(rows: Sequence[Mapping[str, Encoded]], frames: list[Buffer]) -> 
         for name, enc in row.items():
             if enc.kind == "v":
                 desc[name] = ["v", enc.value]
+            elif enc.file:
+                desc[name] = ["s", enc.kind, enc.dtype, list(enc.shape), enc.file, enc.offset]
             else:
                 desc[name] = [enc.kind, enc.dtype, list(enc.shape), len(frames)]
                 frames.append(enc.frame)
@@ -185,8 +201,13 @@ def _check_scalar(name: str, value: Any) -> Scalar:
 
 def decode_descriptor(name: str, desc: Any, frames: Sequence[Buffer]) -> Encoded:
     """Validate one descriptor against the frames of its message."""
-    if not isinstance(desc, list) or not desc or desc[0] not in ("t", "n", "v"):
-        raise WireError(f"field {name!r}: descriptor must be ['t'|'n', dtype, shape, frame] or ['v', value]")
+    if not isinstance(desc, list) or not desc or desc[0] not in ("t", "n", "v", "s"):
+        raise WireError(
+            f"field {name!r}: descriptor must be ['t'|'n', dtype, shape, frame], ['v', value] or "
+            "['s', 't'|'n', dtype, shape, file, offset]"
+        )
+    if desc[0] == "s":
+        return _decode_shm_ref(name, desc)
     if desc[0] == "v":
         if len(desc) != 2:
             raise WireError(f"field {name!r}: inline descriptor must be ['v', value]")
@@ -206,6 +227,30 @@ def decode_descriptor(name: str, desc: Any, frames: Sequence[Buffer]) -> Encoded
     if want != have:
         raise WireError(f"field {name!r}: {dtype}{list(shape)} needs {want} bytes, frame {index} has {have}")
     return Encoded(kind, dtype, shape, frames[index])
+
+
+def _decode_shm_ref(name: str, desc: list[Any]) -> Encoded:
+    """A shared-memory reference; the file itself is checked by whoever opens it."""
+    if len(desc) != 6 or desc[1] not in ("t", "n"):
+        raise WireError(f"field {name!r}: shm descriptor must be ['s', 't'|'n', dtype, shape, file, offset]")
+    _, kind, dtype, shape_raw, file, offset = desc
+    table: Mapping[str, Any] = TORCH_DTYPES if kind == "t" else NUMPY_DTYPES
+    if not isinstance(dtype, str) or dtype not in table:
+        raise WireError(f"field {name!r}: dtype {dtype!r} is not one of {sorted(table)}")
+    shape = _check_shape(name, shape_raw)
+    if not isinstance(file, str) or not SHM_NAME.match(file):
+        raise WireError(
+            f"field {name!r}: shm file {file!r} must be a plain name of letters, digits, '-' and '_' "
+            "(no '/', no '.') inside the server's shm directory"
+        )
+    if not isinstance(offset, int) or isinstance(offset, bool) or not 0 <= offset < 2**62:
+        raise WireError(f"field {name!r}: shm offset {offset!r} must be an int >= 0")
+    return Encoded(kind, dtype, shape, None, None, file, offset)
+
+
+def shm_files(rows: Sequence[EncodedRow]) -> set[str]:
+    """The shm payload files that ``rows`` reference."""
+    return {enc.file for row in rows for enc in row.values() if enc.file}
 
 
 def decode_rows(descs: Any, frames: Sequence[Buffer]) -> list[EncodedRow]:
@@ -228,6 +273,8 @@ def materialize(enc: Encoded) -> Value:
     """Build the tensor / array / scalar for a received field, sharing the frame's memory."""
     if enc.kind == "v":
         return enc.value
+    if enc.file:
+        raise WireError(f"shm reference to {enc.file!r} must be read with relax_hpc.transfer.shm.read_rows")
     view = memoryview(enc.frame)
     if view.readonly and view.nbytes:
         view = memoryview(bytearray(view))  # torch needs writable memory; copy only then

@@ -7,11 +7,18 @@ adds rows twice and a retried get never loses rows.
 
 Tensors are sent as memoryviews of their CPU data (no copy) and received tensors are built on
 the received frames (no copy); do not mutate a tensor while a put is in progress.
+
+On the server's host the payloads go through shared memory instead (see
+:mod:`relax_hpc.transfer.shm`): a put/write writes them into one payload file and sends only
+references; a get reads them into new tensors that own their memory. The client decides at
+connect time: the server must advertise a shm directory, report this host's id, and the
+directory must be readable and writable here; ``shm=False`` or ``RELAX_TQ_SHM=0`` keeps TCP.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import threading
 import time
@@ -31,9 +38,12 @@ from relax_hpc.transfer.queue import (
     check_name,
     check_rows,
 )
+from relax_hpc.transfer.shm import SegmentPool, client_can_use, read_rows, shm_enabled_by_env
 from relax_hpc.transfer.wire import (
     WIRE_VERSION,
     Buffer,
+    Encoded,
+    EncodedRow,
     WireError,
     decode_rows,
     encode_rows,
@@ -44,10 +54,15 @@ from relax_hpc.transfer.wire import (
 )
 
 
+log = logging.getLogger(__name__)
+
 # Frames below this size are copied into the message instead of sent zero-copy: pyzmq's
 # zero-copy bookkeeping costs more than a memcpy of a small buffer (measured in
 # benchmarks/bench_queue.py; see docs/transfer-queue.md).
 ZERO_COPY_MIN_BYTES = int(os.environ.get("RELAX_TQ_ZERO_COPY_MIN", 256 * 1024))
+# A put/write whose tensors hold fewer bytes than this travels over TCP even on the server's
+# host: creating, renaming and later deleting a file costs more than sending a few KiB.
+SHM_MIN_BYTES = int(os.environ.get("RELAX_TQ_SHM_MIN_BYTES", 16 * 1024))
 
 
 class TransferQueueClient:
@@ -55,7 +70,9 @@ class TransferQueueClient:
 
     ``connect_timeout``: how long the first ping may take. ``request_timeout``: how long a
     reply may take beyond the call's own blocking timeout; a request is sent ``1 + retries``
-    times before :class:`TransferUnreachableError`.
+    times before :class:`TransferUnreachableError`. ``shm``: use the same-host shared-memory
+    path when the server offers it and this process can see it (None: unless ``RELAX_TQ_SHM=0``;
+    False: always TCP). ``shm_min_bytes``: smallest put/write payload that goes through shm.
     """
 
     def __init__(
@@ -67,6 +84,8 @@ class TransferQueueClient:
         request_timeout: float = 30.0,
         retries: int = 2,
         context: zmq.Context[Any] | None = None,
+        shm: bool | None = None,
+        shm_min_bytes: int | None = None,
     ) -> None:
         if retries < 0 or request_timeout <= 0 or connect_timeout <= 0:
             raise ValueError(
@@ -86,28 +105,32 @@ class TransferQueueClient:
         self._sock.copy_threshold = ZERO_COPY_MIN_BYTES
         self._sock.connect(address)
         self._closed = False
+        self._pool: SegmentPool | None = None
         try:
             reply, _ = self._request({"op": "ping"}, (), wait=0.0, timeout=connect_timeout, retries=0)
         except BaseException:
             self.close()
             raise
         self.capacity: int | None = reply.get("capacity")
+        want_shm = shm_enabled_by_env() if shm is None else shm
+        use_shm = want_shm and client_can_use(reply.get("host"), reply.get("shm"))
+        self.shm_dir: str | None = str(reply["shm"]) if use_shm else None
+        self._shm_min_bytes = SHM_MIN_BYTES if shm_min_bytes is None else shm_min_bytes
+        self._payloads = itertools.count()
+        if self.shm_dir is not None:
+            self._pool = SegmentPool(self.shm_dir)
 
     # ----------------------------------------------------------------- the interface
     def put(self, partition: str, rows: Sequence[Row], timeout: float = 60.0) -> list[int]:
         check_name("partition", partition)
         check_rows(rows)
-        frames: list[Buffer] = []
-        descs = encode_rows(encode_value_rows(rows), frames)
-        reply, _ = self._call({"op": "put", "p": partition, "rows": descs, "timeout": timeout}, frames, timeout)
+        reply, _ = self._send_rows({"op": "put", "p": partition, "timeout": timeout}, rows, timeout)
         return list(reply["idx"])
 
     def write(self, partition: str, indices: Sequence[int], rows: Sequence[Row]) -> None:
         check_name("partition", partition)
         check_rows(rows)
-        frames: list[Buffer] = []
-        descs = encode_rows(encode_value_rows(rows), frames)
-        self._call({"op": "write", "p": partition, "idx": list(indices), "rows": descs}, frames)
+        self._send_rows({"op": "write", "p": partition, "idx": list(indices)}, rows, 0.0)
 
     def get(
         self,
@@ -121,9 +144,12 @@ class TransferQueueClient:
         check_name("task", task)
         names = [check_name("field", f) for f in fields]
         header = {"op": "get", "p": partition, "task": task, "fields": names, "n": batch_size, "timeout": timeout}
+        if self.shm_dir is not None:
+            header["m"] = True  # answer with shm references: this client reads them itself
         reply, frames = self._call(header, (), timeout)
         try:
-            rows = materialize_rows(decode_rows(reply.get("rows"), frames))
+            decoded = decode_rows(reply.get("rows"), frames)
+            rows = materialize_rows(decoded) if self.shm_dir is None else read_rows(self.shm_dir, decoded)
         except WireError as exc:
             raise TransferQueueError(f"transfer queue at {self.address} sent a malformed batch: {exc}") from None
         return Batch(partition, list(reply["idx"]), rows, bool(reply["end"]))
@@ -162,6 +188,8 @@ class TransferQueueClient:
             if not self._closed:
                 self._closed = True
                 self._sock.close(0)
+                if self._pool is not None:
+                    self._pool.close()
 
     def __enter__(self) -> TransferQueueClient:
         return self
@@ -170,6 +198,40 @@ class TransferQueueClient:
         self.close()
 
     # ----------------------------------------------------------------- transport
+    def _send_rows(self, header: dict[str, Any], rows: Sequence[Row], wait: float) -> tuple[dict[str, Any], list[Any]]:
+        """A put/write: payloads as frames, or in one shm payload file with references."""
+        encoded = encode_value_rows(rows)
+        frames: list[Buffer] = []
+        payload = self._to_shm(encoded) if self.shm_dir is not None else None
+        header["rows"] = encode_rows(encoded if payload is None else payload[1], frames)
+        try:
+            return self._call(header, frames, wait)
+        except TransferUnreachableError:
+            raise  # the server may still apply it: the file stays, an orphan sweep removes it if not
+        except TransferQueueError:
+            if payload is not None and self._pool is not None:  # refused: the segment is ours again
+                self._pool.release(payload[0])
+            raise
+
+    def _to_shm(self, encoded: list[EncodedRow]) -> tuple[str, list[EncodedRow]] | None:
+        """Write the payloads into one shm file; None when they are too small to bother."""
+        arrays = [enc for row in encoded for enc in row.values() if enc.kind != "v"]
+        if not arrays or sum(memoryview(enc.frame).nbytes for enc in arrays) < self._shm_min_bytes:
+            return None
+        assert self._pool is not None
+        name = f"{self.session}-{next(self._payloads)}"
+        try:
+            offsets = iter(self._pool.write(name, [enc.frame for enc in arrays]))
+        except OSError as exc:  # shm full or gone: this call travels over TCP instead
+            log.warning("transfer queue: shm write to %s failed (%s); sending over TCP", self.shm_dir, exc)
+            return None
+        refs = [
+            {k: enc if enc.kind == "v" else Encoded(enc.kind, enc.dtype, enc.shape, None, None, name, next(offsets))
+             for k, enc in row.items()}
+            for row in encoded
+        ]
+        return name, refs
+
     def _call(
         self, header: dict[str, Any], frames: Sequence[Buffer] = (), wait: float = 0.0
     ) -> tuple[dict[str, Any], list[Any]]:

@@ -8,6 +8,12 @@ timeout error at their deadline: the loop itself never blocks on one client. Sto
 stay as the received frames and are re-sent zero-copy. A malformed message gets an error reply
 and is otherwise ignored.
 
+Same-host clients move payloads through shared memory instead (see
+:mod:`relax_hpc.transfer.shm`): the server advertises its host id and shm directory in the ping
+reply, stores only the references a put/write carries, and deletes the payload files when the
+partition is cleared and on stop. A get from a client that cannot see the directory (header
+field ``m`` absent or false) is answered with the bytes inlined as frames.
+
 Run standalone: ``python -m relax_hpc.transfer.zmq_server --bind tcp://0.0.0.0:0 --capacity N``
 (prints the address to connect to, serves until interrupted).
 """
@@ -27,6 +33,7 @@ from typing import Any
 import zmq
 
 from relax_hpc.transfer.queue import TransferQueueError, check_name
+from relax_hpc.transfer.shm import ShmStore, shm_enabled_by_env
 from relax_hpc.transfer.state import Owner, QueueState
 from relax_hpc.transfer.wire import (
     WIRE_VERSION,
@@ -40,6 +47,7 @@ from relax_hpc.transfer.wire import (
     name_arg,
     name_list_arg,
     pack_header,
+    shm_files,
     unpack_header,
 )
 
@@ -60,6 +68,7 @@ class _Request:
     started: float = field(default_factory=time.monotonic)
     attempt: Callable[[], list[Any] | None] | None = None  # parked: returns a reply or None
     timeout_message: Callable[[float], str] | None = None
+    files: set[str] = field(default_factory=set)  # shm payloads named by a put/write not yet applied
 
 
 class _Refused(Exception):
@@ -71,7 +80,12 @@ class _Refused(Exception):
 
 
 class TransferQueueServer:
-    """Serve a transfer queue on ``address`` (``tcp://host:0`` picks a free port)."""
+    """Serve a transfer queue on ``address`` (``tcp://host:0`` picks a free port).
+
+    ``shm``: offer the same-host shared-memory path (None: on unless ``RELAX_TQ_SHM=0``; it is
+    also off when ``shm_root`` does not exist). ``shm_root``: where the per-server directory
+    ``relax-tq-<id>`` is created.
+    """
 
     def __init__(
         self,
@@ -79,8 +93,13 @@ class TransferQueueServer:
         capacity: int | None = None,
         *,
         poll_interval_s: float = 0.05,
+        shm: bool | None = None,
+        shm_root: str = "/dev/shm",
     ) -> None:
         self._bind = address
+        self._want_shm = shm_enabled_by_env() if shm is None else shm
+        self._shm_root = shm_root
+        self._shm: ShmStore | None = None
         self._state: QueueState[Encoded] = QueueState(capacity)
         self._poll_interval_s = poll_interval_s
         self._parked: list[_Request] = []
@@ -98,6 +117,11 @@ class TransferQueueServer:
         if self._address is None:
             raise RuntimeError("TransferQueueServer.address is known only after start()")
         return self._address
+
+    @property
+    def shm_dir(self) -> str | None:
+        """The shared-memory directory same-host clients write payloads into (None: TCP only)."""
+        return None if self._shm is None else self._shm.path
 
     def start(self, timeout: float = 10.0) -> str:
         """Bind and serve in a daemon thread; returns the address to connect to."""
@@ -137,12 +161,19 @@ class TransferQueueServer:
             sock.close(0)
             ctx.term()
             return
+        if self._want_shm:
+            try:
+                self._shm = ShmStore(self._shm_root)
+            except OSError as exc:  # no tmpfs here: every client stays on TCP
+                log.warning("transfer queue: no shared-memory path (%s); clients use TCP only", exc)
         self._ready.set()
         try:
             self._loop(sock)
         finally:
             sock.close(0)
             ctx.term()
+            if self._shm is not None:
+                self._shm.close()
 
     # ----------------------------------------------------------------- event loop
     def _loop(self, sock: zmq.Socket[Any]) -> None:
@@ -203,13 +234,13 @@ class TransferQueueServer:
 
     def _ops(self) -> dict[str, Callable[[_Request], list[Any] | None]]:
         return {
-            "ping": lambda r: [{"capacity": self._state.capacity}],
+            "ping": lambda r: [{"capacity": self._state.capacity, **(self._shm.describe() if self._shm else {})}],
             "put": self._op_put,
             "write": self._op_write,
             "get": self._op_get,
             "ack": self._op_ack,
             "complete": self._op_complete,
-            "clear": lambda r: [{"n": self._state.clear(name_arg(r.header, "p"))}],
+            "clear": self._op_clear,
             "partitions": self._op_partitions,
             "oldest": lambda r: [{"step": self._state.oldest_uncleared()}],
             "may_start": self._op_may_start,
@@ -221,7 +252,7 @@ class TransferQueueServer:
     # park the request until it can be answered.
     def _op_put(self, req: _Request) -> list[Any] | None:
         partition = check_name("partition", name_arg(req.header, "p"))
-        rows = decode_rows(arg(req.header, "rows", list), req.frames)
+        rows = self._decode_rows(req, partition)
         n_rows = len(rows)
         self._state.check_put(partition, n_rows)
 
@@ -229,15 +260,39 @@ class TransferQueueServer:
             self._state.check_put(partition, n_rows)
             if not self._state.has_room(n_rows):
                 return None
-            return [{"idx": self._state.put(partition, rows)}]
+            indices = self._state.put(partition, rows)
+            self._adopt(req, partition)
+            return [{"idx": indices}]
 
         return self._now_or_park(req, attempt, lambda waited: self._state.capacity_message(partition, n_rows, waited))
 
     def _op_write(self, req: _Request) -> list[Any]:
         partition = name_arg(req.header, "p")
-        rows = decode_rows(arg(req.header, "rows", list), req.frames)
+        rows = self._decode_rows(req, partition)
         self._state.write(partition, int_list_arg(req.header, "idx"), rows)
+        self._adopt(req, partition)
         return [{}]
+
+    def _decode_rows(self, req: _Request, partition: str) -> list[Any]:
+        """Rows of a put/write; shm references are checked against the directory."""
+        rows = decode_rows(arg(req.header, "rows", list), req.frames)
+        if shm_files(rows):
+            if self._shm is None:
+                raise WireError("shm references sent to a server without a shared-memory directory")
+            req.files = self._shm.check(rows, partition)
+        return rows
+
+    def _adopt(self, req: _Request, partition: str) -> None:
+        if req.files and self._shm is not None:
+            self._shm.adopt(partition, req.files)
+            req.files = set()
+
+    def _op_clear(self, req: _Request) -> list[Any]:
+        partition = name_arg(req.header, "p")
+        freed = self._state.clear(partition)
+        if self._shm is not None:
+            self._shm.release(partition, {f for r in self._parked for f in r.files})
+        return [{"n": freed}]
 
     def _op_get(self, req: _Request) -> list[Any] | None:
         partition = name_arg(req.header, "p")
@@ -245,13 +300,17 @@ class TransferQueueServer:
         fields = name_list_arg(req.header, "fields")
         batch_size = arg(req.header, "n", int)
         owner = self._owner(req)
+        reads_shm = req.header.get("m") is True
 
         def attempt() -> list[Any] | None:
             taken = self._state.try_get(partition, task, fields, batch_size, owner)
             if taken is None:
                 return None
+            rows = taken.rows
+            if self._shm is not None and not reads_shm:
+                rows = self._shm.inline(rows)  # another host: the bytes must travel over TCP
             frames: list[Buffer] = []
-            descs = encode_rows(taken.rows, frames)
+            descs = encode_rows(rows, frames)
             return [{"idx": taken.indices, "rows": descs, "end": taken.end}, *frames]
 
         return self._now_or_park(
@@ -387,6 +446,9 @@ class TransferQueueServer:
         sock.send_multipart([req.identity, *payload], copy=False)
 
     def _send_error(self, sock: zmq.Socket[Any], req: _Request, kind: str, message: str) -> None:
+        if req.files and self._shm is not None:  # the request was not applied: its payloads go
+            self._shm.discard(req.files)
+            req.files = set()
         payload = [pack_header({"id": req.req_id, "ok": False, "kind": kind, "error": message})]
         if req.session is not None and req.req_id is not None:
             self._remember(req.session, req.req_id, payload)

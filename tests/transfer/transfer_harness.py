@@ -23,7 +23,9 @@ class QueueHarness:
             return self._memory
         from relax_hpc.transfer.zmq_server import TransferQueueServer
 
-        server = TransferQueueServer("tcp://127.0.0.1:0", capacity=capacity)
+        # "zmq": TCP only (as a client on another host sees it); "zmq-shm": same-host shared
+        # memory for every payload, however small, so the whole contract runs through it.
+        server = TransferQueueServer("tcp://127.0.0.1:0", capacity=capacity, shm=self.kind == "zmq-shm")
         self.address = server.start()
         self._server = server
         return self.handle()
@@ -36,7 +38,11 @@ class QueueHarness:
         else:
             from relax_hpc.transfer.zmq_client import TransferQueueClient
 
-            handle = TransferQueueClient(self.address, consumer_id=consumer_id, connect_timeout=5.0, request_timeout=5.0)
+            handle = TransferQueueClient(
+                self.address, consumer_id=consumer_id, connect_timeout=5.0, request_timeout=5.0, shm_min_bytes=0
+            )
+            if self.kind == "zmq-shm":
+                assert handle.shm_dir is not None, "the zmq-shm harness expects the shared-memory path"
         self._handles.append(handle)
         return handle
 

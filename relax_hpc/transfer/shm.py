@@ -1,0 +1,406 @@
+"""Same-host shared-memory data path of the ZMQ transfer queue.
+
+When a client runs on the server's host, tensor and array payloads do not travel through the
+server: the producer copies them into one *payload file* per ``put``/``write`` under the
+server's shm directory (``/dev/shm/relax-tq-<uuid>/``, tmpfs) and sends only references
+(``["s", kind, dtype, shape, file, offset]``). Payload files are *segments* the producer keeps
+mapped (:class:`SegmentPool`): when the server releases one, the producer reuses its memory for a
+later put under a new name, because allocating and freeing fresh tmpfs pages costs several times
+the copy itself (measured: 0.35 ms to write and 0.14 ms to delete a new 1 MiB file, 0.03 ms to
+refill a mapped one).
+The server stores references and never touches the bytes, except to inline them for a client
+that cannot see the directory (another host, or ``RELAX_TQ_SHM=0``). A consumer on the host
+reads the bytes straight into freshly allocated tensors (one copy out of shared memory), so what
+it receives owns its memory and stays valid after the partition is cleared.
+
+Lifetime rules (the server enforces them through :class:`ShmStore`):
+
+* a payload file belongs to the partition its put/write named; clearing the partition
+  *releases* its files (renames ``name`` to ``.free-name``, which no reference can name), and
+  the producer that made the segment reuses it; stopping the server deletes the whole directory;
+* a file named by a refused, malformed or expired request is released at once (unless a live
+  partition owns it);
+* anything nobody references (a segment its producer no longer reuses, a file of a producer that
+  died between writing it and the server recording the put, a leftover temporary file) is an
+  orphan: the server deletes files it does not know whose last change (mtime or ctime: a rename
+  counts) is older than ``ORPHAN_GRACE_S`` when a partition is cleared (at most once per
+  ``SWEEP_INTERVAL_S``), and everything at stop.
+
+New segments are written under a dot-prefixed temporary name and then renamed; a reused one is
+renamed to its new name before it is refilled, and the new name is sent only after the copy.
+References are plain names (``wire.SHM_NAME``: no ``/``, no ``.``), so a reference can never
+name a temporary or released file nor a path outside the directory. Regular files only: symlinks
+are refused. A consumer checks after copying that the name still exists: a batch read while its
+partition is being cleared fails loudly instead of returning recycled bytes.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import shutil
+import stat
+import tempfile
+import time
+import uuid
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from relax_hpc.transfer.queue import Value
+from relax_hpc.transfer.wire import (
+    NUMPY_DTYPES,
+    TORCH_DTYPES,
+    Buffer,
+    Encoded,
+    EncodedRow,
+    WireError,
+    materialize,
+)
+
+SHM_ROOT = "/dev/shm"
+DIR_PREFIX = "relax-tq-"
+ORPHAN_GRACE_S = 60.0
+SWEEP_INTERVAL_S = 10.0
+FREE_PREFIX = ".free-"
+MAX_SEGMENTS = 256  # segments one producer keeps mapped; older ones are left to the sweep
+_REUSE_TRIES = 2  # released segments are usually the oldest: look at a few, not all
+_MIN_SEGMENT = 64 * 1024
+
+
+def shm_enabled_by_env() -> bool:
+    """``RELAX_TQ_SHM=0`` turns the shared-memory path off (server and clients)."""
+    return os.environ.get("RELAX_TQ_SHM", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def local_host_id() -> str:
+    """Hostname plus kernel boot id: equal only for processes on the same machine."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "no-boot-id"
+    return f"{os.uname().nodename}/{boot}"
+
+
+def client_can_use(host: object, directory: object) -> bool:
+    """Whether this process shares the server's host and can read and write its shm directory."""
+    if not isinstance(host, str) or not isinstance(directory, str) or not directory:
+        return False
+    if host != local_host_id():
+        return False
+    return os.path.isdir(directory) and os.access(directory, os.R_OK | os.W_OK | os.X_OK)
+
+
+# --------------------------------------------------------------------------- producer side
+class _Segment:
+    def __init__(self, name: str, size: int, memory: mmap.mmap) -> None:
+        self.name = name
+        self.size = size
+        self.memory = memory
+        self.view = memoryview(memory)  # type: ignore[arg-type]
+
+
+class SegmentPool:
+    """A producer's mapped payload segments in the server's shm directory.
+
+    ``write`` copies a put's buffers into a released segment of this producer when one is large
+    enough (claimed atomically by renaming ``.free-<old>`` to the new name), else into a new
+    segment (size rounded up to a power of two; tmpfs allocates only the pages touched).
+    Not thread-safe: one pool per client, and a client serialises its calls.
+    """
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+        self._segments: list[_Segment] = []  # oldest use first
+
+    def write(self, name: str, buffers: Sequence[Buffer]) -> list[int]:
+        """Put ``buffers`` back to back into a segment now named ``name``; returns their offsets."""
+        views = [memoryview(b).cast("B") for b in buffers]
+        offsets, total = [], 0
+        for view in views:
+            offsets.append(total)
+            total += view.nbytes
+        segment = self._reuse(name, total)
+        if segment is None:
+            segment = self._create(name, total, views, offsets)
+        else:
+            _fill(segment.view, views, offsets)
+        self._segments.append(segment)
+        return offsets
+
+    def release(self, name: str) -> None:
+        """Give back the segment of a put the server refused, so it can be reused."""
+        _rename(os.path.join(self.directory, name), os.path.join(self.directory, FREE_PREFIX + name))
+
+    def close(self) -> None:
+        """Unmap everything and delete the segments the server has released."""
+        for segment in self._segments:
+            _unlink(os.path.join(self.directory, FREE_PREFIX + segment.name))
+            segment.view.release()
+            segment.memory.close()
+        self._segments.clear()
+
+    def _reuse(self, name: str, total: int) -> _Segment | None:
+        tried = 0
+        for segment in list(self._segments):
+            if segment.size < total:
+                continue
+            if tried == _REUSE_TRIES:
+                break
+            tried += 1
+            old = os.path.join(self.directory, segment.name)
+            try:
+                os.rename(os.path.join(self.directory, FREE_PREFIX + segment.name), os.path.join(self.directory, name))
+            except FileNotFoundError:
+                if not os.path.exists(old):  # neither in use nor free: swept, forget it
+                    self._drop(segment)
+                continue
+            self._segments.remove(segment)
+            segment.name = name
+            return segment
+        return None
+
+    def _create(self, name: str, total: int, views: list[memoryview], offsets: list[int]) -> _Segment:
+        size = max(_MIN_SEGMENT, 1 << max(0, total - 1).bit_length())
+        tmp = os.path.join(self.directory, f".{name}.tmp")
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            memory = mmap.mmap(fd, size)
+        except BaseException:
+            os.close(fd)
+            _unlink(tmp)
+            raise
+        os.close(fd)
+        segment = _Segment(name, size, memory)
+        _fill(segment.view, views, offsets)
+        os.rename(tmp, os.path.join(self.directory, name))
+        if len(self._segments) >= MAX_SEGMENTS:
+            self._drop(self._segments[0])
+        return segment
+
+    def _drop(self, segment: _Segment) -> None:
+        self._segments.remove(segment)
+        segment.view.release()
+        segment.memory.close()
+
+
+def _fill(target: memoryview, views: list[memoryview], offsets: list[int]) -> None:
+    for view, offset in zip(views, offsets):
+        target[offset : offset + view.nbytes] = view
+
+
+# --------------------------------------------------------------------------- consumer side
+def read_rows(directory: str, rows: Sequence[EncodedRow]) -> list[dict[str, Value]]:
+    """Materialise received rows: shm references are copied into new tensors/arrays that own
+    their memory (one file open per payload file); frames and inline values as usual."""
+    fds: dict[str, int] = {}
+    try:
+        out: list[dict[str, Value]] = []
+        for row in rows:
+            values: dict[str, Value] = {}
+            for name, enc in row.items():
+                if not enc.file:
+                    values[name] = materialize(enc)
+                    continue
+                fd = fds.get(enc.file)
+                if fd is None:
+                    fd = fds[enc.file] = _open_payload(directory, enc.file)
+                values[name] = _read_value(fd, enc)
+            out.append(values)
+        for file, fd in fds.items():  # still under its name: not released (or reused) meanwhile
+            if not _same_file(os.path.join(directory, file), fd):
+                raise WireError(
+                    f"shm payload {file!r} was released while this batch was read: its partition was "
+                    "cleared during the get; get only from partitions that are not being cleared"
+                )
+        return out
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+
+
+def _same_file(path: str, fd: int) -> bool:
+    try:
+        return os.stat(path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino
+    except FileNotFoundError:
+        return False
+
+
+def _open_payload(directory: str, name: str) -> int:
+    try:
+        return os.open(os.path.join(directory, name), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise WireError(
+            f"shm payload {name!r} is gone from {directory}: the partition was cleared (or the "
+            "server stopped) while this batch was in flight; get from a live partition"
+        ) from None
+
+
+def _read_value(fd: int, enc: Encoded) -> Value:
+    if enc.kind == "n":
+        array = np.empty(enc.shape, dtype=NUMPY_DTYPES[enc.dtype])
+        _read_exact(fd, memoryview(array.reshape(-1).view(np.uint8)), enc)
+        return array
+    tensor = torch.empty(enc.shape, dtype=TORCH_DTYPES[enc.dtype])
+    if tensor.numel():
+        _read_exact(fd, memoryview(tensor.view(-1).view(torch.uint8).numpy()), enc)
+    return tensor
+
+
+def _read_exact(fd: int, target: memoryview, enc: Encoded) -> None:
+    done = 0
+    while done < target.nbytes:
+        got = os.preadv(fd, [target[done:]], enc.offset + done)
+        if got <= 0:
+            raise WireError(
+                f"shm payload {enc.file!r} ends before offset {enc.offset} + {target.nbytes} bytes"
+            )
+        done += got
+
+
+# --------------------------------------------------------------------------- server side
+class ShmStore:
+    """The server's shm directory: validates references, tracks which partition owns which
+    payload file, deletes files on clear/refusal/stop and sweeps orphans."""
+
+    def __init__(self, root: str = SHM_ROOT) -> None:
+        if not os.path.isdir(root):
+            raise FileNotFoundError(f"shared-memory root {root} does not exist")
+        self.path = tempfile.mkdtemp(prefix=f"{DIR_PREFIX}{uuid.uuid4().hex[:12]}-", dir=root)
+        os.chmod(self.path, 0o700)  # same user only: a job's roles share the uid
+        self.host = local_host_id()
+        self._owner: dict[str, str] = {}  # file -> partition
+        self._files: dict[str, set[str]] = {}  # partition -> files
+        self._last_sweep = time.monotonic()
+
+    def check(self, rows: Sequence[EncodedRow], partition: str) -> set[str]:
+        """Validate every reference in ``rows`` against the directory; returns the files named.
+
+        Raises :class:`WireError` for a missing or non-regular file, a byte range past the end
+        of the file, or a file that another partition already owns.
+        """
+        sizes: dict[str, int] = {}
+        for row in rows:
+            for name, enc in row.items():
+                if not enc.file:
+                    continue
+                size = sizes.get(enc.file)
+                if size is None:
+                    size = sizes[enc.file] = self._size(enc.file, partition)
+                if enc.offset + enc.nbytes > size:
+                    raise WireError(
+                        f"field {name!r}: shm payload {enc.file!r} holds {size} bytes, the reference "
+                        f"needs {enc.nbytes} bytes at offset {enc.offset}"
+                    )
+        return set(sizes)
+
+    def _free(self, file: str) -> None:
+        """Hand a segment back to its producer: no reference can name ``.free-*``."""
+        _rename(os.path.join(self.path, file), os.path.join(self.path, FREE_PREFIX + file))
+
+    def _size(self, file: str, partition: str) -> int:
+        owner = self._owner.get(file)
+        if owner is not None and owner != partition:
+            raise WireError(f"shm payload {file!r} belongs to partition {owner!r}, not {partition!r}")
+        try:
+            info = os.stat(os.path.join(self.path, file), follow_symlinks=False)
+        except FileNotFoundError:
+            raise WireError(f"shm payload {file!r} does not exist in {self.path}") from None
+        if not stat.S_ISREG(info.st_mode):
+            raise WireError(f"shm payload {file!r} is not a regular file")
+        return info.st_size
+
+    def adopt(self, partition: str, files: Iterable[str]) -> None:
+        """Record that ``partition`` references ``files`` (after the put/write was applied)."""
+        owned = self._files.setdefault(partition, set())
+        for file in files:
+            owned.add(file)
+            self._owner[file] = partition
+
+    def discard(self, files: Iterable[str]) -> None:
+        """Release files of a request that was not applied (never one a partition owns)."""
+        for file in files:
+            if file not in self._owner:
+                self._free(file)
+
+    def release(self, partition: str, pending: set[str]) -> None:
+        """Release the files of a cleared partition, then sweep orphans if it is time."""
+        for file in self._files.pop(partition, set()):
+            self._owner.pop(file, None)
+            self._free(file)
+        if time.monotonic() - self._last_sweep >= SWEEP_INTERVAL_S:
+            self.sweep(pending)
+
+    def sweep(self, pending: set[str], grace_s: float | None = None) -> int:
+        """Delete files nobody references that are older than ``grace_s``; returns how many.
+
+        ``pending`` are files of requests the server holds but has not applied yet (parked puts).
+        The grace period covers a put whose message is still on its way to the server.
+        """
+        self._last_sweep = time.monotonic()
+        cutoff = time.time() - (ORPHAN_GRACE_S if grace_s is None else grace_s)
+        removed = 0
+        with os.scandir(self.path) as entries:
+            for entry in entries:
+                name = entry.name
+                if name in self._owner or name in pending:
+                    continue
+                try:
+                    info = entry.stat(follow_symlinks=False)
+                    if max(info.st_mtime, info.st_ctime) > cutoff:
+                        continue
+                except FileNotFoundError:
+                    continue
+                _unlink(entry.path)
+                removed += 1
+        return removed
+
+    def inline(self, rows: Sequence[EncodedRow]) -> list[EncodedRow]:
+        """Replace references by frames holding the bytes, for a client that cannot see shm."""
+        fds: dict[str, int] = {}
+        try:
+            out: list[EncodedRow] = []
+            for row in rows:
+                new: EncodedRow = {}
+                for name, enc in row.items():
+                    if enc.file:
+                        fd = fds.get(enc.file)
+                        if fd is None:
+                            fd = fds[enc.file] = _open_payload(self.path, enc.file)
+                        data = bytearray(enc.nbytes)
+                        _read_exact(fd, memoryview(data), enc)
+                        enc = Encoded(enc.kind, enc.dtype, enc.shape, data)
+                    new[name] = enc
+                out.append(new)
+            return out
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+
+    def close(self) -> None:
+        """Delete the directory and everything in it (server stop)."""
+        self._owner.clear()
+        self._files.clear()
+        shutil.rmtree(self.path, ignore_errors=True)
+
+    def describe(self) -> dict[str, Any]:
+        """What the ping reply advertises so that clients can decide to use shm."""
+        return {"host": self.host, "shm": self.path}
+
+
+def _rename(source: str, target: str) -> None:
+    try:
+        os.rename(source, target)
+    except FileNotFoundError:
+        pass
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
