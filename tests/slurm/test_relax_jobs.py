@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.timeout(400)]
 
 REPO = Path(__file__).resolve().parents[2]
 RELAX_HPC = Path(sys.executable).parent / "relax-hpc"
-PROMPTS, SAMPLES = 16, 16
+PROMPTS, SAMPLES = 8, 32  # jobspecs/tiny_slurm.toml
 
 
 @pytest.fixture(scope="module")
