@@ -61,7 +61,8 @@ def rendezvous_address() -> str:
 
 class ActorWorker(WeightSenderEndpoint):
     """Rank `rank` of the trainer. With several ranks, rank 0's node hosts the group's TCP store:
-    the placement code asks rank 0 for `rendezvous_address()` first, then passes it to every rank."""
+    the placement code picks `rendezvous_address()` on a trainer node, pins rank 0 there and passes
+    the address to every rank."""
 
     def __init__(self, cfg: ActorConfig, rank: int = 0, world_size: int = 1, master: str = "") -> None:
         if cfg.num_threads > 0:
