@@ -20,6 +20,7 @@ as well, as in Gymnasium.
 
 from __future__ import annotations
 
+import abc
 import inspect
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, NamedTuple
@@ -39,7 +40,7 @@ class StepResult(NamedTuple):
     info: dict[str, Any] | None = None  # free-form; recorded per turn in the metadata
 
 
-class BaseInteractionEnv:
+class BaseInteractionEnv(abc.ABC):
     """Base class of multi-turn environments: override `step`, and `reset` / `format_observation`
     when the defaults do not fit. Instances are never shared between episodes."""
 
@@ -52,9 +53,9 @@ class BaseInteractionEnv:
         """Start the episode; a non-empty observation is appended to the prompt (not trained)."""
         return None
 
+    @abc.abstractmethod
     def step(self, response_text: str) -> StepResult | tuple | Awaitable[StepResult | tuple]:
-        """React to the model's latest turn (its text, the stop token left out)."""
-        raise NotImplementedError(f"{type(self).__name__} must implement step(response_text)")
+        """React to the model's latest turn (its text, the stop token left out); every env defines it."""
 
     def format_observation(self, observation: Any) -> ChatMessage:
         """The chat message an observation becomes; the chat template turns it into tokens."""
