@@ -36,19 +36,17 @@ from relax_hpc.transfer.queue import (
     TransferTimeoutError,
     TransferUnreachableError,
     check_name,
-    check_rows,
 )
-from relax_hpc.transfer.shm import SegmentPool, client_can_use, read_rows, shm_enabled_by_env
+from relax_hpc.transfer.shm import SegmentPool, client_can_use, read_blocks, shm_enabled_by_env
 from relax_hpc.transfer.wire import (
     WIRE_VERSION,
+    Block,
     Buffer,
-    Encoded,
-    EncodedRow,
     WireError,
-    decode_rows,
-    encode_rows,
-    encode_value_rows,
-    materialize_rows,
+    array_buffers,
+    blocks_to_wire,
+    encode_blocks,
+    materialize_blocks,
     pack_header,
     unpack_header,
 )
@@ -123,13 +121,11 @@ class TransferQueueClient:
     # ----------------------------------------------------------------- the interface
     def put(self, partition: str, rows: Sequence[Row], timeout: float = 60.0) -> list[int]:
         check_name("partition", partition)
-        check_rows(rows)
         reply, _ = self._send_rows({"op": "put", "p": partition, "timeout": timeout}, rows, timeout)
         return list(reply["idx"])
 
     def write(self, partition: str, indices: Sequence[int], rows: Sequence[Row]) -> None:
         check_name("partition", partition)
-        check_rows(rows)
         self._send_rows({"op": "write", "p": partition, "idx": list(indices)}, rows, 0.0)
 
     def get(
@@ -148,8 +144,8 @@ class TransferQueueClient:
             header["m"] = True  # answer with shm references: this client reads them itself
         reply, frames = self._call(header, (), timeout)
         try:
-            decoded = decode_rows(reply.get("rows"), frames)
-            rows = materialize_rows(decoded) if self.shm_dir is None else read_rows(self.shm_dir, decoded)
+            blocks = reply.get("blocks")
+            rows = materialize_blocks(blocks, frames) if self.shm_dir is None else read_blocks(self.shm_dir, blocks, frames)
         except WireError as exc:
             raise TransferQueueError(f"transfer queue at {self.address} sent a malformed batch: {exc}") from None
         return Batch(partition, list(reply["idx"]), rows, bool(reply["end"]))
@@ -200,37 +196,31 @@ class TransferQueueClient:
     # ----------------------------------------------------------------- transport
     def _send_rows(self, header: dict[str, Any], rows: Sequence[Row], wait: float) -> tuple[dict[str, Any], list[Any]]:
         """A put/write: payloads as frames, or in one shm payload file with references."""
-        encoded = encode_value_rows(rows)
+        blocks = encode_blocks(rows)
         frames: list[Buffer] = []
-        payload = self._to_shm(encoded) if self.shm_dir is not None else None
-        header["rows"] = encode_rows(encoded if payload is None else payload[1], frames)
+        name = self._to_shm(blocks) if self.shm_dir is not None else None
+        header["blocks"] = blocks_to_wire(blocks, frames, name)
         try:
             return self._call(header, frames, wait)
         except TransferUnreachableError:
             raise  # the server may still apply it: the file stays, an orphan sweep removes it if not
         except TransferQueueError:
-            if payload is not None and self._pool is not None:  # refused: the segment is ours again
-                self._pool.release(payload[0])
+            if name is not None and self._pool is not None:  # refused: the segment is ours again
+                self._pool.release(name[0])
             raise
 
-    def _to_shm(self, encoded: list[EncodedRow]) -> tuple[str, list[EncodedRow]] | None:
-        """Write the payloads into one shm file; None when they are too small to bother."""
-        arrays = [enc for row in encoded for enc in row.values() if enc.kind != "v"]
-        if not arrays or sum(memoryview(enc.frame).nbytes for enc in arrays) < self._shm_min_bytes:
+    def _to_shm(self, blocks: list[Block]) -> tuple[str, list[int]] | None:
+        """Write the array bytes into one shm file: (file, offsets); None when too small to bother."""
+        buffers = array_buffers(blocks)
+        if not buffers or sum(memoryview(b).nbytes for b in buffers) < self._shm_min_bytes:
             return None
         assert self._pool is not None
         name = f"{self.session}-{next(self._payloads)}"
         try:
-            offsets = iter(self._pool.write(name, [enc.frame for enc in arrays]))
+            return name, self._pool.write(name, buffers)
         except OSError as exc:  # shm full or gone: this call travels over TCP instead
             log.warning("transfer queue: shm write to %s failed (%s); sending over TCP", self.shm_dir, exc)
             return None
-        refs = [
-            {k: enc if enc.kind == "v" else Encoded(enc.kind, enc.dtype, enc.shape, None, None, name, next(offsets))
-             for k, enc in row.items()}
-            for row in encoded
-        ]
-        return name, refs
 
     def _call(
         self, header: dict[str, Any], frames: Sequence[Buffer] = (), wait: float = 0.0

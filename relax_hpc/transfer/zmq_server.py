@@ -41,13 +41,13 @@ from relax_hpc.transfer.wire import (
     Encoded,
     WireError,
     arg,
-    decode_rows,
-    encode_rows,
+    decode_blocks,
     int_list_arg,
     name_arg,
     name_list_arg,
     pack_header,
     shm_files,
+    stored_to_wire,
     unpack_header,
 )
 
@@ -275,7 +275,7 @@ class TransferQueueServer:
 
     def _decode_rows(self, req: _Request, partition: str) -> list[Any]:
         """Rows of a put/write; shm references are checked against the directory."""
-        rows = decode_rows(arg(req.header, "rows", list), req.frames)
+        rows = decode_blocks(arg(req.header, "blocks", list), req.frames)
         if shm_files(rows):
             if self._shm is None:
                 raise WireError("shm references sent to a server without a shared-memory directory")
@@ -310,8 +310,8 @@ class TransferQueueServer:
             if self._shm is not None and not reads_shm:
                 rows = self._shm.inline(rows)  # another host: the bytes must travel over TCP
             frames: list[Buffer] = []
-            descs = encode_rows(rows, frames)
-            return [{"idx": taken.indices, "rows": descs, "end": taken.end}, *frames]
+            descs = stored_to_wire(rows, frames)
+            return [{"idx": taken.indices, "blocks": descs, "end": taken.end}, *frames]
 
         return self._now_or_park(
             req,

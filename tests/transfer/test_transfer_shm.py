@@ -14,7 +14,7 @@ import torch
 import zmq
 
 from relax_hpc.transfer import TransferQueueError, shm
-from relax_hpc.transfer.wire import WIRE_VERSION, Encoded, WireError
+from relax_hpc.transfer.wire import WIRE_VERSION, WireError
 from relax_hpc.transfer.zmq_client import TransferQueueClient
 from relax_hpc.transfer.zmq_server import TransferQueueServer
 
@@ -53,7 +53,7 @@ def raw_put(server: TransferQueueServer, partition: str, desc: list[Any], req_id
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(server.address)
     head = {"v": WIRE_VERSION, "s": f"raw-{req_id}", "c": "", "id": req_id, "op": "put", "p": partition,
-            "rows": [{"x": desc}], "timeout": 1.0}
+            "blocks": [{"n": 1, "cols": {"x": desc}}], "timeout": 1.0}
     sock.send_multipart([msgpack.packb(head)])
     assert sock.poll(5000), "server did not answer"
     reply: dict[str, Any] = msgpack.unpackb(sock.recv_multipart()[0])
@@ -134,17 +134,19 @@ def test_orphans_are_swept_but_fresh_and_owned_files_stay(server: TransferQueueS
 
 
 BAD_REFS: list[tuple[str, list[Any], str]] = [
-    ("parent dir", ["s", "t", "float32", [2], "..", 0], "plain name"),
-    ("slash", ["s", "t", "float32", [2], "a/b", 0], "plain name"),
-    ("absolute", ["s", "t", "float32", [2], "/etc/passwd", 0], "plain name"),
-    ("dot file", ["s", "t", "float32", [2], ".hidden", 0], "plain name"),
-    ("empty name", ["s", "t", "float32", [2], "", 0], "plain name"),
-    ("missing file", ["s", "t", "float32", [2], "nosuchfile", 0], "does not exist"),
-    ("negative offset", ["s", "t", "float32", [2], "data", -1], "offset"),
-    ("past the end", ["s", "t", "float32", [4], "data", 4], "holds 16 bytes"),
-    ("symlink", ["s", "t", "float32", [2], "link", 0], "not a regular file"),
-    ("short descriptor", ["s", "t", "float32", [2], "data"], "shm descriptor"),
-    ("bad dtype", ["s", "t", "object", [2], "data", 0], "dtype"),
+    ("parent dir", ["s", "t", "float32", [[2]], "..", [0]], "plain name"),
+    ("slash", ["s", "t", "float32", [[2]], "a/b", [0]], "plain name"),
+    ("absolute", ["s", "t", "float32", [[2]], "/etc/passwd", [0]], "plain name"),
+    ("dot file", ["s", "t", "float32", [[2]], ".hidden", [0]], "plain name"),
+    ("empty name", ["s", "t", "float32", [[2]], "", [0]], "plain name"),
+    ("missing file", ["s", "t", "float32", [[2]], "nosuchfile", [0]], "does not exist"),
+    ("negative offset", ["s", "t", "float32", [[2]], "data", [-1]], "offset"),
+    ("past the end", ["s", "t", "float32", [[4]], "data", [4]], "holds 16 bytes"),
+    ("symlink", ["s", "t", "float32", [[2]], "link", [0]], "not a regular file"),
+    ("short descriptor", ["s", "t", "float32", [[2]], "data"], "shm column"),
+    ("offsets not a list", ["s", "t", "float32", [[2]], "data", 0], "offsets must be a list"),
+    ("one file per row, too many", ["s", "t", "float32", [[2]], ["data", "data"], [0]], "list of 1 names"),
+    ("bad dtype", ["s", "t", "object", [[2]], "data", [0]], "dtype"),
 ]
 
 
@@ -170,7 +172,7 @@ def test_a_valid_raw_reference_is_accepted(server: TransferQueueServer) -> None:
     assert server.shm_dir is not None
     with open(os.path.join(server.shm_dir, "data"), "wb") as f:
         f.write(np.arange(4, dtype=np.float32).tobytes())
-    reply = raw_put(server, "train_0", ["s", "n", "float32", [2], "data", 8])
+    reply = raw_put(server, "train_0", ["s", "n", "float32", [[2]], "data", [8]])
     assert reply["ok"] is True, reply
     got = client(server).get("train_0", "actor", ["x"], 1, timeout=2).rows[0]["x"]
     np.testing.assert_array_equal(got, np.array([2.0, 3.0], dtype=np.float32))
@@ -180,7 +182,7 @@ def test_a_file_owned_by_another_partition_is_refused(server: TransferQueueServe
     q = client(server)
     q.put("train_0", samples(1))
     (owned,) = payload_files(server)
-    reply = raw_put(server, "train_1", ["s", "t", "float32", [2], owned, 0])
+    reply = raw_put(server, "train_1", ["s", "t", "float32", [[2]], owned, [0]])
     assert reply["ok"] is False and "belongs to partition 'train_0'" in reply["error"]
     assert payload_files(server) == [owned]  # the refusal did not delete train_0's data
     q.close()
@@ -191,7 +193,7 @@ def test_server_without_shm_refuses_references() -> None:
     srv.start()
     try:
         assert srv.shm_dir is None
-        reply = raw_put(srv, "train_0", ["s", "t", "float32", [2], "data", 0])
+        reply = raw_put(srv, "train_0", ["s", "t", "float32", [[2]], "data", [0]])
         assert reply["ok"] is False and "without a shared-memory directory" in reply["error"]
         assert TransferQueueClient(srv.address).shm_dir is None
     finally:
@@ -285,9 +287,9 @@ def test_reading_a_batch_whose_partition_is_cleared_meanwhile_fails_loudly(serve
     q = client(server)
     q.put("train_0", samples(1))
     (name,) = payload_files(server)
-    rows = [{"x": Encoded("t", "float32", (SAMPLE,), file=name, offset=0)}]
-    assert torch.equal(shm.read_rows(server.shm_dir or "", rows)[0]["x"], torch.zeros(SAMPLE))  # type: ignore[arg-type]
+    blocks = [{"n": 1, "cols": {"x": ["s", "t", "float32", [[SAMPLE]], name, [0]]}}]
+    assert torch.equal(shm.read_blocks(server.shm_dir or "", blocks, [])[0]["x"], torch.zeros(SAMPLE))  # type: ignore[arg-type]
     q.clear("train_0")
     with pytest.raises(WireError, match="partition was cleared"):
-        shm.read_rows(server.shm_dir or "", rows)
+        shm.read_blocks(server.shm_dir or "", blocks, [])
     q.close()

@@ -84,14 +84,17 @@ MALFORMED: list[tuple[str, list[bytes]]] = [
     ("header not a map", [msgpack.packb([1, 2, 3])]),
     ("wrong version", [msgpack.packb({"v": 99, "op": "ping", "id": 1})]),
     ("unknown op", [head(op="explode", id=2)]),
-    ("missing partition", [head(op="put", id=3, rows=[], timeout=1.0)]),
+    ("missing partition", [head(op="put", id=3, blocks=[], timeout=1.0)]),
     ("bool as int", [head(op="get", id=4, p="train_0", task="a", fields=[], n=True, timeout=1.0)]),
-    ("dtype not allowed", [head(op="put", id=5, p="t", rows=[{"x": ["t", "object", [1], 0]}], timeout=1.0), b"\x00" * 8]),
-    ("frame index out of range", [head(op="put", id=6, p="t", rows=[{"x": ["t", "int64", [1], 3]}], timeout=1.0), b"\x00" * 8]),
-    ("byte count mismatch", [head(op="put", id=7, p="t", rows=[{"x": ["t", "float32", [4], 0]}], timeout=1.0), b"\x00" * 8]),
-    ("negative dim", [head(op="put", id=8, p="t", rows=[{"x": ["n", "float32", [-1], 0]}], timeout=1.0), b""]),
-    ("inline list", [head(op="put", id=9, p="t", rows=[{"x": ["v", [1, 2]]}], timeout=1.0)]),
-    ("rows not a list", [head(op="write", id=10, p="t", idx=[0], rows={"x": 1})]),
+    ("dtype not allowed", [head(op="put", id=5, p="t", blocks=[{"n": 1, "cols": {"x": ["t", "object", [[1]], 0]}}], timeout=1.0), b"\x00" * 8]),
+    ("frame index out of range", [head(op="put", id=6, p="t", blocks=[{"n": 1, "cols": {"x": ["t", "int64", [[1]], 3]}}], timeout=1.0), b"\x00" * 8]),
+    ("byte count mismatch", [head(op="put", id=7, p="t", blocks=[{"n": 1, "cols": {"x": ["t", "float32", [[4]], 0]}}], timeout=1.0), b"\x00" * 8]),
+    ("negative dim", [head(op="put", id=8, p="t", blocks=[{"n": 1, "cols": {"x": ["n", "float32", [[-1]], 0]}}], timeout=1.0), b""]),
+    ("inline list", [head(op="put", id=9, p="t", blocks=[{"n": 1, "cols": {"x": ["v", [[1, 2]]]}}], timeout=1.0)]),
+    ("blocks not a list", [head(op="write", id=10, p="t", idx=[0], blocks={"x": 1})]),
+    ("block row count mismatch", [head(op="put", id=13, p="t", blocks=[{"n": 2, "cols": {"x": ["v", [1]]}}], timeout=1.0)]),
+    ("bool as dim", [head(op="put", id=14, p="t", blocks=[{"n": 1, "cols": {"x": ["n", "uint8", [[True]], 0]}}], timeout=1.0), b"\x00"]),
+    ("per-row frame too short", [head(op="put", id=15, p="t", blocks=[{"n": 2, "cols": {"x": ["n", "uint8", [[2], [2]], [0, 1]]}}], timeout=1.0), b"\x00\x00", b"\x00"]),
     ("get without session", [msgpack.packb({"v": WIRE_VERSION, "op": "get", "id": 11, "p": "t", "task": "a", "fields": [], "n": 1, "timeout": 1.0})]),
     ("negative timeout", [head(op="wait_start", id=12, step=5, max_staleness=0, timeout=-1.0)]),
     ("empty message", []),
@@ -117,7 +120,7 @@ def test_malformed_messages_get_an_error_and_the_server_keeps_serving(
 
 def test_retried_put_is_applied_once(server: TransferQueueServer, raw: zmq.Socket[Any]) -> None:
     data = np.arange(4, dtype=np.float32)
-    put = [head(op="put", id=1, p="train_0", rows=[{"x": ["n", "float32", [4], 0]}], timeout=1.0), data.tobytes()]
+    put = [head(op="put", id=1, p="train_0", blocks=[{"n": 1, "cols": {"x": ["n", "float32", [[4]], 0]}}], timeout=1.0), data.tobytes()]
     first, _ = exchange(raw, put)
     again, _ = exchange(raw, put)  # as if the first reply was lost
     assert first == again and first["idx"] == [0]
