@@ -1,14 +1,19 @@
-"""Pack samples into right-padded training tensors.
+"""Pack samples, or transfer-queue rows, into right-padded training tensors.
 
 Positions are shifted for next-token prediction: column t of the per-token tensors holds the
 prediction of token t+1 of the sequence, so the response tokens of a sample with a prompt of
 length P sit at columns P-1 .. P+R-2.
+
+`pack_samples` packs `Sample`s (rollout, the forward roles, `TorchBackend.train`). `pack_rows`
+packs the trainer's queue rows straight from their tensors into the same `TrainBatch`, without
+the round trip through Python lists that a `Sample` needs.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -78,3 +83,74 @@ def _per_token(samples: list[Sample], length: int,
         if r:
             out[i, p - 1 : p - 1 + r] = torch.tensor(values, dtype=torch.float32)
     return out
+
+
+# Row fields (relax_hpc.data.rows) of the per-response-token values the forward roles write.
+OLD_LOG_PROBS_FIELD = "log_probs"  # ActorFwd
+REF_LOG_PROBS_FIELD = "ref_log_probs"  # Reference
+
+
+def pack_rows(rows: Sequence[Mapping[str, Any]], pad_id: int) -> TrainBatch:
+    """The `TrainBatch` that `pack_samples` builds from the rows' samples, from the row tensors.
+
+    Each row carries `tokens` (prompt then response), `prompt_length`, `rollout_log_probs` and
+    `loss_mask` (one value per response token), `advantages`, and optionally `log_probs` /
+    `ref_log_probs` (used only when every row has them, as in `pack_samples`). Every field is
+    concatenated once over the batch and scattered under a boolean mask of its cells. The row
+    tensors are only read: the queue may deliver them as views into one shared buffer.
+    """
+    if not rows:
+        raise ValueError("cannot pack an empty list of rows")
+    tokens = [row["tokens"] for row in rows]
+    lengths = torch.tensor([t.shape[0] for t in tokens], dtype=torch.long)
+    prompt = torch.tensor([int(row["prompt_length"]) for row in rows], dtype=torch.long)
+    _check_prompt_lengths(prompt, lengths)
+    response = lengths - prompt
+    columns = torch.arange(int(lengths.max()))
+    attention = columns < lengths[:, None]
+    input_ids = torch.full(attention.shape, pad_id, dtype=torch.long)
+    # True cells read row-major are each row's tokens in order, i.e. the concatenation order.
+    input_ids.masked_scatter_(attention, torch.cat(tokens).to(torch.long))
+    first = (prompt - 1)[:, None]
+    in_response = (columns[:-1] >= first) & (columns[:-1] < first + response[:, None])
+    counts = response.tolist()
+
+    def per_token(name: str) -> torch.Tensor:
+        return _scatter_response([row[name] for row in rows], in_response, counts, name)
+
+    def optional(name: str) -> torch.Tensor | None:
+        return per_token(name) if all(name in row for row in rows) else None
+
+    advantages = torch.tensor([float(row["advantages"]) for row in rows], dtype=torch.float32)
+    return TrainBatch(
+        input_ids, attention.long(), input_ids[:, 1:].clone(), per_token("loss_mask"),
+        per_token("rollout_log_probs"), advantages,
+        optional(OLD_LOG_PROBS_FIELD), optional(REF_LOG_PROBS_FIELD),
+    )
+
+
+def _check_prompt_lengths(prompt: torch.Tensor, lengths: torch.Tensor) -> None:
+    bad = ((prompt < 1) | (prompt > lengths)).nonzero()
+    if bad.numel():
+        i = int(bad[0, 0])
+        raise ValueError(
+            f"row {i} of the micro-batch has prompt_length {int(prompt[i])} but {int(lengths[i])} "
+            "tokens; prompt_length must be between 1 and the number of tokens (prompt + response): "
+            "check the producer's rows (relax_hpc.data.rows.sample_to_row)"
+        )
+
+
+def _scatter_response(values: list[torch.Tensor], in_response: torch.Tensor, counts: list[int],
+                      name: str) -> torch.Tensor:
+    """A float32 [B, L-1] tensor with each row's values at its response columns, zeros elsewhere."""
+    got = [v.shape[0] for v in values]
+    if got != counts:
+        # masked_scatter_ would silently misalign (or drop) values whose lengths do not match.
+        i = next(k for k, (g, c) in enumerate(zip(got, counts)) if g != c)
+        raise ValueError(
+            f"row {i} of the micro-batch has {got[i]} values in field {name!r} but {counts[i]} "
+            "response tokens (tokens minus prompt_length); the field needs one value per response "
+            "token: check the role that wrote it"
+        )
+    out = torch.zeros(in_response.shape, dtype=torch.float32)
+    return out.masked_scatter_(in_response, torch.cat(values).to(torch.float32))

@@ -40,7 +40,8 @@ class OptimConfig:
 
 
 class TorchBackend:
-    """A `TrainBackend`: train on samples, recompute log-probs, export weights, checkpoint."""
+    """A `TrainBackend`: train on samples or packed batches, recompute log-probs, export weights,
+    checkpoint."""
 
     def __init__(
         self,
@@ -116,7 +117,11 @@ class TorchBackend:
 
     def train(self, samples: list[Sample]) -> dict[str, float]:
         """One rollout batch: `mini_batches` optimizer steps over this rank's samples."""
-        batch = pack_samples(samples, self.pad_id).to(self.device)
+        return self.train_batch(pack_samples(samples, self.pad_id))
+
+    def train_batch(self, batch: TrainBatch) -> dict[str, float]:
+        """`train` on an already packed batch (`pack_samples` or `pack_rows`, on any device)."""
+        batch = batch.to(self.device)
         with torch.no_grad():  # fields from the ActorFwd / Reference roles win when present
             old_logp = batch.old_log_probs
             if old_logp is None:
@@ -168,10 +173,11 @@ class TorchBackend:
         stats["grad_norm"] = float(norm)
         return stats
 
-    def train_stream(self, micro_batches: Iterable[list[Sample]]) -> dict[str, float]:
-        """One optimizer step over micro-batches consumed as they arrive (the streaming loader).
+    def train_stream(self, micro_batches: Iterable[TrainBatch]) -> dict[str, float]:
+        """One optimizer step over packed micro-batches consumed as they arrive (the streaming loader).
 
-        Each micro-batch's mean loss is back-propagated weighted by its row count; once the
+        The trainer packs queue rows with `pack_rows` (pad with `self.pad_id`) as they arrive;
+        each micro-batch's mean loss is back-propagated weighted by its row count; once the
         stream ends, gradients are summed over ranks and divided by the total row count, so
         the step equals one pass over the whole batch however the rows were split. The old
         log-probs are the current policy's (one optimizer step per rollout batch).
@@ -179,8 +185,8 @@ class TorchBackend:
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = {}
         rows = 0
-        for samples in micro_batches:
-            micro = pack_samples(samples, self.pad_id).to(self.device)
+        for packed in micro_batches:
+            micro = packed.to(self.device)
             logp, entropy = self._logprobs(self.model, micro)
             # Fields written by the ActorFwd / Reference roles are used when present; otherwise
             # the trainer computes them itself.
@@ -195,10 +201,10 @@ class TorchBackend:
                 entropy=entropy,
             )
             loss, micro_stats = policy_loss(self.loss_cfg, inputs)
-            (loss * len(samples)).backward()
-            rows += len(samples)
+            (loss * len(micro)).backward()
+            rows += len(micro)
             for k, v in micro_stats.items():
-                sums[k] = sums.get(k, 0.0) + v * len(samples)
+                sums[k] = sums.get(k, 0.0) + v * len(micro)
         total = self._sum_over_ranks(float(rows))
         if total == 0:
             raise RuntimeError("the training step received no rows; is rollout producing?")

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from relax_hpc.algos import LossConfig
+from relax_hpc.backends.batch import pack_rows
 from relax_hpc.backends.torch_backend import OptimConfig, TorchBackend
 from relax_hpc.ckpt import CheckpointManager, ResumeState
 from relax_hpc.data.rows import TRAIN_FIELDS, row_to_sample
@@ -90,7 +91,11 @@ class ActorWorker(WeightSenderEndpoint):
         return self.backend.train(samples)
 
     def train_from_queue(self, target: Any, step: int, timeout_s: float) -> dict[str, float]:
-        """Train on partition train_<step> as its rows arrive; ack them only after the optimizer step."""
+        """Train on partition train_<step> as its rows arrive; ack them only after the optimizer step.
+
+        Rows are packed straight from their tensors (`pack_rows`); `Sample`s are built only for
+        the trajectory archive, which stores them.
+        """
         if self._queue is None:
             self._queue = connect_queue(target, f"actor-rank{self.rank}")
         queue, partition = self._queue, partition_name(step)
@@ -102,23 +107,23 @@ class ActorWorker(WeightSenderEndpoint):
         if self.archive is not None:
             fields = (*fields, "prompt_index")
 
-        def micro_batches() -> Iterator[list[Sample]]:
+        def row_batches() -> Iterator[list[dict[str, Any]]]:
             while True:
                 batch = queue.get(partition, "actor", fields, self.cfg_micro_batch, timeout=timeout_s)
                 if batch.rows:
                     received.extend(batch.indices)
-                    samples = [row_to_sample(r) for r in batch.rows]
-                    rewards.extend(s.reward for s in samples)
+                    rewards.extend(float(r["rewards"]) for r in batch.rows)
                     if self.archive is not None:
-                        trained.extend(samples)
-                    yield samples
+                        trained.extend(row_to_sample(r) for r in batch.rows)
+                    yield batch.rows
                 if batch.end:
                     return
 
+        pad_id = self.backend.pad_id
         if self.mini_batches > 1:  # several optimizer steps need the whole batch first
-            stats = self.backend.train([s for chunk in micro_batches() for s in chunk])
+            stats = self.backend.train_batch(pack_rows([r for rows in row_batches() for r in rows], pad_id))
         else:
-            stats = self.backend.train_stream(micro_batches())
+            stats = self.backend.train_stream(pack_rows(rows, pad_id) for rows in row_batches())
         queue.ack(partition, "actor", received)
         if self.archive is not None:  # after the optimizer step: only trained samples are archived
             self.archive.append(step, trained)

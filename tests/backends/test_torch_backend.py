@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from relax_hpc.algos import LossConfig
+from relax_hpc.backends.batch import pack_rows
 from relax_hpc.backends.torch_backend import OptimConfig, TorchBackend
+from relax_hpc.data.rows import sample_to_row
 from relax_hpc.data.sample import Sample
 
 # Response token ids of the tiny char-level vocabulary (digits are 3..12, "+" 13, "=" 16, EOS 2).
@@ -87,6 +89,38 @@ def test_micro_batches_accumulate_to_the_full_batch_gradient(tiny_model_dir: Pat
         grads.append({n: p.grad.clone() for n, p in backend.model.named_parameters()})
     for name, grad in grads[0].items():
         torch.testing.assert_close(grads[1][name], grad, rtol=1e-4, atol=1e-7, msg=name)
+
+
+def test_streamed_row_micro_batches_step_like_one_pass_over_the_samples(tiny_model_dir: Path) -> None:
+    # The trainer's streaming path: rows packed per micro-batch (each padded to its own length)
+    # must give the optimizer step that `train` takes on the whole batch of samples.
+    whole = _backend(tiny_model_dir, micro_batch_size=4, grad_clip=0.0)
+    samples = _samples(whole, [1.0, -1.0, 0.5, -0.5])
+    rows = [sample_to_row(s) for s in samples]
+    stats_whole = whole.train(samples)
+    streamed = _backend(tiny_model_dir, micro_batch_size=4, grad_clip=0.0)
+    stats_streamed = streamed.train_stream(
+        pack_rows(part, streamed.pad_id) for part in (rows[:1], rows[1:3], rows[3:]))
+    # Gradients, not parameters: Adam's first step is about lr * sign(grad), which turns float
+    # noise on near-zero gradients into lr-sized differences.
+    for (name, p), q in zip(whole.model.named_parameters(), streamed.model.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-7, msg=name)
+    assert stats_streamed.keys() == stats_whole.keys()
+    for key, value in stats_whole.items():
+        assert stats_streamed[key] == pytest.approx(value, rel=1e-4, abs=1e-7), key
+
+
+def test_streamed_rows_use_the_forward_roles_log_probs(tiny_model_dir: Path) -> None:
+    backend = _backend(tiny_model_dir)
+    assert backend.reference is None  # kl_coef = 0: only a Reference role's field gives a KL
+    rows = [sample_to_row(s) for s in _samples(backend, [1.0, -1.0, 0.5, -0.5])]
+    for row in rows:  # rollout_log_probs are the current policy's (see _samples)
+        row["log_probs"] = row["rollout_log_probs"] - 0.1
+        row["ref_log_probs"] = row["rollout_log_probs"].clone()
+    stats = backend.train_stream([pack_rows(rows, backend.pad_id)])
+    # ratio = exp(logp - old) = exp(0.1) on every token; the policy equals the reference: KL 0.
+    assert stats["ratio_mean"] == pytest.approx(math.exp(0.1), rel=1e-4)
+    assert stats["loss/kl"] == pytest.approx(0.0, abs=1e-5)
 
 
 def test_kl_reference_is_frozen(tiny_model_dir: Path) -> None:
