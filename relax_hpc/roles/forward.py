@@ -5,8 +5,10 @@ per micro-batch and write a field back onto the same rows, so the trainer finds 
 never runs these forwards on its own critical path:
 
 - ActorFwd writes `log_probs`: the policy's log-probs under the weights the trainer starts the
-  step with (version == step), the "old" policy of the PPO ratio. It receives every weight
-  update like a rollout engine and waits for that version before it starts a step.
+  step with (start_version + step - start_step, i.e. version == step unless resumed otherwise),
+  the "old" policy of the PPO ratio. It receives every weight update like a rollout engine and
+  waits for a complete update of that version before it starts a step (the trainer broadcasts
+  it while it trains the step before, so it may still be on the wire).
 - Reference writes `ref_log_probs`: the frozen initial model's log-probs, for the KL loss.
 
 Rows are acked only after their field is written: a killed worker restarted under the same
@@ -16,7 +18,6 @@ consumer id gets exactly the rows it had not finished, so none is lost or comput
 from __future__ import annotations
 
 import threading
-import time
 from dataclasses import dataclass
 from typing import Any, Iterable, Literal
 
@@ -28,7 +29,8 @@ from relax_hpc.data.sample import Sample
 from relax_hpc.models.hf import load_causal_lm, load_tokenizer
 from relax_hpc.transfer.connect import connect_queue
 from relax_hpc.transfer.queue import partition_name
-from relax_hpc.weights.endpoints import WeightReceiverEndpoint
+from relax_hpc.weights.base import required_weight_version
+from relax_hpc.weights.endpoints import WeightInbox, WeightReceiverEndpoint
 
 ForwardKind = Literal["actor_fwd", "reference"]
 OUTPUT_FIELD: dict[str, str] = {"actor_fwd": "log_probs", "reference": "ref_log_probs"}
@@ -72,8 +74,7 @@ class ForwardWorker(WeightReceiverEndpoint):
         tok = load_tokenizer(cfg.model_path)
         self.pad_id = int(tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
         self._version = 0
-        self._lock = threading.Lock()
-        self._pending: tuple[dict[str, torch.Tensor], int] | None = None
+        self._inbox = WeightInbox()
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._error: str | None = None
@@ -85,21 +86,30 @@ class ForwardWorker(WeightReceiverEndpoint):
         return self._version
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Take a complete update; applied before the next step that needs it."""
+        self.stage_weights(list(named_tensors))
+        self.commit_weights(version)
+
+    def stage_weights(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
         if self.cfg.kind == "reference":
             raise RuntimeError("the Reference role keeps the initial weights; it takes no updates")
-        with self._lock:
-            pending = self._pending[0] if self._pending else {}
-            pending.update((n, t.detach().clone()) for n, t in named_tensors)
-            self._pending = (pending, version)
-        if self._thread is None:
+        self._inbox.stage(bucket)
+
+    def commit_weights(self, version: int) -> None:
+        if self.cfg.kind == "reference":
+            raise RuntimeError("the Reference role keeps the initial weights; it takes no updates")
+        self._inbox.commit(version)
+        if self._thread is None:  # no loop running: apply now
             self._apply_pending()
 
+    def weights_failed(self, message: str) -> None:
+        self._inbox.fail(message)
+
     def _apply_pending(self) -> None:
-        with self._lock:
-            pending, self._pending = self._pending, None
-        if pending is None:
+        update = self._inbox.take()
+        if update is None:
             return
-        weights, version = pending
+        weights, version = update
         own = self.model.state_dict()
         with torch.no_grad():
             for name, tensor in weights.items():
@@ -107,19 +117,22 @@ class ForwardWorker(WeightReceiverEndpoint):
         self._version = version
 
     def _wait_for_version(self, version: int) -> bool:
-        while not self._stop.is_set():
-            self._apply_pending()
-            if self._version >= version:
-                return True
-            time.sleep(0.002)
-        return False
+        """Apply a complete update of at least `version` (waiting for it); False when asked to stop."""
+        if not self._inbox.wait_for(version, self._version, self._stop, self.cfg.timeout_s, self.cfg.kind):
+            return False
+        self._apply_pending()
+        return True
 
     # -- the loop ----------------------------------------------------------------------------
 
-    def start(self, queue: Any, start_step: int, total_steps: int, consumer_id: str = "") -> None:
+    def start(self, queue: Any, start_step: int, total_steps: int, consumer_id: str = "",
+              start_version: int | None = None) -> None:
+        """Process steps start_step..total_steps-1 in a background thread; `start_version` is the
+        weight version the trainer starts from (default `start_step`)."""
+        version = start_step if start_version is None else start_version
         self._stop.clear()
         self._thread = threading.Thread(
-            target=self._run, args=(queue, start_step, total_steps, consumer_id or self.cfg.kind),
+            target=self._run, args=(queue, start_step, total_steps, consumer_id or self.cfg.kind, version),
             name=f"{self.cfg.kind}-loop", daemon=True,
         )
         self._thread.start()
@@ -132,11 +145,13 @@ class ForwardWorker(WeightReceiverEndpoint):
     def error(self) -> str | None:
         return self._error
 
-    def _run(self, target: Any, start_step: int, total_steps: int, consumer_id: str) -> None:
+    def _run(self, target: Any, start_step: int, total_steps: int, consumer_id: str, start_version: int) -> None:
         queue = connect_queue(target, consumer_id)
         try:
             for step in range(start_step, total_steps):
-                if self.cfg.kind == "actor_fwd" and not self._wait_for_version(step):
+                # The weights the trainer starts this step with: staleness 0 by definition.
+                needed = required_weight_version(step, start_step, start_version, max_staleness=0)
+                if self.cfg.kind == "actor_fwd" and not self._wait_for_version(needed):
                     return
                 if not self._process(queue, step):
                     return

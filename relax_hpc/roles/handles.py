@@ -21,11 +21,12 @@ from relax_hpc.weights.ray_sync import DistributedWeightSync
 
 class Roles(Protocol):
     """What the driver calls. Rollout runs its own producer loop into the transfer queue, paced by
-    the staleness rule; the trainer consumes one partition per step."""
+    the staleness rule; the trainer consumes one partition per step. `start_version` is the weight
+    version the trainer starts from: with it rollout and ActorFwd know which version each step needs."""
 
     weights: WeightSync
 
-    def start_rollout(self, start_step: int, total_steps: int, max_staleness: int) -> None: ...
+    def start_rollout(self, start_step: int, total_steps: int, max_staleness: int, start_version: int) -> None: ...
     def train_step(self, step: int) -> dict[str, float]: ...
     def finish_step(self, step: int) -> dict[str, float]: ...
     def save_checkpoint(self, state: ResumeState) -> str: ...
@@ -54,10 +55,10 @@ class LocalRoles:
         self.weights: WeightSync = InProcessWeightSync(self.actor, receivers)
         self.timeout_s = timeout_s
 
-    def start_rollout(self, start_step: int, total_steps: int, max_staleness: int) -> None:
-        self.rollout.start_producer(self.queue, start_step, total_steps, max_staleness)
+    def start_rollout(self, start_step: int, total_steps: int, max_staleness: int, start_version: int) -> None:
+        self.rollout.start_producer(self.queue, start_step, total_steps, max_staleness, start_version)
         for f in self.forwards:
-            f.start(self.queue, start_step, total_steps)
+            f.start(self.queue, start_step, total_steps, start_version=start_version)
 
     def _errors(self) -> str | None:
         found = [e for e in (self.rollout.producer_error(), *(f.error() for f in self.forwards)) if e]
@@ -176,11 +177,13 @@ class RayRoles:
 
         return ray.get(getattr(self._rollout, method).remote(*args))
 
-    def start_rollout(self, start_step: int, total_steps: int, max_staleness: int) -> None:
+    def start_rollout(self, start_step: int, total_steps: int, max_staleness: int, start_version: int) -> None:
         import ray
 
-        self._rollout_call("start_producer", self.queue_address, start_step, total_steps, max_staleness)
-        ray.get([f.start.remote(self.queue_address, start_step, total_steps) for f in self._forwards])
+        self._rollout_call("start_producer", self.queue_address, start_step, total_steps, max_staleness,
+                           start_version)
+        ray.get([f.start.remote(self.queue_address, start_step, total_steps, start_version=start_version)
+                 for f in self._forwards])
 
     def _errors(self) -> str | None:
         import ray

@@ -2,6 +2,10 @@
 
 A plain class so it can be tested in process; the driver places it as a Ray actor. It owns the
 engine, the dataset and its cursor (checkpointed through `cursor_state` / `restore_cursor`).
+Its producer thread generates step after step into the transfer queue, paced by the staleness
+rule; new weights arrive on another thread into a `WeightInbox` and are swapped in at the
+producer's batch boundary, where it also waits for the version the staleness bound requires
+(`required_weight_version`), since the trainer broadcasts while it trains the next step.
 """
 
 from __future__ import annotations
@@ -26,7 +30,8 @@ from relax_hpc.rewards.hub import RewardHub, RewardSettings
 from relax_hpc.transfer.connect import connect_queue
 from relax_hpc.transfer.memory import InMemoryTransferQueue
 from relax_hpc.transfer.queue import partition_name
-from relax_hpc.weights.endpoints import WeightReceiverEndpoint
+from relax_hpc.weights.base import required_weight_version
+from relax_hpc.weights.endpoints import WeightInbox, WeightReceiverEndpoint
 
 
 @dataclass(frozen=True)
@@ -43,6 +48,9 @@ class RolloutConfig:
     device: str = "cpu"
     num_threads: int = 0  # 0: leave torch's default
     queue_timeout_s: float = 3600.0  # how long the producer waits for the trainer to clear a step
+    # How long the producer waits for the weights a step needs. The broadcast has started when the
+    # wait begins, and the channel's own deadline (600 s) reports a stuck one first and better.
+    weights_timeout_s: float = 1800.0
     dynamic_sampling: bool = False
     max_sampling_rounds: int = 1
     agentic: AgenticConfig | None = None  # multi-turn env / custom generate / agent (docs/agents.md)
@@ -95,9 +103,9 @@ class RolloutWorker(WeightReceiverEndpoint):
             max_ctx = getattr(model_config, "max_position_embeddings", None)
             self.agentic = AgenticRollout(cfg.agentic, self.engine, tok, self.sampling,
                                           self.engine.eos_id, max_ctx)
-        # Producer state: new weights wait here until the next batch boundary.
+        # Producer state: new weights wait in the inbox until the next batch boundary.
         self._lock = threading.Lock()
-        self._pending_weights: tuple[dict[str, torch.Tensor], int] | None = None
+        self._inbox = WeightInbox()
         self._cursor_after: dict[int, dict] = {}
         self._stats: dict[int, dict[str, float]] = {}
         self._producer: threading.Thread | None = None
@@ -123,31 +131,50 @@ class RolloutWorker(WeightReceiverEndpoint):
         return self.engine.weight_version
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Take new weights (possibly one bucket at a time); the engine swaps them in at its next
-        batch boundary, all at once, under the version of the last call."""
-        with self._lock:
-            pending = self._pending_weights[0] if self._pending_weights else {}
-            # Copies: a weight channel may reuse its bucket buffer for the next bucket.
-            pending.update((name, tensor.detach().clone()) for name, tensor in named_tensors)
-            self._pending_weights = (pending, version)
-        if self._producer is None:
+        """Take a complete update; the engine swaps it in at its next batch boundary."""
+        self.stage_weights(list(named_tensors))
+        self.commit_weights(version)
+
+    def stage_weights(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
+        self._inbox.stage(bucket)
+
+    def commit_weights(self, version: int) -> None:
+        self._inbox.commit(version)
+        if self._producer is None:  # nothing generates: swap now
             self._apply_pending_weights()
 
-    def _apply_pending_weights(self) -> None:
-        with self._lock:
-            pending, self._pending_weights = self._pending_weights, None
-        if pending is not None:
-            weights, version = pending
+    def weights_failed(self, message: str) -> None:
+        self._inbox.fail(message)
+
+    def awaited_weight_version(self) -> int | None:
+        """The version the producer is waiting for at its batch boundary; None when not waiting."""
+        return self._inbox.awaited
+
+    def _apply_pending_weights(self, required: int = 0) -> bool:
+        """The batch boundary: wait until a complete update of at least `required` is here (the
+        engine may already run it), then swap in the newest one. False when asked to stop."""
+        current = self.engine.weight_version
+        if not self._inbox.wait_for(required, current, self._stop, self.cfg.weights_timeout_s, "rollout"):
+            return False
+        update = self._inbox.take()
+        if update is not None:
+            weights, version = update
             self.engine.update_weights(weights.items(), version)
+        return True
 
     # -- the producer: rollout's own loop, paced by the staleness rule --------------------------
 
     def start_producer(self, queue: InMemoryTransferQueue | str, start_step: int, total_steps: int,
-                       max_staleness: int) -> None:
-        """Produce steps start_step..total_steps-1 into the queue in a background thread."""
+                       max_staleness: int, start_version: int | None = None) -> None:
+        """Produce steps start_step..total_steps-1 into the queue in a background thread.
+
+        `start_version` is the weight version the trainer starts from (the checkpoint's on resume;
+        default `start_step`); step s then waits for `required_weight_version(s, ...)`.
+        """
+        version = start_step if start_version is None else start_version
         self._stop.clear()
         self._producer = threading.Thread(
-            target=self._produce, args=(queue, start_step, total_steps, max_staleness),
+            target=self._produce, args=(queue, start_step, total_steps, max_staleness, version),
             name="rollout-producer", daemon=True,
         )
         self._producer.start()
@@ -167,7 +194,8 @@ class RolloutWorker(WeightReceiverEndpoint):
         with self._lock:
             return self._stats.pop(step, {})
 
-    def _produce(self, target: Any, start_step: int, total_steps: int, max_staleness: int) -> None:
+    def _produce(self, target: Any, start_step: int, total_steps: int, max_staleness: int,
+                 start_version: int) -> None:
         queue = connect_queue(target, "rollout")
         try:
             for step in range(start_step, total_steps):
@@ -179,7 +207,9 @@ class RolloutWorker(WeightReceiverEndpoint):
                         continue
                 if self._stop.is_set():
                     return
-                self._apply_pending_weights()  # the batch boundary
+                required = required_weight_version(step, start_step, start_version, max_staleness)
+                if not self._apply_pending_weights(required):  # the batch boundary
+                    return
                 samples, stats = self.generate(step)
                 rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
                 if self.agentic is not None:  # agent sessions export a varying number of samples

@@ -3,18 +3,23 @@
 * `WeightSenderEndpoint` for the trainer's rank 0; the class must provide
   `export_weights() -> list[(name, tensor)]` returning a snapshot (clones), because the
   broadcast runs on a background thread while the next training step changes the model.
-* `WeightReceiverEndpoint` for rollout engines (later ActorFwd / Reference); the class must
-  provide `weight_version() -> int` and `update_weights(named_tensors, version)`.
+* `WeightReceiverEndpoint` for rollout engines and ActorFwd; the class must provide
+  `weight_version() -> int` and `update_weights(named_tensors, version)`, and may override
+  `stage_weights` / `commit_weights` / `weights_failed` to keep a broadcast apart until it is
+  complete (the roles do, through a `WeightInbox`).
 
-A receiver applies bucket after bucket under its *old* version and switches to the new version
-only after the last bucket, so a failed broadcast never leaves an engine claiming a version it
-does not fully hold. While `receive_weights` runs, the role's actor serves no other call: a
-generate request queued behind it starts only after the swap, i.e. engines pause at a batch
-boundary, swap, and resume.
+A receiver stages bucket after bucket and switches to the new version only after the last
+bucket (`commit_weights`), so a failed broadcast never leaves an engine claiming, or running,
+a version it does not fully hold. The receiving runs on one of the actor's threads while its
+producer keeps generating: the producer swaps a committed update in at its next batch boundary,
+and waits there (`WeightInbox.wait_for`) when the staleness bound needs a version that is still
+on the wire.
 """
 
 from __future__ import annotations
 
+import threading
+import time
 from typing import Iterable
 
 import torch
@@ -87,16 +92,105 @@ class WeightReceiverEndpoint:
             host, port, rank, num_receivers, timeout_s, device, pipeline=pipeline
         )
 
+    def stage_weights(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
+        """One bucket of a broadcast in flight; by default applied under the old version."""
+        self.update_weights(bucket, self.weight_version())
+
+    def commit_weights(self, version: int) -> None:
+        """The last bucket arrived: the update is complete and is `version` from now on."""
+        self.update_weights([], version)
+
+    def weights_failed(self, message: str) -> None:
+        """A broadcast failed mid-way (its error is raised to the caller of `receive_weights` too)."""
+
     def receive_weights(self) -> int:
-        """Receive one broadcast, applying each bucket as it arrives; returns the new version."""
+        """Receive one broadcast, staging each bucket as it arrives; returns the new version."""
         if self._weight_receiver is None:
             raise RuntimeError("receive_weights before join_weight_channel: join the channel first")
-        old = self.weight_version()
-        version = self._weight_receiver.receive(lambda bucket: self.update_weights(bucket, old))
-        self.update_weights([], version)
+        try:
+            version = self._weight_receiver.receive(self.stage_weights)
+        except Exception as exc:
+            self.weights_failed(f"{type(exc).__name__}: {exc}")
+            raise
+        self.commit_weights(version)
         return version
 
     def close_weight_channel(self) -> None:
         receiver, self._weight_receiver = self._weight_receiver, None
         if receiver is not None:
             receiver.close()
+
+
+Weights = dict[str, torch.Tensor]
+
+
+class WeightInbox:
+    """Where a receiving role keeps weight updates until its engine can swap them in.
+
+    Buckets of a broadcast are staged (copied: a channel reuses its bucket buffers); `commit`
+    after the last bucket turns them into a complete update that `take` hands out. Complete
+    updates not yet taken merge, the newer version winning (each carries every tensor). Thread
+    safe: the channel's thread stages and commits while the role's producer waits and takes.
+    """
+
+    def __init__(self) -> None:
+        self._changed = threading.Condition()
+        self._staged: Weights = {}
+        self._ready: Weights | None = None
+        self._ready_version = -1
+        self._failure: str | None = None
+        self.awaited: int | None = None  # the version a producer is waiting for (diagnostics, tests)
+
+    def stage(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        copies = [(name, tensor.detach().clone()) for name, tensor in named_tensors]
+        with self._changed:
+            self._staged.update(copies)
+
+    def commit(self, version: int) -> None:
+        with self._changed:
+            self._ready = {**(self._ready or {}), **self._staged}
+            self._ready_version, self._staged, self._failure = version, {}, None
+            self._changed.notify_all()
+
+    def fail(self, message: str) -> None:
+        """Drop the staged part of a failed broadcast and wake a producer waiting for it."""
+        with self._changed:
+            self._staged, self._failure = {}, message
+            self._changed.notify_all()
+
+    def take(self) -> tuple[Weights, int] | None:
+        """The newest complete update not yet taken, as (weights, version), or None."""
+        with self._changed:
+            ready, self._ready = self._ready, None
+            return None if ready is None else (ready, self._ready_version)
+
+    def wait_for(self, version: int, current: int, stop: threading.Event, timeout_s: float, who: str) -> bool:
+        """Block until the engine (at `current`) or a complete update holds at least `version`.
+
+        False when `stop` is set first. Raises when the broadcast failed or after `timeout_s`,
+        saying which version `who` waited for.
+        """
+        deadline = time.monotonic() + timeout_s
+        with self._changed:
+            self.awaited = version
+            try:
+                while max(current, self._ready_version if self._ready is not None else -1) < version:
+                    if stop.is_set():
+                        return False
+                    if self._failure is not None:
+                        raise RuntimeError(
+                            f"{who} needs weight version {version} (engine has {current}), but the "
+                            f"weight broadcast failed: {self._failure}"
+                        )
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise TimeoutError(
+                            f"{who} waited {timeout_s:g} s for weight version {version} (engine has "
+                            f"{current}, last complete update {self._ready_version}); the trainer's "
+                            "broadcast never completed: check the driver and trainer logs"
+                        )
+                    # Wake up now and then to see the stop flag, which does not notify.
+                    self._changed.wait(min(left, 0.5))
+                return True
+            finally:
+                self.awaited = None

@@ -6,9 +6,13 @@ tells the sender to send, and waits for all of them with a deadline; errors name
 (by label and channel rank) that failed or did not answer. `start(version)` returns a
 `PendingSync` so the driver can run the next training step while the bytes move:
 
-    pending = weights.start(step)      # sender snapshots its weights, broadcast starts
-    stats = roles.train(next_batch)    # overlaps the broadcast
-    pending.wait()                     # every engine now runs `step`
+    pending = weights.start(version)   # sender snapshots its weights, broadcast starts
+    stats = roles.train_step(step)     # overlaps the broadcast
+    pending.wait()                     # every receiver now holds `version` (or this raises)
+
+Receivers stage the buckets and switch to the new version after the last one; rollout and
+ActorFwd wait at their batch boundary for the version the staleness bound requires
+(docs/weights.md, "Overlap").
 
 The channel is opened lazily on the first sync and rebuilt (new store port) on the next sync
 after a failure, e.g. once a restarted engine is back.
@@ -38,20 +42,31 @@ class PendingSync:
         self.owner, self.version = owner, version
         self._start_ref, self._receive_refs = start_ref, receive_refs
         self._done = False
+        self._error: WeightChannelError | None = None
 
     def wait(self) -> None:
+        """Block until the broadcast is done; raises its error (again on every later call)."""
+        if not self._done:
+            self._done = True
+            try:
+                self._collect()
+            except WeightChannelError as exc:
+                self._error = exc
+        if self._error is not None:
+            raise self._error
+
+    def _collect(self) -> None:
         import ray
 
-        if self._done:
-            return
-        self._done = True
         owner = self.owner
         finish_ref = owner.sender.finish_send_weights.remote()
         refs = [finish_ref, self._start_ref, *self._receive_refs]
         _, not_ready = ray.wait(refs, num_returns=len(refs), timeout=owner.timeout_s + _RAY_GRACE_S)
         problems: list[str] = []
         sender_error = ""
-        for ref in (self._start_ref, finish_ref):
+        for ref in (self._start_ref, finish_ref):  # the first error is the cause; keep it
+            if sender_error:
+                break
             if ref in not_ready:
                 sender_error = "the sender (trainer rank 0) did not finish"
             else:

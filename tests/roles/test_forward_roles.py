@@ -100,7 +100,7 @@ def test_killed_actor_fwd_restarts_where_it_stopped(model_dir: Path, queue_with_
             return queue
         forward.connect_queue = connect
         cfg = forward.ForwardConfig(kind="actor_fwd", model_path={str(model_dir)!r}, micro_batch_size={MICRO})
-        forward.ForwardWorker(cfg)._run({address!r}, 0, 1, "actor_fwd")
+        forward.ForwardWorker(cfg)._run({address!r}, 0, 1, "actor_fwd", 0)
     """)
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
     killed = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
@@ -29,7 +31,7 @@ def zero_for_zero_plus(sample: Sample) -> float:
 
 
 def _worker(model_dir: Path, dynamic: bool = False, rounds: int = 1, prompts: int = 8,
-            reward: str = "tiny_sum") -> RolloutWorker:
+            reward: str = "tiny_sum", weights_timeout_s: float = 600.0) -> RolloutWorker:
     spec = parse_spec(
         f'[job]\nname = "r"\n[model]\npath = "{model_dir}"\n'
         f'[data]\npath = "{REPO / "jobspecs/data/tiny_sum.jsonl"}"\n'
@@ -39,6 +41,7 @@ def _worker(model_dir: Path, dynamic: bool = False, rounds: int = 1, prompts: in
         model_path=str(model_dir), data=spec.data, reward=spec.reward, seed=3,
         prompts_per_step=prompts, n_samples_per_prompt=8,
         sampling=SamplingParams(max_new_tokens=3), dynamic_sampling=dynamic, max_sampling_rounds=rounds,
+        weights_timeout_s=weights_timeout_s,
     )
     return RolloutWorker(cfg)
 
@@ -83,6 +86,10 @@ def test_samples_carry_the_weight_version_the_engine_used(model_dir: Path) -> No
     assert {s.weight_version for s in worker.generate(1)[0]} == {7}
 
 
+def _same_weights(worker: RolloutWorker) -> list[tuple[str, torch.Tensor]]:
+    return [(n, t * 1.0) for n, t in worker.engine.model.state_dict().items()]
+
+
 def test_producer_follows_the_staleness_rule_and_swaps_weights_at_a_batch_boundary(model_dir: Path) -> None:
     queue = InMemoryTransferQueue()
     worker = _worker(model_dir, prompts=2)
@@ -94,14 +101,94 @@ def test_producer_follows_the_staleness_rule_and_swaps_weights_at_a_batch_bounda
     assert not queue.may_start(1, 0)
     assert [p.name for p in queue.partitions()] == [partition_name(0)]
     # New weights arrive while the producer waits: they must be used for step 1, not before.
-    worker.update_weights([(n, t * 1.0) for n, t in worker.engine.model.state_dict().items()], 1)
+    worker.update_weights(_same_weights(worker), 1)
     assert worker.weight_version() == 0
     queue.clear(partition_name(0))
     batch1 = consumer.get(partition_name(1), "actor", ["tokens", "weight_version"], 16, timeout=30)
     assert {int(v) for v in batch1.column("weight_version")} == {1}
     assert worker.cursor_after(0) != worker.cursor_after(1)
+    worker.update_weights(_same_weights(worker), 2)
     queue.clear(partition_name(1))
     consumer.get(partition_name(2), "actor", ["tokens"], 16, timeout=30)
     worker.stop_producer()
     assert worker.producer_error() is None
     assert torch.is_tensor(batch0.rows[0]["tokens"])
+
+
+def _wait_until(condition: Callable[[], bool], what: str, deadline_s: float = 60.0) -> None:
+    """Poll for a state the producer thread reaches on its own (a deadline, not a timing assertion)."""
+    end = time.monotonic() + deadline_s
+    while not condition():
+        assert time.monotonic() < end, f"never reached: {what}"
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("max_staleness, start_step, start_version, awaited", [
+    (0, 0, 0, 1),  # step 1 needs the weights trained on step 0
+    (1, 0, 0, 1),  # step 2 may start once step 0 is cleared, and needs version 1
+    (0, 5, 9, 10),  # resumed at step 5 with version 9: step 6 needs 9 + 1
+])
+def test_producer_waits_for_the_version_the_staleness_bound_requires(
+    model_dir: Path, max_staleness: int, start_step: int, start_version: int, awaited: int,
+) -> None:
+    """The trainer clears a step before its broadcast has arrived: rollout must not generate the
+    next step with older weights. It waits at the batch boundary, ignores a half-received
+    update, and generates with the needed version once it is complete."""
+    queue = InMemoryTransferQueue()
+    worker = _worker(model_dir, prompts=2)
+    worker.update_weights([], start_version)  # what the resume sync would have pushed
+    first_blocked = start_step + max_staleness + 1  # the first step that needs newer weights
+    worker.start_producer(queue, start_step, first_blocked + 1, max_staleness, start_version)
+    consumer = queue.open_session("test")
+    for step in range(start_step, first_blocked):
+        rows = consumer.get(partition_name(step), "actor", ["weight_version"], 16, timeout=60)
+        assert {int(v) for v in rows.column("weight_version")} == {start_version}
+    queue.clear(partition_name(start_step))  # as the loop does right after starting the broadcast
+    _wait_until(lambda: worker.awaited_weight_version() == awaited, f"producer waiting for {awaited}")
+    # Half of the update arrives (the receiver stages buckets under the old version).
+    state = worker.engine.model.state_dict()
+    names = list(state)
+    worker.stage_weights([(n, state[n] * 1.0) for n in names[: len(names) // 2]])
+    assert worker.awaited_weight_version() == awaited
+    assert partition_name(first_blocked) not in [p.name for p in queue.partitions()]
+    assert worker.weight_version() == start_version
+    worker.stage_weights([(n, state[n] * 1.0) for n in names[len(names) // 2 :]])
+    worker.commit_weights(awaited)  # the last bucket: now the update is complete
+    rows = consumer.get(partition_name(first_blocked), "actor", ["weight_version"], 16, timeout=60)
+    assert {int(v) for v in rows.column("weight_version")} == {awaited}
+    worker.stop_producer()
+    assert worker.producer_error() is None
+
+
+def test_producer_waiting_for_weights_stops_when_asked(model_dir: Path) -> None:
+    queue = InMemoryTransferQueue()
+    worker = _worker(model_dir, prompts=2)
+    worker.start_producer(queue, start_step=0, total_steps=2, max_staleness=0)
+    queue.open_session("test").get(partition_name(0), "actor", ["tokens"], 16, timeout=60)
+    queue.clear(partition_name(0))
+    _wait_until(lambda: worker.awaited_weight_version() == 1, "producer waiting for version 1")
+    worker.stop_producer()
+    assert worker._producer is not None and not worker._producer.is_alive()
+    assert worker.producer_error() is None and worker.awaited_weight_version() is None
+
+
+def test_producer_reports_a_failed_broadcast_and_a_missing_version(model_dir: Path) -> None:
+    queue = InMemoryTransferQueue()
+    worker = _worker(model_dir, prompts=2)
+    worker.start_producer(queue, start_step=0, total_steps=2, max_staleness=0)
+    queue.open_session("test").get(partition_name(0), "actor", ["tokens"], 16, timeout=60)
+    queue.clear(partition_name(0))
+    _wait_until(lambda: worker.awaited_weight_version() == 1, "producer waiting for version 1")
+    worker.weights_failed("WeightChannelTimeout: sender rank 0 published nothing within 3 s")
+    _wait_until(lambda: worker.producer_error() is not None, "producer error")
+    error = worker.producer_error()
+    assert error is not None and "weight version 1" in error and "published nothing" in error
+    worker.stop_producer()
+
+    timed_out = _worker(model_dir, prompts=2, weights_timeout_s=0.05)
+    timed_out.start_producer(InMemoryTransferQueue(), start_step=3, total_steps=4, max_staleness=0,
+                             start_version=2)  # step 3 needs version 2; the engine has 0
+    _wait_until(lambda: timed_out.producer_error() is not None, "producer error")
+    error = timed_out.producer_error()
+    assert error is not None and "for weight version 2 (engine has 0" in error
+    timed_out.stop_producer()

@@ -28,6 +28,8 @@ def _actor_classes() -> tuple[Any, Any]:
             self.seed = seed
 
         def export_weights(self) -> list[tuple[str, torch.Tensor]]:
+            if self.seed < 0:
+                raise ValueError(f"export failed for seed {self.seed}")
             return [(n, t.clone()) for n, t in make_weights(self.seed)]
 
     class Engine(WeightReceiverEndpoint):
@@ -35,6 +37,7 @@ def _actor_classes() -> tuple[Any, Any]:
             self.weights: dict[str, torch.Tensor] = {}
             self.version = 0
             self.versions_seen: list[int] = []
+            self.failures: list[str] = []
 
         def weight_version(self) -> int:
             return self.version
@@ -44,6 +47,12 @@ def _actor_classes() -> tuple[Any, Any]:
                 self.weights[name] = t.clone()
             self.version = version
             self.versions_seen.append(version)
+
+        def weights_failed(self, message: str) -> None:
+            self.failures.append(message)
+
+        def failed(self) -> list[str]:
+            return self.failures
 
         def snapshot(self) -> tuple[int, list[int], dict[str, bytes]]:
             from weights_harness import tensor_bytes
@@ -90,6 +99,42 @@ def test_distributed_weight_sync_between_ray_actors(ray_cluster: None) -> None:
         # so the engine's version history reads 0..0 1 | 1..1 2 (many 1 KiB buckets each time).
         assert seen == sorted(seen) and seen[-1] == 2 and seen.count(2) == 1
         assert seen.count(0) > 2 and seen.count(1) > 3
+    finally:
+        sync.close()
+        ray.kill(trainer)
+        ray.kill(engine)
+
+
+@pytest.mark.slow
+def test_a_failed_broadcast_raises_its_error_on_every_wait_and_the_next_one_rebuilds(ray_cluster: None) -> None:
+    from relax_hpc.weights.channel import WeightChannelError
+    from relax_hpc.weights.ray_sync import DistributedWeightSync
+
+    trainer_cls, engine_cls = _actor_classes()
+    trainer = ray.remote(trainer_cls).options(num_cpus=0).remote()
+    engine = ray.remote(engine_cls).options(max_concurrency=2, num_cpus=0).remote()
+    sync = DistributedWeightSync(trainer, [engine], host="127.0.0.1", bucket_bytes=1024, timeout_s=3,
+                                 labels=["rollout 0"])
+    try:
+        ray.get(trainer.set_seed.remote(-1))
+        pending = sync.start(1)
+        with pytest.raises(WeightChannelError) as first:
+            pending.wait()
+        message = str(first.value)
+        assert message.startswith("weight sync to version 1 failed: sender: ")
+        assert "export failed for seed -1" in message and "rollout 0 (channel rank 1) failed" in message
+        with pytest.raises(WeightChannelError) as again:  # the loop may wait once more on its way out
+            pending.wait()
+        assert again.value is first.value
+        # The receiver learnt that its receive failed (rollout's producer stops waiting on it).
+        failures = ray.get(engine.failed.remote())
+        assert len(failures) == 1 and "WeightChannel" in failures[0]
+        version, _, _ = ray.get(engine.snapshot.remote())
+        assert version == 0
+
+        ray.get(trainer.set_seed.remote(5))
+        sync.sync(2)  # a new channel (new store port), the receiver joins it again
+        assert ray.get(engine.snapshot.remote())[0] == 2
     finally:
         sync.close()
         ray.kill(trainer)

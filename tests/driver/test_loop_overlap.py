@@ -1,0 +1,218 @@
+"""The weight broadcast overlaps the next training step: call order, errors, and the staleness bound.
+
+The first tests drive `run_loop` with recording role doubles (fast, exact order of calls); the
+last two run real workers: in process with a broadcast that fails, and on Ray with
+max_staleness 1, where every archived sample must respect the bound.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from e2e_helpers import tiny_spec_text
+from relax_hpc.ckpt import ResumeState
+from relax_hpc.driver.loop import LoopConfig, StopFlag, run_loop
+from relax_hpc.ops.metrics import InMemorySink
+from relax_hpc.weights.channel import WeightChannelError
+
+CHANNEL_ERROR = "weight sync to version 2 failed: sender: WeightChannelTimeout: receiver rank(s) [1] did not start"
+
+
+class RecordedPending:
+    def __init__(self, events: list[str], version: int, error: str | None) -> None:
+        self.events, self.version, self.error = events, version, error
+
+    def wait(self) -> None:
+        self.events.append(f"wait {self.version}")
+        if self.error:
+            raise WeightChannelError(self.error)
+
+
+class RecordedWeights:
+    def __init__(self, events: list[str], failing_version: int | None) -> None:
+        self.events, self.failing_version = events, failing_version
+
+    def start(self, version: int) -> RecordedPending:
+        self.events.append(f"start {version}")
+        return RecordedPending(self.events, version, CHANNEL_ERROR if version == self.failing_version else None)
+
+    def sync(self, version: int) -> None:
+        self.events.append(f"sync {version}")
+
+
+class RecordedRoles:
+    """Every call the loop makes, in order; training step `train_fails_at` raises like a starved queue."""
+
+    def __init__(self, resume: ResumeState | None = None, failing_version: int | None = None,
+                 train_fails_at: int | None = None) -> None:
+        self.events: list[str] = []
+        self.weights = RecordedWeights(self.events, failing_version)
+        self.resume, self.train_fails_at = resume, train_fails_at
+
+    def start_rollout(self, start_step: int, total_steps: int, max_staleness: int, start_version: int) -> None:
+        self.events.append(f"rollout from step {start_step} version {start_version}")
+
+    def train_step(self, step: int) -> dict[str, float]:
+        self.events.append(f"train {step}")
+        if step == self.train_fails_at:
+            raise TimeoutError(f"get from 'train_{step}' timed out; is the producer of those fields running?")
+        return {"rows": 4.0, "reward_sum": 1.0, "loss": 0.5}
+
+    def finish_step(self, step: int) -> dict[str, float]:
+        self.events.append(f"clear {step}")
+        return {}
+
+    def save_checkpoint(self, state: ResumeState) -> str:
+        self.events.append(f"checkpoint {state.step} version {state.weight_version}")
+        return f"step_{state.step}"
+
+    def load_checkpoint(self) -> ResumeState | None:
+        return self.resume
+
+    def cursor_after(self, step: int) -> dict:
+        return {"after": step}
+
+    def restore_cursor(self, state: dict) -> None:
+        self.events.append("restore cursor")
+
+    def dataset_summary(self) -> str:
+        return ""
+
+    def shutdown(self) -> None:
+        self.events.append("shutdown")
+
+
+def _run(roles: RecordedRoles, total: int, resume: bool = False) -> InMemorySink:
+    sink = InMemorySink()
+    run_loop(LoopConfig(total_steps=total, max_staleness=1, save_interval=2, resume=resume), roles, sink, StopFlag())
+    return sink
+
+
+def test_broadcast_starts_before_the_clear_and_is_waited_for_before_the_next_one() -> None:
+    roles = RecordedRoles()
+    sink = _run(roles, total=3)
+    assert roles.events == [
+        "rollout from step 0 version 0",
+        "train 0", "start 1", "clear 0",
+        "train 1", "wait 1", "start 2", "clear 1", "checkpoint 2 version 2",
+        "train 2", "wait 2", "start 3", "clear 2", "checkpoint 3 version 3",
+        "wait 3",  # the last broadcast is complete before the loop returns (and shutdown runs)
+    ]
+    assert [m["weight_version"] for _, m in sink.rows] == [1.0, 2.0, 3.0]
+    assert all("time/sync_s" in m for _, m in sink.rows)
+
+
+def test_resume_pushes_the_checkpoint_version_and_counts_on_from_it() -> None:
+    roles = RecordedRoles(resume=ResumeState(step=4, weight_version=6, data_cursor={}, samples_trained=0))
+    _run(roles, total=5, resume=True)
+    assert roles.events == [
+        "restore cursor", "sync 6", "rollout from step 4 version 6",
+        "train 4", "start 7", "clear 4", "checkpoint 5 version 7", "wait 7",
+    ]
+
+
+def test_a_failed_broadcast_fails_the_loop_with_the_channel_error() -> None:
+    roles = RecordedRoles(failing_version=2)
+    with pytest.raises(WeightChannelError, match=r"weight sync to version 2 failed: sender"):
+        _run(roles, total=5)
+    assert roles.events[roles.events.index("start 2"):] == ["start 2", "clear 1", "checkpoint 2 version 2",
+                                                            "train 2", "wait 2"]
+
+
+def test_training_starved_by_a_failed_broadcast_reports_the_channel_error() -> None:
+    """Rollout waits for the weights a failed broadcast never delivered, so training times out
+    first; the loop names the cause, the channel's error, and chains the timeout to it."""
+    roles = RecordedRoles(failing_version=2, train_fails_at=2)
+    with pytest.raises(WeightChannelError, match=r"weight sync to version 2 failed") as caught:
+        _run(roles, total=5)
+    assert isinstance(caught.value.__cause__, TimeoutError)
+    assert roles.events[-2:] == ["train 2", "wait 2"]
+
+
+def test_training_error_without_a_broadcast_error_is_raised_unchanged() -> None:
+    roles = RecordedRoles(train_fails_at=1)
+    with pytest.raises(TimeoutError, match="train_1"):
+        _run(roles, total=5)
+    assert roles.events[-2:] == ["train 1", "wait 1"]
+
+
+# -- real workers -----------------------------------------------------------------------------
+
+
+class FailedBroadcast:
+    def __init__(self, version: int, message: str) -> None:
+        self.version, self.message = version, message
+
+    def wait(self) -> None:
+        raise WeightChannelError(self.message)
+
+
+class BreaksAtVersion:
+    """The in-process sync, except that the broadcast of `broken` fails the way the channel's
+    does: no receiver gets the weights, each is told the receive failed, `wait()` raises."""
+
+    def __init__(self, inner: Any, broken: int) -> None:
+        self.inner, self.broken = inner, broken
+
+    def start(self, version: int) -> Any:
+        if version != self.broken:
+            return self.inner.start(version)
+        for receiver in self.inner.receivers:
+            receiver.weights_failed("WeightChannelTimeout: sender rank 0 published nothing")
+        return FailedBroadcast(version, CHANNEL_ERROR)
+
+    def sync(self, version: int) -> None:
+        self.start(version).wait()
+
+
+@pytest.mark.slow
+def test_in_process_run_with_a_broken_broadcast_fails_with_the_channel_error(
+    tiny_model_dir: Path, tmp_path: Path,
+) -> None:
+    from relax_hpc.driver.run import role_configs
+    from relax_hpc.roles.handles import LocalRoles
+    from relax_hpc.spec import parse_spec
+
+    spec = parse_spec(tiny_spec_text(tiny_model_dir, tmp_path / "job", steps=5, save_interval=50))
+    rollout_cfg, actor_cfg = role_configs(spec, tmp_path / "job", "cpu")
+    # max_staleness 0: rollout's step 2 needs version 2, whose broadcast fails, so training
+    # step 2 starves; the short queue timeout only bounds how long that takes here.
+    roles = LocalRoles(rollout_cfg, actor_cfg, timeout_s=5.0)
+    roles.weights = BreaksAtVersion(roles.weights, broken=2)
+    try:
+        with pytest.raises(WeightChannelError, match=r"weight sync to version 2 failed") as caught:
+            run_loop(LoopConfig(total_steps=5, max_staleness=0, save_interval=50, resume=False),
+                     roles, InMemorySink(), StopFlag())
+        # The trainer gave up on step 2's rows because rollout could not get version 2.
+        assert "needs weight version 2" in str(caught.value.__cause__)
+    finally:
+        roles.shutdown()
+
+
+@pytest.mark.slow
+def test_ray_async_run_keeps_every_sample_within_max_staleness(tiny_model_dir: Path, tmp_path: Path) -> None:
+    from relax_hpc.driver.run import run_job
+    from relax_hpc.ops.archive import read_archive
+    from relax_hpc.spec import parse_spec
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    job = tmp_path / "job"
+    text = tiny_spec_text(tiny_model_dir, job, steps=8, save_interval=8,
+                          extra="[metrics]\ntrajectory_archive = true\n")
+    text = text.replace('[job]\nname = "e2e"', '[job]\nname = "e2e"\nmode = "async"')
+    text = text.replace('name = "grpo"', 'name = "grpo"\nmax_staleness = 1\ntis_cap = 2.0')
+    spec = parse_spec(text)
+    assert spec.job.mode == "async" and spec.algorithm.max_staleness == 1
+    report = run_job(spec, in_process=False, progress=False)
+    assert report.result.end_step == 8
+    archive = read_archive(job)
+    assert sorted(archive) == list(range(8))
+    staleness = {step: sorted({step - row.weight_version for row in rows}) for step, rows in archive.items()}
+    # Step s is generated by version >= s - 1: rollout starts step s once step s - 2 is cleared,
+    # and waits for the broadcast of the weights trained on it, which may still be on the wire.
+    assert all(0 <= lag <= 1 for lags in staleness.values() for lag in lags), staleness
+    assert staleness[0] == [0]  # nothing but version 0 exists before the first training step

@@ -1,0 +1,147 @@
+"""The receiving side's bookkeeping, in process: which version a step needs, the inbox that keeps
+a broadcast apart until it is complete, and the in-process sync's handle."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+import torch
+
+from relax_hpc.weights.base import InProcessWeightSync, required_weight_version
+from relax_hpc.weights.endpoints import WeightInbox
+
+
+@pytest.mark.parametrize("step, start_step, start_version, max_staleness, expected", [
+    (0, 0, 0, 0, 0),  # the first step runs the initial weights
+    (3, 0, 0, 0, 3),  # on-policy: trained on steps 0, 1, 2
+    (3, 0, 0, 1, 2),  # one step ahead: 3 - 1 - 0 = 2
+    (1, 0, 0, 1, 0),  # max(0, 1 - 1 - 0) = 0: generated while step 0 trains
+    (5, 5, 9, 0, 9),  # resumed at step 5 with version 9: the restored weights
+    (7, 5, 9, 1, 10),  # 9 + max(0, 7 - 1 - 5) = 10
+    (6, 5, 9, 2, 9),  # 9 + max(0, 6 - 2 - 5) = 9
+])
+def test_required_weight_version(step: int, start_step: int, start_version: int, max_staleness: int,
+                                 expected: int) -> None:
+    assert required_weight_version(step, start_step, start_version, max_staleness) == expected
+
+
+def test_staged_buckets_are_invisible_until_the_commit() -> None:
+    inbox = WeightInbox()
+    buffer = torch.ones(3)
+    inbox.stage([("a", buffer)])
+    buffer.fill_(7.0)  # a channel reuses its bucket buffer: the staged copy must not change
+    assert inbox.take() is None
+    inbox.stage([("b", torch.zeros(2))])
+    inbox.commit(4)
+    update = inbox.take()
+    assert update is not None
+    weights, version = update
+    assert version == 4 and sorted(weights) == ["a", "b"]
+    assert torch.equal(weights["a"], torch.ones(3))
+    assert inbox.take() is None  # handed out once
+
+
+def test_complete_updates_not_yet_taken_merge_and_the_newer_wins() -> None:
+    inbox = WeightInbox()
+    inbox.stage([("a", torch.tensor([1.0])), ("b", torch.tensor([1.0]))])
+    inbox.commit(1)
+    inbox.stage([("a", torch.tensor([2.0]))])
+    inbox.commit(2)
+    update = inbox.take()
+    assert update is not None
+    weights, version = update
+    assert version == 2 and weights["a"].item() == 2.0 and weights["b"].item() == 1.0
+
+
+def _waiter(inbox: WeightInbox, version: int, current: int, stop: threading.Event,
+            timeout_s: float = 60.0) -> tuple[threading.Thread, list[Any]]:
+    outcome: list[Any] = []
+
+    def run() -> None:  # what a producer does at its batch boundary: wait, then take the update
+        try:
+            outcome.append(inbox.wait_for(version, current, stop, timeout_s, "rollout"))
+            update = inbox.take()
+            outcome.append(None if update is None else update[1])
+        except Exception as exc:  # noqa: BLE001 - the test inspects it
+            outcome.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, outcome
+
+
+def _until_awaiting(inbox: WeightInbox, version: int) -> None:
+    for _ in range(6000):
+        if inbox.awaited == version:
+            return
+        threading.Event().wait(0.01)
+    raise AssertionError(f"the waiter never started waiting for version {version}")
+
+
+def test_wait_returns_only_after_a_complete_update_of_the_needed_version() -> None:
+    inbox, stop = WeightInbox(), threading.Event()
+    assert inbox.wait_for(3, current=3, stop=stop, timeout_s=0.0, who="rollout")  # the engine has it
+    thread, outcome = _waiter(inbox, 2, current=0, stop=stop)
+    _until_awaiting(inbox, 2)
+    inbox.stage([("a", torch.zeros(1))])
+    inbox.commit(1)  # complete, but too old for the waiter
+    assert inbox.awaited == 2 and outcome == []
+    inbox.stage([("a", torch.ones(1))])
+    assert inbox.awaited == 2 and outcome == []  # staged only
+    inbox.commit(2)
+    thread.join(timeout=60)
+    # The waiter took version 2: had it returned on the commit of version 1 (too old) or on the
+    # staged bucket, it would have taken version 1 or nothing.
+    assert outcome == [True, 2] and inbox.awaited is None
+
+
+def test_wait_stops_when_asked_and_reports_a_failed_broadcast() -> None:
+    inbox, stop = WeightInbox(), threading.Event()
+    thread, outcome = _waiter(inbox, 1, current=0, stop=stop)
+    _until_awaiting(inbox, 1)
+    stop.set()
+    thread.join(timeout=60)
+    assert outcome == [False, None]
+
+    thread, outcome = _waiter(inbox, 1, current=0, stop=threading.Event())
+    _until_awaiting(inbox, 1)
+    inbox.stage([("a", torch.ones(1))])
+    inbox.fail("WeightChannelError: rank 0 died")
+    thread.join(timeout=60)
+    assert isinstance(outcome[0], RuntimeError)
+    assert "rollout needs weight version 1 (engine has 0)" in str(outcome[0])
+    assert "rank 0 died" in str(outcome[0])
+    inbox.commit(1)  # the half-received update was dropped: only what was staged since counts
+    update = inbox.take()
+    assert update is not None and update[0] == {}
+
+
+def test_wait_times_out_naming_the_version() -> None:
+    with pytest.raises(TimeoutError, match=r"rollout waited 0.01 s for weight version 5 \(engine has 3"):
+        WeightInbox().wait_for(5, current=3, stop=threading.Event(), timeout_s=0.01, who="rollout")
+
+
+class Receiver:
+    def __init__(self) -> None:
+        self.updates: list[tuple[list[str], int]] = []
+
+    def update_weights(self, named: Any, version: int) -> None:
+        self.updates.append(([n for n, _ in named], version))
+
+
+class Trainer:
+    def export_weights(self) -> list[tuple[str, torch.Tensor]]:
+        return [("w", torch.ones(2))]
+
+
+def test_in_process_sync_delivers_at_start_and_returns_a_finished_handle() -> None:
+    receivers = [Receiver(), Receiver()]
+    sync = InProcessWeightSync(Trainer(), receivers)
+    pending = sync.start(3)
+    assert [r.updates for r in receivers] == [[(["w"], 3)], [(["w"], 3)]]
+    pending.wait()
+    assert pending.version == 3
+    sync.sync(4)
+    assert receivers[0].updates[-1] == (["w"], 4)
