@@ -11,6 +11,10 @@ staleness bound is unchanged because rollout (and ActorFwd) wait at their batch 
 version the bound requires (`relax_hpc.weights.base.required_weight_version`). A failed
 broadcast fails the loop with the channel's error.
 
+The next training step is submitted right after the broadcast starts (the trainer runs calls
+in order, so the snapshot comes first), and the step's bookkeeping (clear, metrics) runs while
+the trainer already works: only a checkpoint step waits, so that it saves exactly that step.
+
 Read it top to bottom; everything it does is a call on a role handle. It resumes from the newest
 complete checkpoint, and stops cleanly (checkpoint first) when `stop.requested` is set by a
 signal handler.
@@ -98,12 +102,15 @@ def run_loop(
     result = LoopResult(step, step, samples_trained, False, None)
     roles.start_rollout(step, cfg.total_steps, cfg.max_staleness, version)
     pending: PendingWeights | None = None         # the broadcast overlapping the current step
+    ticket = roles.start_train(step) if step < cfg.total_steps and not stop.requested else None
+    t_step = time.perf_counter()
 
     try:
-        while step < cfg.total_steps and not stop.requested:
+        while ticket is not None:
             t0 = time.perf_counter()
-            train_stats = roles.train_step(step)  # consumes partition train_<step> as it streams in
+            train_stats = ticket.result()         # partition train_<step>, streamed as it came in
             t1 = time.perf_counter()
+            ticket = None
             if pending is not None:               # one broadcast at a time
                 previous, pending = pending, None
                 previous.wait()
@@ -111,17 +118,24 @@ def run_loop(
             pending = roles.weights.start(version)  # engines wait for it at their batch boundary
             train_stats["sync_s"] = time.perf_counter() - t1  # only the time syncing blocked the trainer
             train_stats["train_s"] = t1 - t0      # includes waiting for rollout's rows
-            rollout_stats = roles.finish_step(step)  # clears the partition: rollout may run ahead again
+            done, step = step, step + 1
+            checkpoint_due = step % cfg.save_interval == 0 or step == cfg.total_steps or stop.requested
+            if not checkpoint_due:                # queued behind the snapshot: the trainer never idles
+                ticket = roles.start_train(step)  # while the bookkeeping below runs
+            rollout_stats = roles.finish_step(done)  # clears the partition: rollout may run ahead again
             samples_trained += int(train_stats["rows"])
-            cursor = roles.cursor_after(step)
-            step += 1
-            m = step_metrics(train_stats, rollout_stats, time.perf_counter() - t0, version)
+            cursor = roles.cursor_after(done)
+            now = time.perf_counter()
+            m = step_metrics(train_stats, rollout_stats, now - t_step, version)
+            t_step = now
             metrics.log(step, m)
             on_step(step, m)
             result.rewards.append(m["reward/mean"])
-            if step % cfg.save_interval == 0 or step == cfg.total_steps or stop.requested:
+            if checkpoint_due:                    # the trainer is idle: it saves exactly this step
                 resume = ResumeState(step, version, cursor, samples_trained)
                 result.last_checkpoint = roles.save_checkpoint(resume)
+                if step < cfg.total_steps and not stop.requested:
+                    ticket = roles.start_train(step)
     except Exception as error:
         raise_broadcast_error_first(pending, error)
         raise

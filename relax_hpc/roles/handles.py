@@ -7,7 +7,7 @@ in-memory queue (fast tests, debugging).
 
 from __future__ import annotations
 
-from typing import Any, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 from relax_hpc.ckpt import ResumeState
 from relax_hpc.data.sample import Sample
@@ -15,19 +15,28 @@ from relax_hpc.roles.actor import ActorConfig, ActorWorker, rendezvous_address
 from relax_hpc.roles.forward import ForwardConfig, ForwardWorker
 from relax_hpc.roles.rollout import RolloutConfig, RolloutWorker
 from relax_hpc.transfer.memory import InMemoryTransferQueue
+from relax_hpc.transfer.queue import partition_name
 from relax_hpc.weights.base import InProcessWeightSync, WeightSync
 from relax_hpc.weights.ray_sync import DistributedWeightSync
+
+
+class TrainTicket(Protocol):
+    """A submitted training step; `result()` blocks until it is trained and returns its stats."""
+
+    def result(self) -> dict[str, float]: ...
 
 
 class Roles(Protocol):
     """What the driver calls. Rollout runs its own producer loop into the transfer queue, paced by
     the staleness rule; the trainer consumes one partition per step. `start_version` is the weight
-    version the trainer starts from: with it rollout and ActorFwd know which version each step needs."""
+    version the trainer starts from: with it rollout and ActorFwd know which version each step needs.
+    Calls to the trainer run in the order they are made: a step submitted after `weights.start`
+    trains after the snapshot."""
 
     weights: WeightSync
 
     def start_rollout(self, start_step: int, total_steps: int, max_staleness: int, start_version: int) -> None: ...
-    def train_step(self, step: int) -> dict[str, float]: ...
+    def start_train(self, step: int) -> TrainTicket: ...
     def finish_step(self, step: int) -> dict[str, float]: ...
     def save_checkpoint(self, state: ResumeState) -> str: ...
     def load_checkpoint(self) -> ResumeState | None: ...
@@ -64,8 +73,11 @@ class LocalRoles:
         found = [e for e in (self.rollout.producer_error(), *(f.error() for f in self.forwards)) if e]
         return "; ".join(found) or None
 
-    def train_step(self, step: int) -> dict[str, float]:
-        return _guard(self._errors, lambda: self.actor.train_from_queue(self.queue, step, self.timeout_s))
+    def start_train(self, step: int) -> TrainTicket:
+        # Lazy: in one process the step runs when the loop asks for it, after the clear that
+        # lets a strictly on-policy rollout produce it.
+        return _LazyTicket(lambda: _guard(self._errors, lambda: self.actor.train_from_queue(
+            self.queue, step, self.timeout_s)))
 
     def finish_step(self, step: int) -> dict[str, float]:
         self.actor.clear_partition(step)
@@ -91,6 +103,24 @@ class LocalRoles:
         for f in self.forwards:
             f.stop()
         self.actor.shutdown()
+
+
+class _LazyTicket:
+    def __init__(self, run: Callable[[], dict[str, float]]) -> None:
+        self._run = run
+
+    def result(self) -> dict[str, float]:
+        return self._run()
+
+
+class _RayTicket:
+    def __init__(self, refs: list[Any], errors: Callable[[], str | None]) -> None:
+        self._refs, self._errors = refs, errors
+
+    def result(self) -> dict[str, float]:
+        import ray
+
+        return _guard(self._errors, lambda: _merge_rank_stats(ray.get(self._refs)))
 
 
 def _guard(producer_error: Any, train: Any) -> dict[str, float]:
@@ -122,12 +152,15 @@ class RayRoles:
                  timeout_s: float = 600.0) -> None:
         import ray
 
+        from relax_hpc.transfer.zmq_client import TransferQueueClient
         from relax_hpc.transfer.zmq_server import TransferQueueServer
 
         host = ray.util.get_node_ip_address()
         self._server = TransferQueueServer(f"tcp://{host}:0", capacity=capacity)
         self.queue_address = self._server.start()
+        self._queue = TransferQueueClient(self.queue_address, consumer_id="driver")
         self.timeout_s = timeout_s
+        self._cursor_step, self._cursor = -1, {}  # cursor_after(step) from the last finish_step
         # max_concurrency: new weights and status calls must reach rollout while it produces.
         self._rollout = ray.remote(RolloutWorker).options(
             max_concurrency=4, **self._placement("rollout")).remote(rollout)
@@ -191,15 +224,20 @@ class RayRoles:
         found = [self._rollout_call("producer_error"), *ray.get([f.error.remote() for f in self._forwards])]
         return "; ".join(e for e in found if e) or None
 
-    def train_step(self, step: int) -> dict[str, float]:
-        return _guard(self._errors, lambda: _merge_rank_stats(
-            self._all("train_from_queue", self.queue_address, step, self.timeout_s)))
+    def start_train(self, step: int) -> TrainTicket:
+        refs = [a.train_from_queue.remote(self.queue_address, step, self.timeout_s) for a in self._actors]
+        return _RayTicket(refs, self._errors)
 
     def finish_step(self, step: int) -> dict[str, float]:
         import ray
 
-        ray.get(self._actors[0].clear_partition.remote(step))
-        return self._rollout_call("step_stats", step)
+        # The driver clears through its own client: the trainer may already be training the
+        # next step, and a strictly on-policy rollout waits for this clear to produce it.
+        report = self._rollout.step_report.remote(step)
+        self._queue.clear(partition_name(step))
+        stats, cursor = ray.get(report)
+        self._cursor_step, self._cursor = step, cursor  # the loop asks for it next
+        return stats
 
     def save_checkpoint(self, state: ResumeState) -> str:
         return self._all("save_checkpoint", state)[0]
@@ -208,6 +246,8 @@ class RayRoles:
         return self._all("load_checkpoint")[0]
 
     def cursor_after(self, step: int) -> dict:
+        if step == self._cursor_step:
+            return self._cursor
         return self._rollout_call("cursor_after", step)
 
     def restore_cursor(self, state: dict) -> None:
@@ -227,6 +267,7 @@ class RayRoles:
         finally:
             for a in [*self._actors, self._rollout, *self._forwards]:
                 ray.kill(a)
+            self._queue.close()
             self._server.stop()
 
 

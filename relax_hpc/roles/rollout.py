@@ -194,6 +194,14 @@ class RolloutWorker(WeightReceiverEndpoint):
         with self._lock:
             return self._stats.pop(step, {})
 
+    def step_report(self, step: int) -> tuple[dict[str, float], dict]:
+        """`step_stats(step)` and `cursor_after(step)` in one call (one round trip for the driver);
+        cursors of earlier steps are dropped, the loop never asks for them again."""
+        with self._lock:
+            for old in [s for s in self._cursor_after if s < step]:
+                del self._cursor_after[old]
+            return self._stats.pop(step, {}), self._cursor_after[step]
+
     def _produce(self, target: Any, start_step: int, total_steps: int, max_staleness: int,
                  start_version: int) -> None:
         queue = connect_queue(target, "rollout")

@@ -7,7 +7,7 @@ tells the sender to send, and waits for all of them with a deadline; errors name
 `PendingSync` so the driver can run the next training step while the bytes move:
 
     pending = weights.start(version)   # sender snapshots its weights, broadcast starts
-    stats = roles.train_step(step)     # overlaps the broadcast
+    stats = roles.start_train(step).result()  # overlaps the broadcast
     pending.wait()                     # every receiver now holds `version` (or this raises)
 
 Receivers stage the buckets and switch to the new version after the last one; rollout and

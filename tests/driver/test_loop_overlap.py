@@ -44,6 +44,19 @@ class RecordedWeights:
         self.events.append(f"sync {version}")
 
 
+class RecordedTicket:
+    """A training step the trainer runs in submission order; `result` is when the loop asks."""
+
+    def __init__(self, roles: "RecordedRoles", step: int) -> None:
+        self.roles, self.step = roles, step
+
+    def result(self) -> dict[str, float]:
+        self.roles.events.append(f"train {self.step}")
+        if self.step == self.roles.train_fails_at:
+            raise TimeoutError(f"get from 'train_{self.step}' timed out; is the producer of those fields running?")
+        return {"rows": 4.0, "reward_sum": 1.0, "loss": 0.5}
+
+
 class RecordedRoles:
     """Every call the loop makes, in order; training step `train_fails_at` raises like a starved queue."""
 
@@ -56,11 +69,9 @@ class RecordedRoles:
     def start_rollout(self, start_step: int, total_steps: int, max_staleness: int, start_version: int) -> None:
         self.events.append(f"rollout from step {start_step} version {start_version}")
 
-    def train_step(self, step: int) -> dict[str, float]:
-        self.events.append(f"train {step}")
-        if step == self.train_fails_at:
-            raise TimeoutError(f"get from 'train_{step}' timed out; is the producer of those fields running?")
-        return {"rows": 4.0, "reward_sum": 1.0, "loss": 0.5}
+    def start_train(self, step: int) -> "RecordedTicket":
+        self.events.append(f"submit {step}")
+        return RecordedTicket(self, step)
 
     def finish_step(self, step: int) -> dict[str, float]:
         self.events.append(f"clear {step}")
@@ -94,15 +105,19 @@ def _run(roles: RecordedRoles, total: int, resume: bool = False) -> InMemorySink
 
 def test_broadcast_starts_before_the_clear_and_is_waited_for_before_the_next_one() -> None:
     roles = RecordedRoles()
-    sink = _run(roles, total=3)
+    sink = _run(roles, total=4)
     assert roles.events == [
         "rollout from step 0 version 0",
-        "train 0", "start 1", "clear 0",
-        "train 1", "wait 1", "start 2", "clear 1", "checkpoint 2 version 2",
-        "train 2", "wait 2", "start 3", "clear 2", "checkpoint 3 version 3",
-        "wait 3",  # the last broadcast is complete before the loop returns (and shutdown runs)
+        "submit 0",
+        # the next step is submitted right after the snapshot, before the bookkeeping
+        "train 0", "start 1", "submit 1", "clear 0",
+        # a checkpoint step: nothing is submitted until the trainer has saved exactly step 2
+        "train 1", "wait 1", "start 2", "clear 1", "checkpoint 2 version 2", "submit 2",
+        "train 2", "wait 2", "start 3", "submit 3", "clear 2",
+        "train 3", "wait 3", "start 4", "clear 3", "checkpoint 4 version 4",
+        "wait 4",  # the last broadcast is complete before the loop returns (and shutdown runs)
     ]
-    assert [m["weight_version"] for _, m in sink.rows] == [1.0, 2.0, 3.0]
+    assert [m["weight_version"] for _, m in sink.rows] == [1.0, 2.0, 3.0, 4.0]
     assert all("time/sync_s" in m for _, m in sink.rows)
 
 
@@ -110,7 +125,7 @@ def test_resume_pushes_the_checkpoint_version_and_counts_on_from_it() -> None:
     roles = RecordedRoles(resume=ResumeState(step=4, weight_version=6, data_cursor={}, samples_trained=0))
     _run(roles, total=5, resume=True)
     assert roles.events == [
-        "restore cursor", "sync 6", "rollout from step 4 version 6",
+        "restore cursor", "sync 6", "rollout from step 4 version 6", "submit 4",
         "train 4", "start 7", "clear 4", "checkpoint 5 version 7", "wait 7",
     ]
 
@@ -120,7 +135,7 @@ def test_a_failed_broadcast_fails_the_loop_with_the_channel_error() -> None:
     with pytest.raises(WeightChannelError, match=r"weight sync to version 2 failed: sender"):
         _run(roles, total=5)
     assert roles.events[roles.events.index("start 2"):] == ["start 2", "clear 1", "checkpoint 2 version 2",
-                                                            "train 2", "wait 2"]
+                                                            "submit 2", "train 2", "wait 2"]
 
 
 def test_training_starved_by_a_failed_broadcast_reports_the_channel_error() -> None:
