@@ -160,25 +160,26 @@ def test_producer_waits_for_the_version_the_staleness_bound_requires(
     assert worker.producer_error() is None
 
 
-def test_producer_waiting_for_weights_stops_when_asked(model_dir: Path) -> None:
+def _producer_waiting_for_version_1(model_dir: Path) -> RolloutWorker:
+    """A strictly on-policy producer that made step 0 and now waits for the weights of step 1."""
     queue = InMemoryTransferQueue()
     worker = _worker(model_dir, prompts=2)
     worker.start_producer(queue, start_step=0, total_steps=2, max_staleness=0)
     queue.open_session("test").get(partition_name(0), "actor", ["tokens"], 16, timeout=60)
     queue.clear(partition_name(0))
     _wait_until(lambda: worker.awaited_weight_version() == 1, "producer waiting for version 1")
+    return worker
+
+
+def test_producer_waiting_for_weights_stops_when_asked(model_dir: Path) -> None:
+    worker = _producer_waiting_for_version_1(model_dir)
     worker.stop_producer()
     assert worker._producer is not None and not worker._producer.is_alive()
     assert worker.producer_error() is None and worker.awaited_weight_version() is None
 
 
 def test_producer_reports_a_failed_broadcast_and_a_missing_version(model_dir: Path) -> None:
-    queue = InMemoryTransferQueue()
-    worker = _worker(model_dir, prompts=2)
-    worker.start_producer(queue, start_step=0, total_steps=2, max_staleness=0)
-    queue.open_session("test").get(partition_name(0), "actor", ["tokens"], 16, timeout=60)
-    queue.clear(partition_name(0))
-    _wait_until(lambda: worker.awaited_weight_version() == 1, "producer waiting for version 1")
+    worker = _producer_waiting_for_version_1(model_dir)
     worker.weights_failed("WeightChannelTimeout: sender rank 0 published nothing within 3 s")
     _wait_until(lambda: worker.producer_error() is not None, "producer error")
     error = worker.producer_error()
