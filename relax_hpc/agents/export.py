@@ -16,7 +16,7 @@ from typing import Any, Mapping
 
 import torch
 
-from relax_hpc.algos import group_advantages
+from relax_hpc.algos.advantages import advantages_by_group  # noqa: F401  (re-exported for callers)
 
 
 @dataclass
@@ -105,21 +105,6 @@ def export_concat(records: list[CompletionRecord], rewards: list[float]) -> list
         cur.reward, cur.weight_version = w, r.weight_version
         cur.finish_reason, cur.text = r.finish_reason, r.text
         cur.completion_ids.append(r.completion_id)
-    return out
-
-
-def advantages_by_group(rewards: list[float], group_ids: list[int], normalize_std: bool) -> list[float]:
-    """Group-normalised advantages where groups (samples sharing a group id) differ in size, as
-    agent sessions export a varying number of samples; equal to `group_advantages` otherwise."""
-    members: dict[int, list[int]] = {}
-    for i, g in enumerate(group_ids):
-        members.setdefault(g, []).append(i)
-    out = [0.0] * len(rewards)
-    for idx in members.values():
-        adv = group_advantages(torch.tensor([rewards[i] for i in idx], dtype=torch.float32),
-                               len(idx), normalize_std)
-        for i, a in zip(idx, adv.tolist()):
-            out[i] = a
     return out
 
 

@@ -75,6 +75,22 @@ def group_advantages(
         return centered.reshape(-1)
 
 
+def advantages_by_group(rewards: list[float], group_ids: list[int], normalize_std: bool) -> list[float]:
+    """Group-normalised advantages where a group is the samples sharing a group id, in any order
+    and of any size (agent sessions export a varying number of samples); each group is computed
+    exactly as by `group_advantages`, so the values equal it for consecutive equal-size groups."""
+    members: dict[int, list[int]] = {}
+    for i, g in enumerate(group_ids):
+        members.setdefault(g, []).append(i)
+    out = [0.0] * len(rewards)
+    for idx in members.values():
+        adv = group_advantages(torch.tensor([rewards[i] for i in idx], dtype=torch.float32),
+                               len(idx), normalize_std)
+        for i, a in zip(idx, adv.tolist()):
+            out[i] = a
+    return out
+
+
 def opd_advantages(
     advantages: Tensor,
     student_logp: Tensor,

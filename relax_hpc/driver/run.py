@@ -30,6 +30,7 @@ from relax_hpc.ops.archive import archive_dir
 from relax_hpc.ops.metrics import FanOut, JsonlSink, MetricsSink, TensorBoardSink, WandbSink
 from relax_hpc.ops.plot import plot_reward_curve
 from relax_hpc.roles.actor import ActorConfig
+from relax_hpc.roles.advantages import AdvantagesConfig
 from relax_hpc.roles.forward import OUTPUT_FIELD, ForwardConfig
 from relax_hpc.roles.handles import LocalRoles, RayRoles, Roles
 from relax_hpc.roles.rollout import RolloutConfig
@@ -96,7 +97,7 @@ def role_configs(spec: JobSpec, job_dir: Path, device: str) -> tuple[RolloutConf
         sampling=sampling, dtype=spec.model.dtype, device=device, num_threads=threads,
         normalize_std=a.normalize_std and normalizes_std(a.name),
         dynamic_sampling=r.dynamic_sampling, max_sampling_rounds=r.max_sampling_rounds,
-        agentic=agentic_from_spec(r),
+        agentic=agentic_from_spec(r), advantages_role=spec.train.advantages_role,
     )
     loss = LossConfig(
         name=a.name, clip_eps_low=a.clip_eps_low, clip_eps_high=a.clip_eps_high,
@@ -115,18 +116,25 @@ def role_configs(spec: JobSpec, job_dir: Path, device: str) -> tuple[RolloutConf
         num_threads=threads,
         teacher_path=a.opd_teacher_path if a.name == "opd" else None, opd_coef=a.opd_coef,
         archive_dir=str(archive_dir(job_dir)) if spec.metrics.trajectory_archive else None,
-        role_fields=tuple(OUTPUT_FIELD[f.kind] for f in forward_configs(spec, device)),
+        role_fields=tuple(OUTPUT_FIELD[f.kind] for f in forward_configs(spec, device)
+                          if isinstance(f, ForwardConfig)),
     )
     return rollout, actor
 
 
-def forward_configs(spec: JobSpec, device: str) -> list[ForwardConfig]:
-    """The ActorFwd / Reference roles the spec asks for (the reference is the initial model)."""
+def forward_configs(spec: JobSpec, device: str) -> list[ForwardConfig | AdvantagesConfig]:
+    """The ActorFwd / Reference / Advantages roles the spec asks for (the reference is the initial
+    model; advantages need no model)."""
     kinds = [k for k, on in (("actor_fwd", spec.train.actor_fwd_role),
                              ("reference", spec.train.reference_role)) if on]
-    return [ForwardConfig(kind=k, model_path=spec.model.path, micro_batch_size=spec.train.micro_batch_size,
-                          temperature=spec.rollout.temperature, dtype=spec.model.dtype, device=device,
-                          num_threads=1) for k in kinds]
+    roles: list[ForwardConfig | AdvantagesConfig] = [
+        ForwardConfig(kind=k, model_path=spec.model.path, micro_batch_size=spec.train.micro_batch_size,
+                      temperature=spec.rollout.temperature, dtype=spec.model.dtype, device=device,
+                      num_threads=1) for k in kinds]
+    if spec.train.advantages_role:
+        a = spec.algorithm
+        roles.append(AdvantagesConfig(normalize_std=a.normalize_std and normalizes_std(a.name)))
+    return roles
 
 
 def prepare_job_dir(spec: JobSpec) -> Path:

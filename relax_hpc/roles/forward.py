@@ -17,7 +17,6 @@ consumer id gets exactly the rows it had not finished, so none is lost or comput
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 from typing import Any, Iterable, Literal
 
@@ -27,7 +26,7 @@ from relax_hpc.algos import token_logprobs_and_entropy
 from relax_hpc.backends.batch import pack_samples
 from relax_hpc.data.sample import Sample
 from relax_hpc.models.hf import load_causal_lm, load_tokenizer
-from relax_hpc.transfer.connect import connect_queue
+from relax_hpc.roles.step_loop import StepLoopWorker
 from relax_hpc.transfer.queue import partition_name
 from relax_hpc.weights.base import required_weight_version
 from relax_hpc.weights.endpoints import WeightInbox, WeightReceiverEndpoint
@@ -63,10 +62,11 @@ def response_log_probs(model: torch.nn.Module, samples: list[Sample], pad_id: in
     return out
 
 
-class ForwardWorker(WeightReceiverEndpoint):
+class ForwardWorker(StepLoopWorker, WeightReceiverEndpoint):
     """One ActorFwd or Reference worker; `start` runs its loop over steps in a background thread."""
 
     def __init__(self, cfg: ForwardConfig) -> None:
+        super().__init__(cfg.kind)
         if cfg.num_threads > 0:
             torch.set_num_threads(cfg.num_threads)
         self.cfg = cfg
@@ -75,10 +75,6 @@ class ForwardWorker(WeightReceiverEndpoint):
         self.pad_id = int(tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
         self._version = 0
         self._inbox = WeightInbox()
-        self._thread: threading.Thread | None = None
-        self._stop = threading.Event()
-        self._error: str | None = None
-        self.rows_done = 0
 
     # -- weights (ActorFwd only; the reference model never changes) -----------------------------
 
@@ -123,42 +119,13 @@ class ForwardWorker(WeightReceiverEndpoint):
         self._apply_pending()
         return True
 
-    # -- the loop ----------------------------------------------------------------------------
+    # -- the loop (StepLoopWorker runs it) ------------------------------------------------------
 
-    def start(self, queue: Any, start_step: int, total_steps: int, consumer_id: str = "",
-              start_version: int | None = None) -> None:
-        """Process steps start_step..total_steps-1 in a background thread; `start_version` is the
-        weight version the trainer starts from (default `start_step`)."""
-        version = start_step if start_version is None else start_version
-        self._stop.clear()
-        self._thread = threading.Thread(
-            target=self._run, args=(queue, start_step, total_steps, consumer_id or self.cfg.kind, version),
-            name=f"{self.cfg.kind}-loop", daemon=True,
-        )
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=30)
-
-    def error(self) -> str | None:
-        return self._error
-
-    def _run(self, target: Any, start_step: int, total_steps: int, consumer_id: str, start_version: int) -> None:
-        queue = connect_queue(target, consumer_id)
-        try:
-            for step in range(start_step, total_steps):
-                # The weights the trainer starts this step with: staleness 0 by definition.
-                needed = required_weight_version(step, start_step, start_version, max_staleness=0)
-                if self.cfg.kind == "actor_fwd" and not self._wait_for_version(needed):
-                    return
-                if not self._process(queue, step):
-                    return
-        except Exception as e:  # reported to the driver
-            self._error = f"{self.cfg.kind} failed: {type(e).__name__}: {e}"
-        finally:
-            queue.close()
+    def _ready_for(self, step: int, start_step: int, start_version: int) -> bool:
+        if self.cfg.kind != "actor_fwd":
+            return True
+        # The weights the trainer starts this step with: staleness 0 by definition.
+        return self._wait_for_version(required_weight_version(step, start_step, start_version, max_staleness=0))
 
     def _process(self, queue: Any, step: int) -> bool:
         """Add this role's field to every row of one step; False when asked to stop."""

@@ -12,12 +12,21 @@ from typing import Any, Callable, Protocol, Sequence
 from relax_hpc.ckpt import ResumeState
 from relax_hpc.data.sample import Sample
 from relax_hpc.roles.actor import ActorConfig, ActorWorker, rendezvous_address
+from relax_hpc.roles.advantages import AdvantagesConfig, AdvantagesWorker
 from relax_hpc.roles.forward import ForwardConfig, ForwardWorker
 from relax_hpc.roles.rollout import RolloutConfig, RolloutWorker
 from relax_hpc.transfer.memory import InMemoryTransferQueue
 from relax_hpc.transfer.queue import partition_name
 from relax_hpc.weights.base import InProcessWeightSync, WeightSync
 from relax_hpc.weights.ray_sync import DistributedWeightSync
+
+
+# The roles that read and write fields of queued rows beside Rollout and Actor.
+RoleConfig = ForwardConfig | AdvantagesConfig
+
+
+def _worker_class(cfg: RoleConfig) -> type[ForwardWorker] | type[AdvantagesWorker]:
+    return AdvantagesWorker if isinstance(cfg, AdvantagesConfig) else ForwardWorker
 
 
 class TrainTicket(Protocol):
@@ -54,11 +63,11 @@ def mean_stats(all_stats: list[dict[str, float]]) -> dict[str, float]:
 class LocalRoles:
     """Every role in this process (one trainer rank); the queue is in memory."""
 
-    def __init__(self, rollout: RolloutConfig, actor: ActorConfig, forwards: Sequence[ForwardConfig] = (),
+    def __init__(self, rollout: RolloutConfig, actor: ActorConfig, forwards: Sequence[RoleConfig] = (),
                  capacity: int | None = None, timeout_s: float = 600.0) -> None:
         self.queue = InMemoryTransferQueue(capacity=capacity)
         self.rollout = RolloutWorker(rollout)
-        self.forwards = [ForwardWorker(f) for f in forwards]
+        self.forwards = [_worker_class(f)(f) for f in forwards]
         self.actor = ActorWorker(actor)
         receivers = [self.rollout, *(f for f in self.forwards if f.cfg.kind == "actor_fwd")]
         self.weights: WeightSync = InProcessWeightSync(self.actor, receivers)
@@ -148,7 +157,7 @@ class RayRoles:
     """
 
     def __init__(self, rollout: RolloutConfig, actor: ActorConfig, num_processes: int,
-                 forwards: Sequence[ForwardConfig] = (), capacity: int | None = None,
+                 forwards: Sequence[RoleConfig] = (), capacity: int | None = None,
                  timeout_s: float = 600.0) -> None:
         import ray
 
@@ -178,14 +187,15 @@ class RayRoles:
                 actor, rank, num_processes, master)
             for rank in range(num_processes)
         ]
-        # ActorFwd / Reference go to the forward component when the cluster has one.
+        # ActorFwd / Reference / Advantages go to the forward component when the cluster has one.
         self._forwards = [
-            ray.remote(ForwardWorker).options(max_concurrency=4, **self._placement("forward")).remote(f)
+            ray.remote(_worker_class(f)).options(max_concurrency=4, **self._placement("forward")).remote(f)
             for f in forwards
         ]
         ray.get([self._rollout.weight_version.remote(), *(f.weight_version.remote() for f in self._forwards)])
         # Trainer rank 0 broadcasts to every engine (and ActorFwd) over gloo / NCCL in buckets.
-        fwd = [(h, f) for h, f in zip(self._forwards, forwards) if f.kind == "actor_fwd"]
+        fwd = [(h, f) for h, f in zip(self._forwards, forwards)
+               if isinstance(f, ForwardConfig) and f.kind == "actor_fwd"]
         self.weights = DistributedWeightSync(
             self._actors[0], [self._rollout, *(h for h, _ in fwd)], host=host, device=actor.device,
             receiver_devices=[rollout.device, *(f.device for _, f in fwd)],

@@ -19,6 +19,7 @@ import torch
 
 from relax_hpc.agents.config import AgenticConfig
 from relax_hpc.algos import group_advantages
+from relax_hpc.algos.advantages import advantages_by_group
 from relax_hpc.data.dataset import DataCursor, DataSettings, load_dataset
 from relax_hpc.data.rows import sample_to_row
 from relax_hpc.data.sample import Sample
@@ -54,6 +55,7 @@ class RolloutConfig:
     dynamic_sampling: bool = False
     max_sampling_rounds: int = 1
     agentic: AgenticConfig | None = None  # multi-turn env / custom generate / agent (docs/agents.md)
+    advantages_role: bool = False  # rows go out without `advantages`: the Advantages role adds them
 
 
 def build_genrm_judge(reward: RewardSettings, dtype: str, device: str) -> tuple[RolloutEngine | None, Any]:
@@ -219,26 +221,32 @@ class RolloutWorker(WeightReceiverEndpoint):
                 if not self._apply_pending_weights(required):  # the batch boundary
                     return
                 samples, stats = self.generate(step)
-                rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
-                if self.agentic is not None:  # agent sessions export a varying number of samples
-                    from relax_hpc.agents.export import advantages_by_group
-
-                    advantages = torch.tensor(advantages_by_group(
-                        rewards.tolist(), [s.group_id for s in samples], self.cfg.normalize_std))
-                else:
-                    advantages = group_advantages(rewards, self.cfg.n_samples_per_prompt, self.cfg.normalize_std)
-                for sample, adv in zip(samples, advantages.tolist()):
-                    sample.advantage = adv
+                if not self.cfg.advantages_role:  # else the Advantages role writes them on the queue
+                    self._set_advantages(samples)
                 with self._lock:
                     self._cursor_after[step] = self.cursor.state()
                     self._stats[step] = stats
                 partition = partition_name(step)
-                queue.put(partition, [sample_to_row(s) for s in samples], timeout=self.cfg.queue_timeout_s)
+                rows = [sample_to_row(s) for s in samples]
+                if self.cfg.advantages_role:
+                    for row in rows:
+                        del row["advantages"]
+                queue.put(partition, rows, timeout=self.cfg.queue_timeout_s)
                 queue.complete(partition, len(samples))
         except Exception as e:  # reported to the driver, which stops with this message
             self._error = f"rollout producer failed: {type(e).__name__}: {e}"
         finally:
             queue.close()
+
+    def _set_advantages(self, samples: list[Sample]) -> None:
+        rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
+        if self.agentic is not None:  # agent sessions export a varying number of samples
+            advantages = torch.tensor(advantages_by_group(
+                rewards.tolist(), [s.group_id for s in samples], self.cfg.normalize_std))
+        else:
+            advantages = group_advantages(rewards, self.cfg.n_samples_per_prompt, self.cfg.normalize_std)
+        for sample, adv in zip(samples, advantages.tolist()):
+            sample.advantage = adv
 
     def generate(self, step: int) -> tuple[list[Sample], dict[str, float]]:
         """Generate and score one step's groups: prompts_per_step prompts x n_samples_per_prompt.

@@ -196,6 +196,7 @@ class TrainSpec:
     num_processes: int = setting(1, at_least(1))  # data-parallel trainer processes
     actor_fwd_role: bool = setting(False)  # old log-probs from a separate ActorFwd role
     reference_role: bool = setting(False)  # reference log-probs from a separate Reference role
+    advantages_role: bool = setting(False)  # group advantages from a separate Advantages role
     device: Literal["auto", "cpu", "cuda"] = setting("auto")
 
 

@@ -85,8 +85,8 @@ def test_killed_actor_fwd_restarts_where_it_stopped(model_dir: Path, queue_with_
     # having written and acked two.
     script = textwrap.dedent(f"""
         import os
-        from relax_hpc.roles import forward
-        real_connect = forward.connect_queue
+        from relax_hpc.roles import forward, step_loop
+        real_connect = step_loop.connect_queue
         def connect(target, consumer_id):
             queue = real_connect(target, consumer_id)
             real_get, calls = queue.get, [0]
@@ -98,7 +98,7 @@ def test_killed_actor_fwd_restarts_where_it_stopped(model_dir: Path, queue_with_
                 return batch
             queue.get = get
             return queue
-        forward.connect_queue = connect
+        step_loop.connect_queue = connect
         cfg = forward.ForwardConfig(kind="actor_fwd", model_path={str(model_dir)!r}, micro_batch_size={MICRO})
         forward.ForwardWorker(cfg)._run({address!r}, 0, 1, "actor_fwd", 0)
     """)

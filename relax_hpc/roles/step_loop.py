@@ -1,0 +1,64 @@
+"""The loop shared by the roles that add fields to queued rows (ActorFwd, Reference, Advantages).
+
+Each runs steps start_step..total_steps-1 on a background thread with its own queue client
+(consumer id = its task name unless given), reports its first failure through `error()` for the
+driver, and stops at the next boundary when asked. A subclass says what one step is
+(`_process`) and, if it must, what it waits for before a step (`_ready_for`).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from relax_hpc.transfer.connect import connect_queue
+
+
+class StepLoopWorker:
+    """Base class: `start` / `stop` / `error` around a loop over steps."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind  # the queue task name
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._error: str | None = None
+        self.rows_done = 0
+
+    def start(self, queue: Any, start_step: int, total_steps: int, consumer_id: str = "",
+              start_version: int | None = None) -> None:
+        """Process steps start_step..total_steps-1 in a background thread; `start_version` is the
+        weight version the trainer starts from (default `start_step`)."""
+        version = start_step if start_version is None else start_version
+        self._stop.clear()
+        self._thread = threading.Thread(
+            target=self._run, args=(queue, start_step, total_steps, consumer_id or self.kind, version),
+            name=f"{self.kind}-loop", daemon=True,
+        )
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    def error(self) -> str | None:
+        return self._error
+
+    def _run(self, target: Any, start_step: int, total_steps: int, consumer_id: str, start_version: int) -> None:
+        queue = connect_queue(target, consumer_id)
+        try:
+            for step in range(start_step, total_steps):
+                if not self._ready_for(step, start_step, start_version) or not self._process(queue, step):
+                    return
+        except Exception as e:  # reported to the driver
+            self._error = f"{self.kind} failed: {type(e).__name__}: {e}"
+        finally:
+            queue.close()
+
+    def _ready_for(self, step: int, start_step: int, start_version: int) -> bool:
+        """Wait for whatever `step` needs; False when asked to stop. Nothing by default."""
+        return True
+
+    def _process(self, queue: Any, step: int) -> bool:
+        """Handle every row of one step; False when asked to stop."""
+        raise NotImplementedError(f"{type(self).__name__} must define _process(queue, step)")
