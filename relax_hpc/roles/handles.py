@@ -7,6 +7,7 @@ in-memory queue (fast tests, debugging).
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable, Protocol, Sequence
 
 from relax_hpc.ckpt import ResumeState
@@ -20,6 +21,8 @@ from relax_hpc.transfer.queue import partition_name
 from relax_hpc.weights.base import InProcessWeightSync, WeightSync
 from relax_hpc.weights.ray_sync import DistributedWeightSync
 
+
+log = logging.getLogger(__name__)
 
 # The roles that read and write fields of queued rows beside Rollout and Actor.
 RoleConfig = ForwardConfig | AdvantagesConfig
@@ -123,13 +126,27 @@ class _LazyTicket:
 
 
 class _RayTicket:
-    def __init__(self, refs: list[Any], errors: Callable[[], str | None]) -> None:
-        self._refs, self._errors = refs, errors
+    """Trainer ranks' step on Ray. While waiting it asks the producing roles every `poll_s`
+    whether they failed: a dead rollout then ends the step at once with its error, instead of
+    after the trainer's queue timeout (the stuck trainer is killed at shutdown)."""
+
+    def __init__(self, refs: list[Any], errors: Callable[[], str | None], poll_s: float = 1.0) -> None:
+        self._refs, self._errors, self._poll_s = refs, errors, poll_s
+        self.done = False
 
     def result(self) -> dict[str, float]:
         import ray
 
-        return _guard(self._errors, lambda: _merge_rank_stats(ray.get(self._refs)))
+        while True:
+            ready, _ = ray.wait(self._refs, num_returns=len(self._refs), timeout=self._poll_s)
+            if len(ready) == len(self._refs):
+                break
+            error = self._errors()
+            if error:
+                raise RuntimeError(f"{error} (the trainer was waiting for that step's rows)")
+        stats = _guard(self._errors, lambda: _merge_rank_stats(ray.get(self._refs)))
+        self.done = True
+        return stats
 
 
 def _guard(producer_error: Any, train: Any) -> dict[str, float]:
@@ -170,6 +187,7 @@ class RayRoles:
         self._queue = TransferQueueClient(self.queue_address, consumer_id="driver")
         self.timeout_s = timeout_s
         self._cursor_step, self._cursor = -1, {}  # cursor_after(step) from the last finish_step
+        self._ticket: _RayTicket | None = None  # the last submitted training step
         # max_concurrency: new weights and status calls must reach rollout while it produces.
         self._rollout = ray.remote(RolloutWorker).options(
             max_concurrency=4, **self._placement("rollout")).remote(rollout)
@@ -236,7 +254,8 @@ class RayRoles:
 
     def start_train(self, step: int) -> TrainTicket:
         refs = [a.train_from_queue.remote(self.queue_address, step, self.timeout_s) for a in self._actors]
-        return _RayTicket(refs, self._errors)
+        self._ticket = _RayTicket(refs, self._errors)
+        return self._ticket
 
     def finish_step(self, step: int) -> dict[str, float]:
         import ray
@@ -270,10 +289,15 @@ class RayRoles:
         import ray
 
         try:
-            self._rollout_call("stop_producer")
-            ray.get([f.stop.remote() for f in self._forwards])
-            self.weights.close()
-            self._all("shutdown")
+            stopping = [self._rollout.stop_producer.remote(), *(f.stop.remote() for f in self._forwards)]
+            ray.get(stopping, timeout=60)
+            # A trainer still inside a step (the loop failed) would answer only after its queue
+            # timeout: it is killed below without the polite part.
+            if self._ticket is None or self._ticket.done:
+                self.weights.close()
+                self._all("shutdown")
+        except Exception as e:  # noqa: BLE001 - a role that already died; the loop's own error matters
+            log.warning("roles did not shut down cleanly (%s: %s); killing them", type(e).__name__, e)
         finally:
             for a in [*self._actors, self._rollout, *self._forwards]:
                 ray.kill(a)
