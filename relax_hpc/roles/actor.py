@@ -7,6 +7,7 @@ collectively. A plain class; the driver places one Ray actor per rank.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -101,6 +102,7 @@ class ActorWorker(WeightSenderEndpoint):
         queue, partition = self._queue, partition_name(step)
         received: list[int] = []
         rewards: list[float] = []
+        waited = [0.0]  # seconds inside queue.get: rows not there yet (or the get itself)
         trained: list[Sample] = []  # kept only for the trajectory archive
         # Training does not need the dataset row of a sample; the archive records it.
         fields = (*TRAIN_FIELDS, *self.role_fields)
@@ -109,7 +111,9 @@ class ActorWorker(WeightSenderEndpoint):
 
         def row_batches() -> Iterator[list[dict[str, Any]]]:
             while True:
+                t0 = time.perf_counter()
                 batch = queue.get(partition, "actor", fields, self.cfg_micro_batch, timeout=timeout_s)
+                waited[0] += time.perf_counter() - t0
                 if batch.rows:
                     received.extend(batch.indices)
                     rewards.extend(float(r["rewards"]) for r in batch.rows)
@@ -127,7 +131,8 @@ class ActorWorker(WeightSenderEndpoint):
         queue.ack(partition, "actor", received)
         if self.archive is not None:  # after the optimizer step: only trained samples are archived
             self.archive.append(step, trained)
-        return {**stats, "rows": float(len(received)), "reward_sum": float(sum(rewards))}
+        return {**stats, "rows": float(len(received)), "reward_sum": float(sum(rewards)),
+                "queue_wait_s": waited[0]}
 
     def clear_partition(self, step: int) -> None:
         if self._queue is not None:

@@ -90,3 +90,26 @@ def test_the_archive_gets_the_trained_samples(tiny_model_dir: Path, tmp_path: Pa
     assert [r.reward for r in archived] == [s.reward for s in samples]
     # float32 values (the trainer's log-probs) survive the float32 archive exactly.
     assert [r.rollout_log_probs for r in archived] == [s.rollout_log_probs for s in samples]
+
+
+def test_time_spent_waiting_for_rows_is_reported(tiny_model_dir: Path, tmp_path: Path) -> None:
+    import threading
+    import time
+
+    worker = ActorWorker(_config(tiny_model_dir, tmp_path))
+    samples = _samples(worker)
+    queue = InMemoryTransferQueue()
+
+    def produce_late() -> None:
+        time.sleep(0.5)  # the trainer is already waiting in get
+        queue.put(partition_name(STEP), [sample_to_row(s) for s in samples])
+        queue.complete(partition_name(STEP), len(samples))
+
+    producer = threading.Thread(target=produce_late)
+    producer.start()
+    stats = worker.train_from_queue(queue, STEP, timeout_s=30)
+    producer.join()
+    assert stats["rows"] == 8.0 and stats["queue_wait_s"] >= 0.4
+    fresh = ActorWorker(_config(tiny_model_dir, tmp_path))  # a worker keeps its first queue
+    ready = fresh.train_from_queue(_queue_with(samples), STEP, timeout_s=30)
+    assert ready["queue_wait_s"] < stats["queue_wait_s"]  # rows already there: no such wait
