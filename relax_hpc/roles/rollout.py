@@ -209,6 +209,7 @@ class RolloutWorker(WeightReceiverEndpoint):
         queue = connect_queue(target, "rollout")
         try:
             for step in range(start_step, total_steps):
+                t_wait = time.perf_counter()
                 while not self._stop.is_set():
                     try:
                         queue.wait_until_may_start(step, max_staleness, timeout=1.0)
@@ -217,10 +218,15 @@ class RolloutWorker(WeightReceiverEndpoint):
                         continue
                 if self._stop.is_set():
                     return
+                t_weights = time.perf_counter()
                 required = required_weight_version(step, start_step, start_version, max_staleness)
                 if not self._apply_pending_weights(required):  # the batch boundary
                     return
+                t_go = time.perf_counter()
                 samples, stats = self.generate(step)
+                # What rollout waited for before it could start: which side paces the loop.
+                stats["time/rollout_wait_staleness_s"] = t_weights - t_wait
+                stats["time/rollout_wait_weights_s"] = t_go - t_weights
                 if not self.cfg.advantages_role:  # else the Advantages role writes them on the queue
                     self._set_advantages(samples)
                 with self._lock:

@@ -156,6 +156,10 @@ def test_producer_waits_for_the_version_the_staleness_bound_requires(
     worker.commit_weights(awaited)  # the last bucket: now the update is complete
     rows = consumer.get(partition_name(first_blocked), "actor", ["weight_version"], 16, timeout=60)
     assert {int(v) for v in rows.column("weight_version")} == {awaited}
+    # The step reports that it waited for the weights; the first step, which had them, did not.
+    waited = worker.step_stats(first_blocked)
+    assert waited["time/rollout_wait_weights_s"] > 0.01 and "time/rollout_wait_staleness_s" in waited
+    assert worker.step_stats(start_step)["time/rollout_wait_weights_s"] < waited["time/rollout_wait_weights_s"]
     worker.stop_producer()
     assert worker.producer_error() is None
 
