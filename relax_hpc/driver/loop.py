@@ -59,7 +59,7 @@ class LoopResult:
 def step_metrics(train: dict[str, float], rollout: dict[str, float], step_time: float,
                  version: int) -> dict[str, float]:
     rows = train.pop("rows")
-    timings = {f"time/{k}": train.pop(k) for k in ("train_s", "sync_s") if k in train}
+    timings = {f"time/{k}": train.pop(k) for k in ("train_s", "sync_s", "queue_wait_s") if k in train}
     reward_sum = train.pop("reward_sum")
     return {
         "reward/mean": reward_sum / rows,
