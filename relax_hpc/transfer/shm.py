@@ -17,7 +17,9 @@ Lifetime rules (the server enforces them through :class:`ShmStore`):
 
 * a payload file belongs to the partition its put/write named; clearing the partition
   *releases* its files (renames ``name`` to ``.free-name``, which no reference can name), and
-  the producer that made the segment reuses it; stopping the server deletes the whole directory;
+  the producer that made the segment reuses it; stopping the server deletes the whole directory,
+  and a server that died without stopping has its directory deleted by the next server of the
+  same user on the host (:func:`remove_abandoned`, through the directory's owner file);
 * a file named by a refused, malformed or expired request is released at once (unless a live
   partition owns it);
 * anything nobody references (a segment its producer no longer reuses, a file of a producer that
@@ -56,6 +58,7 @@ DIR_PREFIX = "relax-tq-"
 ORPHAN_GRACE_S = 60.0
 SWEEP_INTERVAL_S = 10.0
 FREE_PREFIX = ".free-"
+OWNER_FILE = ".owner"  # "<pid> <pid namespace>" of the server: lets a later server reap the directory
 MAX_SEGMENTS = 256  # segments one producer keeps mapped; older ones are left to the sweep
 _REUSE_TRIES = 2  # released segments are usually the oldest: look at a few, not all
 _MIN_SEGMENT = 64 * 1024
@@ -279,8 +282,11 @@ class ShmStore:
     def __init__(self, root: str = SHM_ROOT) -> None:
         if not os.path.isdir(root):
             raise FileNotFoundError(f"shared-memory root {root} does not exist")
+        remove_abandoned(root)
         self.path = tempfile.mkdtemp(prefix=f"{DIR_PREFIX}{uuid.uuid4().hex[:12]}-", dir=root)
         os.chmod(self.path, 0o700)  # same user only: a job's roles share the uid
+        with open(os.path.join(self.path, OWNER_FILE), "w", encoding="ascii") as f:
+            f.write(f"{os.getpid()} {_pid_namespace()}\n")
         self.host = local_host_id()
         self._owner: dict[str, str] = {}  # file -> partition
         self._files: dict[str, set[str]] = {}  # partition -> files
@@ -356,7 +362,7 @@ class ShmStore:
         with os.scandir(self.path) as entries:
             for entry in entries:
                 name = entry.name
-                if name in self._owner or name in pending:
+                if name in self._owner or name in pending or name == OWNER_FILE:
                     continue
                 try:
                     info = entry.stat(follow_symlinks=False)
@@ -399,6 +405,55 @@ class ShmStore:
     def describe(self) -> dict[str, Any]:
         """What the ping reply advertises so that clients can decide to use shm."""
         return {"host": self.host, "shm": self.path}
+
+
+def remove_abandoned(root: str = SHM_ROOT) -> list[str]:
+    """Delete the shm directories of this user's queue servers that died without `stop()`
+    (SIGKILL, OOM kill, node-level kill); returns their paths.
+
+    A directory is abandoned when its owner file names a process that no longer exists in this
+    pid namespace. Directories of another pid namespace (a container sharing /dev/shm) or
+    without an owner file are left alone: their owner cannot be checked from here.
+    """
+    removed: list[str] = []
+    namespace = _pid_namespace()
+    try:
+        entries = list(os.scandir(root))
+    except OSError:
+        return removed
+    for entry in entries:
+        if not entry.name.startswith(DIR_PREFIX):
+            continue
+        try:
+            if not entry.is_dir(follow_symlinks=False) or entry.stat(follow_symlinks=False).st_uid != os.getuid():
+                continue
+            with open(os.path.join(entry.path, OWNER_FILE), encoding="ascii") as f:
+                pid_text, owner_namespace = f.read().split()
+            pid = int(pid_text)
+        except (OSError, ValueError):
+            continue
+        if owner_namespace != namespace or _alive(pid):
+            continue
+        shutil.rmtree(entry.path, ignore_errors=True)
+        removed.append(entry.path)
+    return removed
+
+
+def _pid_namespace() -> str:
+    try:
+        return str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:
+        return "unknown"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, another user's
+        return True
+    return True
 
 
 def _rename(source: str, target: str) -> None:

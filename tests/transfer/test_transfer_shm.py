@@ -40,8 +40,9 @@ def payload_files(server: TransferQueueServer) -> list[str]:
 
 
 def all_files(server: TransferQueueServer) -> list[str]:
+    """Every file but the server's owner file."""
     assert server.shm_dir is not None
-    return sorted(os.listdir(server.shm_dir))
+    return sorted(f for f in os.listdir(server.shm_dir) if f != shm.OWNER_FILE)
 
 
 def samples(n: int, start: int = 0) -> list[dict[str, Any]]:
@@ -127,6 +128,7 @@ def test_orphans_are_swept_but_fresh_and_owned_files_stay(server: TransferQueueS
     q.clear("train_0")
     left = all_files(server)
     assert "orphan-old" not in left  # old and nobody references it
+    assert shm.OWNER_FILE in os.listdir(server.shm_dir or "")  # as old, but the server's own
     assert ".crashed.tmp" in left  # may be a put still on its way: kept until it is old
     assert ".free-" + owned[0] in left or ".free-" + owned[1] in left  # train_0's, released just now
     assert set(payload_files(server)) < set(owned)  # train_1's file is owned: kept
@@ -293,3 +295,43 @@ def test_reading_a_batch_whose_partition_is_cleared_meanwhile_fails_loudly(serve
     with pytest.raises(WireError, match="partition was cleared"):
         shm.read_blocks(server.shm_dir or "", blocks, [])
     q.close()
+
+
+def test_a_killed_servers_directory_is_removed_by_the_next_server(tmp_path: Any) -> None:
+    import signal
+    import subprocess
+    import sys
+
+    root = tmp_path / "shm"
+    root.mkdir()
+    script = (
+        "import sys, time\n"
+        "from relax_hpc.transfer.zmq_server import TransferQueueServer\n"
+        f"srv = TransferQueueServer('tcp://127.0.0.1:0', shm=True, shm_root={str(root)!r})\n"
+        "srv.start()\n"
+        "print(srv.shm_dir, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    killed_dir = proc.stdout.readline().strip()
+    assert os.path.isdir(killed_dir)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    assert os.path.isdir(killed_dir)  # nobody ran stop()
+    # Directories whose owner cannot be checked are kept: no owner file, another pid namespace.
+    (root / "relax-tq-noowner").mkdir()
+    (root / "relax-tq-elsewhere").mkdir()
+    (root / "relax-tq-elsewhere" / shm.OWNER_FILE).write_text("1 4026531836-not-this-namespace\n")
+    live = TransferQueueServer("tcp://127.0.0.1:0", shm=True, shm_root=str(root))
+    live.start()
+    try:
+        assert not os.path.exists(killed_dir)
+        assert (root / "relax-tq-noowner").is_dir() and (root / "relax-tq-elsewhere").is_dir()
+        # A live server's directory survives the next server's start.
+        other = TransferQueueServer("tcp://127.0.0.1:0", shm=True, shm_root=str(root))
+        other.start()
+        assert live.shm_dir is not None and os.path.isdir(live.shm_dir)
+        other.stop()
+    finally:
+        live.stop()
