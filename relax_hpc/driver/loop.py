@@ -122,9 +122,10 @@ def run_loop(
             checkpoint_due = step % cfg.save_interval == 0 or step == cfg.total_steps or stop.requested
             if not checkpoint_due:                # queued behind the snapshot: the trainer never idles
                 ticket = roles.start_train(step)  # while the bookkeeping below runs
-            rollout_stats = roles.finish_step(done)  # clears the partition: rollout may run ahead again
+            # Clears the partition (rollout may run ahead again); the data cursor as it stood
+            # after this step took its prompts is what a checkpoint here stores.
+            rollout_stats, cursor = roles.finish_step(done)
             samples_trained += int(train_stats["rows"])
-            cursor = roles.cursor_after(done)
             now = time.perf_counter()
             m = step_metrics(train_stats, rollout_stats, now - t_step, version)
             t_step = now

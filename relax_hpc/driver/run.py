@@ -116,13 +116,13 @@ def role_configs(spec: JobSpec, job_dir: Path, device: str) -> tuple[RolloutConf
         num_threads=threads,
         teacher_path=a.opd_teacher_path if a.name == "opd" else None, opd_coef=a.opd_coef,
         archive_dir=str(archive_dir(job_dir)) if spec.metrics.trajectory_archive else None,
-        role_fields=tuple(OUTPUT_FIELD[f.kind] for f in forward_configs(spec, device)
+        role_fields=tuple(OUTPUT_FIELD[f.kind] for f in queue_role_configs(spec, device)
                           if isinstance(f, ForwardConfig)),
     )
     return rollout, actor
 
 
-def forward_configs(spec: JobSpec, device: str) -> list[ForwardConfig | AdvantagesConfig]:
+def queue_role_configs(spec: JobSpec, device: str) -> list[ForwardConfig | AdvantagesConfig]:
     """The ActorFwd / Reference / Advantages roles the spec asks for (the reference is the initial
     model; advantages need no model)."""
     kinds = [k for k, on in (("actor_fwd", spec.train.actor_fwd_role),
@@ -209,7 +209,7 @@ def run_job(spec: JobSpec, in_process: bool = False, ray_address: str | None = N
     install_stop_handlers(stop)
     r, staleness = spec.rollout, spec.algorithm.max_staleness
     capacity = queue_capacity(r.prompts_per_step, staleness, r.n_samples_per_prompt)
-    forwards = forward_configs(spec, device)
+    forwards = queue_role_configs(spec, device)
     roles: Roles = (LocalRoles(rollout_cfg, actor_cfg, forwards, capacity) if in_process
                     else RayRoles(rollout_cfg, actor_cfg, spec.train.num_processes, forwards, capacity))
     print(f"dataset: {roles.dataset_summary()}", file=sys.stderr)

@@ -49,10 +49,9 @@ class Roles(Protocol):
 
     def start_rollout(self, start_step: int, total_steps: int, max_staleness: int, start_version: int) -> None: ...
     def start_train(self, step: int) -> TrainTicket: ...
-    def finish_step(self, step: int) -> dict[str, float]: ...
+    def finish_step(self, step: int) -> tuple[dict[str, float], dict]: ...
     def save_checkpoint(self, state: ResumeState) -> str: ...
     def load_checkpoint(self) -> ResumeState | None: ...
-    def cursor_after(self, step: int) -> dict: ...
     def restore_cursor(self, state: dict) -> None: ...
     def dataset_summary(self) -> str: ...
     def shutdown(self) -> None: ...
@@ -91,18 +90,15 @@ class LocalRoles:
         return _LazyTicket(lambda: _guard(self._errors, lambda: self.actor.train_from_queue(
             self.queue, step, self.timeout_s)))
 
-    def finish_step(self, step: int) -> dict[str, float]:
+    def finish_step(self, step: int) -> tuple[dict[str, float], dict]:
         self.actor.clear_partition(step)
-        return self.rollout.step_stats(step)
+        return self.rollout.step_report(step)
 
     def save_checkpoint(self, state: ResumeState) -> str:
         return self.actor.save_checkpoint(state)
 
     def load_checkpoint(self) -> ResumeState | None:
         return self.actor.load_checkpoint()
-
-    def cursor_after(self, step: int) -> dict:
-        return self.rollout.cursor_after(step)
 
     def restore_cursor(self, state: dict) -> None:
         self.rollout.restore_cursor(state)
@@ -186,7 +182,6 @@ class RayRoles:
         self.queue_address = self._server.start()
         self._queue = TransferQueueClient(self.queue_address, consumer_id="driver")
         self.timeout_s = timeout_s
-        self._cursor_step, self._cursor = -1, {}  # cursor_after(step) from the last finish_step
         self._ticket: _RayTicket | None = None  # the last submitted training step
         # max_concurrency: new weights and status calls must reach rollout while it produces.
         self._rollout = ray.remote(RolloutWorker).options(
@@ -257,27 +252,20 @@ class RayRoles:
         self._ticket = _RayTicket(refs, self._errors)
         return self._ticket
 
-    def finish_step(self, step: int) -> dict[str, float]:
+    def finish_step(self, step: int) -> tuple[dict[str, float], dict]:
         import ray
 
         # The driver clears through its own client: the trainer may already be training the
         # next step, and a strictly on-policy rollout waits for this clear to produce it.
         report = self._rollout.step_report.remote(step)
         self._queue.clear(partition_name(step))
-        stats, cursor = ray.get(report)
-        self._cursor_step, self._cursor = step, cursor  # the loop asks for it next
-        return stats
+        return ray.get(report)
 
     def save_checkpoint(self, state: ResumeState) -> str:
         return self._all("save_checkpoint", state)[0]
 
     def load_checkpoint(self) -> ResumeState | None:
         return self._all("load_checkpoint")[0]
-
-    def cursor_after(self, step: int) -> dict:
-        if step == self._cursor_step:
-            return self._cursor
-        return self._rollout_call("cursor_after", step)
 
     def restore_cursor(self, state: dict) -> None:
         self._rollout_call("restore_cursor", state)

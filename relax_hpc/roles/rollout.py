@@ -124,11 +124,6 @@ class RolloutWorker(WeightReceiverEndpoint):
     def restore_cursor(self, state: dict) -> None:
         self.cursor.restore(state)
 
-    def cursor_after(self, step: int) -> dict:
-        """The cursor state right after `step` took its prompts (what a checkpoint at step+1 stores)."""
-        with self._lock:
-            return self._cursor_after[step]
-
     def weight_version(self) -> int:
         return self.engine.weight_version
 
@@ -192,13 +187,10 @@ class RolloutWorker(WeightReceiverEndpoint):
     def producer_error(self) -> str | None:
         return self._error
 
-    def step_stats(self, step: int) -> dict[str, float]:
-        with self._lock:
-            return self._stats.pop(step, {})
-
     def step_report(self, step: int) -> tuple[dict[str, float], dict]:
-        """`step_stats(step)` and `cursor_after(step)` in one call (one round trip for the driver);
-        cursors of earlier steps are dropped, the loop never asks for them again."""
+        """The statistics of `step` and the cursor state right after it took its prompts (what a
+        checkpoint after `step` stores), in one call; earlier steps' cursors are dropped, the
+        loop never asks for them again."""
         with self._lock:
             for old in [s for s in self._cursor_after if s < step]:
                 del self._cursor_after[old]

@@ -8,13 +8,14 @@ driver, and stops at the next boundary when asked. A subclass says what one step
 
 from __future__ import annotations
 
+import abc
 import threading
 from typing import Any
 
 from relax_hpc.transfer.connect import connect_queue
 
 
-class StepLoopWorker:
+class StepLoopWorker(abc.ABC):
     """Base class: `start` / `stop` / `error` around a loop over steps."""
 
     def __init__(self, kind: str) -> None:
@@ -59,6 +60,6 @@ class StepLoopWorker:
         """Wait for whatever `step` needs; False when asked to stop. Nothing by default."""
         return True
 
+    @abc.abstractmethod
     def _process(self, queue: Any, step: int) -> bool:
         """Handle every row of one step; False when asked to stop."""
-        raise NotImplementedError(f"{type(self).__name__} must define _process(queue, step)")

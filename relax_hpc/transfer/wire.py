@@ -196,20 +196,12 @@ def _tensor_bytes(tensor: torch.Tensor) -> np.ndarray:
 
 
 def _check_scalars(name: str, values: list[Any]) -> None:
+    """An inline column (no arrays: a block never mixes them in): `check_value`'s rules, with
+    floats, bools and None passed without the call."""
     for value in values:
-        kind = type(value)
-        if kind is float or kind is bool or value is None:
+        if type(value) in (float, bool, type(None)):
             continue
-        if kind is int:
-            if not -(2**63) <= value < 2**64:
-                check_value(name, value)  # raises with the field name
-        elif kind is str:
-            if len(value) > MAX_STR_LEN:
-                check_value(name, value)
-        else:
-            check_value(name, value)  # subclasses pass, anything else raises
-            if isinstance(value, (torch.Tensor, np.ndarray)):
-                raise TransferQueueError(f"field {name!r}: mixes arrays and scalars across rows")
+        check_value(name, value)
 
 
 def _tensor_column(name: str, values: list[torch.Tensor], dtype: str) -> Column:
@@ -624,16 +616,6 @@ def split_rows(spec: ArraySpec, buf: Buffer) -> list[Value]:
     tensor = torch.frombuffer(buf, dtype=dtype) if sum(numels) else torch.empty(0, dtype=dtype)
     pieces = torch.split(tensor, numels)
     return [p if len(shape) == 1 else p.view(shape) for p, shape in zip(pieces, spec.shapes)]
-
-
-def materialize(enc: Encoded) -> Value:
-    """The tensor / array / scalar of one stored field whose bytes are in a frame."""
-    if enc.kind == "v":
-        return enc.value
-    if enc.file:
-        raise WireError(f"shm reference to {enc.file!r} must be read from the shm directory")
-    spec = ArraySpec(enc.kind, enc.dtype, [enc.shape], [enc.nbytes])
-    return split_rows(spec, _writable(enc.frame))[0]
 
 
 def shm_files(rows: Sequence[EncodedRow]) -> set[str]:

@@ -18,6 +18,7 @@ on the wire.
 
 from __future__ import annotations
 
+import abc
 import threading
 import time
 from typing import Iterable
@@ -29,14 +30,15 @@ from relax_hpc.weights.channel import (
 )
 
 
-class WeightSenderEndpoint:
+class WeightSenderEndpoint(abc.ABC):
     """Mixin: trainer rank 0 hosts the channel and sends snapshots of its weights."""
 
     _weight_sender: WeightChannelSender | None = None
     _weight_pending: PendingBroadcast | None = None
 
+    @abc.abstractmethod
     def export_weights(self) -> list[tuple[str, torch.Tensor]]:
-        raise NotImplementedError("a WeightSenderEndpoint must define export_weights()")
+        """A snapshot (clones) of the weights to send."""
 
     def open_weight_channel(
         self, host: str, port: int, num_receivers: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
@@ -72,16 +74,18 @@ class WeightSenderEndpoint:
             sender.close()
 
 
-class WeightReceiverEndpoint:
+class WeightReceiverEndpoint(abc.ABC):
     """Mixin: a rollout engine (or any weight consumer) joins the channel and receives broadcasts."""
 
     _weight_receiver: WeightChannelReceiver | None = None
 
+    @abc.abstractmethod
     def weight_version(self) -> int:
-        raise NotImplementedError("a WeightReceiverEndpoint must define weight_version()")
+        """The version the role runs now."""
 
+    @abc.abstractmethod
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        raise NotImplementedError("a WeightReceiverEndpoint must define update_weights()")
+        """Take a complete update of `version`."""
 
     def join_weight_channel(
         self, host: str, port: int, rank: int, num_receivers: int, timeout_s: float = DEFAULT_TIMEOUT_S,

@@ -73,9 +73,9 @@ class RecordedRoles:
         self.events.append(f"submit {step}")
         return RecordedTicket(self, step)
 
-    def finish_step(self, step: int) -> dict[str, float]:
+    def finish_step(self, step: int) -> tuple[dict[str, float], dict]:
         self.events.append(f"clear {step}")
-        return {}
+        return {}, {"after": step}
 
     def save_checkpoint(self, state: ResumeState) -> str:
         self.events.append(f"checkpoint {state.step} version {state.weight_version}")
@@ -83,9 +83,6 @@ class RecordedRoles:
 
     def load_checkpoint(self) -> ResumeState | None:
         return self.resume
-
-    def cursor_after(self, step: int) -> dict:
-        return {"after": step}
 
     def restore_cursor(self, state: dict) -> None:
         self.events.append("restore cursor")

@@ -6,10 +6,9 @@ import time
 from collections.abc import Iterator
 
 import pytest
+import ray
 
-ray = pytest.importorskip("ray")
-
-from relax_hpc.roles.handles import _RayTicket  # noqa: E402
+from relax_hpc.roles.handles import _RayTicket
 
 
 @pytest.fixture(scope="module")

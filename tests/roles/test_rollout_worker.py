@@ -106,7 +106,7 @@ def test_producer_follows_the_staleness_rule_and_swaps_weights_at_a_batch_bounda
     queue.clear(partition_name(0))
     batch1 = consumer.get(partition_name(1), "actor", ["tokens", "weight_version"], 16, timeout=30)
     assert {int(v) for v in batch1.column("weight_version")} == {1}
-    assert worker.cursor_after(0) != worker.cursor_after(1)
+    assert worker.step_report(0)[1] != worker.step_report(1)[1]
     worker.update_weights(_same_weights(worker), 2)
     queue.clear(partition_name(1))
     consumer.get(partition_name(2), "actor", ["tokens"], 16, timeout=30)
@@ -157,9 +157,10 @@ def test_producer_waits_for_the_version_the_staleness_bound_requires(
     rows = consumer.get(partition_name(first_blocked), "actor", ["weight_version"], 16, timeout=60)
     assert {int(v) for v in rows.column("weight_version")} == {awaited}
     # The step reports that it waited for the weights; the first step, which had them, did not.
-    waited = worker.step_stats(first_blocked)
+    first = worker.step_report(start_step)[0]
+    waited = worker.step_report(first_blocked)[0]
     assert waited["time/rollout_wait_weights_s"] > 0.01 and "time/rollout_wait_staleness_s" in waited
-    assert worker.step_stats(start_step)["time/rollout_wait_weights_s"] < waited["time/rollout_wait_weights_s"]
+    assert first["time/rollout_wait_weights_s"] < waited["time/rollout_wait_weights_s"]
     worker.stop_producer()
     assert worker.producer_error() is None
 
