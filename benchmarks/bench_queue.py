@@ -8,8 +8,8 @@ For each sample size (64 KiB and 1 MiB) it measures, in the same run and on the 
   with ``--relay`` also through a relay process running zmq.proxy (the two-hop ceiling for a
   broker);
 * queue, per path: the server runs in its own process (like the driver), a producer process
-  puts samples into ``train_<k>`` partitions and completes them, this process gets, acks and
-  clears them. Path ``shm`` (the default on one host): payloads go through the server's
+  puts samples into ``train_<k>`` partitions and completes them, this process gets them (each
+  get acks the batch before it), then clears them. Path ``shm`` (the default on one host): payloads go through the server's
   shared-memory directory and only headers cross the loopback. Path ``tcp`` (what a client on
   another host uses): every byte crosses the loopback twice, producer -> server -> consumer;
 * latency: single samples put at a gentle pace while the consumer waits in ``get``; p50/p99 of
@@ -180,12 +180,14 @@ def bench_queue(address: str, plan: Plan) -> Result:
     got, step = 0, plan.first_step
     while got < plan.samples:
         partition = f"train_{step}"
+        done: list[int] = []  # acked by the next get, as the forward roles do: one round trip a batch
         while True:
-            batch = client.get(partition, "bench", ["x"], plan.rows_per_message, timeout=120)
-            client.ack(partition, "bench", batch.indices)
+            batch = client.get(partition, "bench", ["x"], plan.rows_per_message, timeout=120, ack=done)
             got += len(batch)
+            done = batch.indices
             if batch.end:
                 break
+        client.ack(partition, "bench", done)
         client.clear(partition)
         step += 1
     seconds = time.perf_counter() - t0

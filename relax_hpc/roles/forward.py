@@ -130,20 +130,26 @@ class ForwardWorker(StepLoopWorker, WeightReceiverEndpoint):
     def _process(self, queue: Any, step: int) -> bool:
         """Add this role's field to every row of one step; False when asked to stop."""
         partition, field = partition_name(step), OUTPUT_FIELD[self.cfg.kind]
-        while not self._stop.is_set():
+        written: list[int] = []  # acked by the next get: one round trip a micro-batch
+        ended = False
+        while not ended and not self._stop.is_set():
             try:
-                batch = queue.get(partition, self.cfg.kind, INPUT_FIELDS, self.cfg.micro_batch_size, timeout=1.0)
+                batch = queue.get(partition, self.cfg.kind, INPUT_FIELDS, self.cfg.micro_batch_size,
+                                  timeout=1.0, ack=written)
             except TimeoutError:
+                written = []  # the ack stands even though the get timed out
                 continue
+            written = []
             if batch.rows:
                 samples = [_sample_of(row) for row in batch.rows]
                 values = response_log_probs(self.model, samples, self.pad_id, self.cfg.temperature, self.cfg.device)
                 queue.write(partition, batch.indices, [{field: v} for v in values])
-                queue.ack(partition, self.cfg.kind, batch.indices)
+                written = batch.indices
                 self.rows_done += len(batch.indices)
-            if batch.end:
-                return True
-        return False
+            ended = batch.end
+        if written:  # a worker killed before this line has its unacked rows redone by its restart
+            queue.ack(partition, self.cfg.kind, written)
+        return ended
 
 
 def _sample_of(row: dict[str, Any]) -> Sample:

@@ -77,12 +77,15 @@ class InMemoryTransferQueue:
         fields: Sequence[str],
         batch_size: int,
         timeout: float = 60.0,
+        ack: Sequence[int] = (),
     ) -> Batch:
         check_name("partition", partition)
         check_name("task", task)
         names = [check_name("field", f) for f in fields]
         deadline = time.monotonic() + timeout
         with self._cond:
+            if ack:
+                self._state.ack(partition, task, list(ack), self._owner)
             while True:
                 taken = self._state.try_get(partition, task, names, batch_size, self._owner)
                 if taken is not None:

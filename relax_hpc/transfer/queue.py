@@ -101,12 +101,17 @@ class TransferQueue(Protocol):
         fields: Sequence[str],
         batch_size: int,
         timeout: float = 60.0,
+        ack: Sequence[int] = (),
     ) -> Batch:
         """Up to ``batch_size`` rows having all ``fields`` that ``task`` has not received yet.
 
         Waits until ``batch_size`` such rows exist, or the partition is complete and no other
         row can become ready (then a short final batch with ``end=True``). A cleared
         partition answers an empty batch with ``end=True``.
+
+        ``ack``: rows of this partition that ``task`` is done with, acked first (as by
+        :meth:`ack`) in the same request, so a consumer loop costs one round trip a batch. The
+        ack stands even when the get then times out.
         """
         ...
 

@@ -59,6 +59,8 @@ ORPHAN_GRACE_S = 60.0
 SWEEP_INTERVAL_S = 10.0
 FREE_PREFIX = ".free-"
 OWNER_FILE = ".owner"  # "<pid> <pid namespace>" of the server: lets a later server reap the directory
+SOCKET_FILE = ".sock"  # the server's same-host (ipc://) endpoint: requests skip the TCP loopback
+_MAX_IPC_PATH = 100  # AF_UNIX paths hold 107 bytes on Linux
 MAX_SEGMENTS = 256  # segments one producer keeps mapped; older ones are left to the sweep
 _REUSE_TRIES = 2  # released segments are usually the oldest: look at a few, not all
 _MIN_SEGMENT = 64 * 1024
@@ -77,6 +79,12 @@ def local_host_id() -> str:
     except OSError:
         boot = "no-boot-id"
     return f"{os.uname().nodename}/{boot}"
+
+
+def same_host_endpoint(directory: str, advertised: object) -> str | None:
+    """The server's ipc:// endpoint when it advertised one inside its shm ``directory``."""
+    expected = f"ipc://{os.path.join(directory, SOCKET_FILE)}"
+    return expected if advertised == expected and os.path.exists(expected[len("ipc://"):]) else None
 
 
 def client_can_use(host: object, directory: object) -> bool:
@@ -362,7 +370,7 @@ class ShmStore:
         with os.scandir(self.path) as entries:
             for entry in entries:
                 name = entry.name
-                if name in self._owner or name in pending or name == OWNER_FILE:
+                if name in self._owner or name in pending or name in (OWNER_FILE, SOCKET_FILE):
                     continue
                 try:
                     info = entry.stat(follow_symlinks=False)
@@ -405,6 +413,12 @@ class ShmStore:
     def describe(self) -> dict[str, Any]:
         """What the ping reply advertises so that clients can decide to use shm."""
         return {"host": self.host, "shm": self.path}
+
+    @property
+    def ipc_address(self) -> str | None:
+        """Where the server may also listen for same-host clients (None: path too long)."""
+        path = os.path.join(self.path, SOCKET_FILE)
+        return f"ipc://{path}" if len(path) <= _MAX_IPC_PATH else None
 
 
 def remove_abandoned(root: str = SHM_ROOT) -> list[str]:

@@ -37,7 +37,13 @@ from relax_hpc.transfer.queue import (
     TransferUnreachableError,
     check_name,
 )
-from relax_hpc.transfer.shm import SegmentPool, client_can_use, read_blocks, shm_enabled_by_env
+from relax_hpc.transfer.shm import (
+    SegmentPool,
+    client_can_use,
+    read_blocks,
+    same_host_endpoint,
+    shm_enabled_by_env,
+)
 from relax_hpc.transfer.wire import (
     WIRE_VERSION,
     Block,
@@ -102,6 +108,7 @@ class TransferQueueClient:
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.copy_threshold = ZERO_COPY_MIN_BYTES
         self._sock.connect(address)
+        self.endpoint = address  # where requests go: a same-host client moves to ipc:// after the ping
         self._closed = False
         self._pool: SegmentPool | None = None
         try:
@@ -117,6 +124,7 @@ class TransferQueueClient:
         self._payloads = itertools.count()
         if self.shm_dir is not None:
             self._pool = SegmentPool(self.shm_dir)
+            self._move_to_same_host_endpoint(same_host_endpoint(self.shm_dir, reply.get("ipc")))
 
     # ----------------------------------------------------------------- the interface
     def put(self, partition: str, rows: Sequence[Row], timeout: float = 60.0) -> list[int]:
@@ -135,11 +143,14 @@ class TransferQueueClient:
         fields: Sequence[str],
         batch_size: int,
         timeout: float = 60.0,
+        ack: Sequence[int] = (),
     ) -> Batch:
         check_name("partition", partition)
         check_name("task", task)
         names = [check_name("field", f) for f in fields]
         header = {"op": "get", "p": partition, "task": task, "fields": names, "n": batch_size, "timeout": timeout}
+        if ack:
+            header["ack"] = list(ack)
         if self.shm_dir is not None:
             header["m"] = True  # answer with shm references: this client reads them itself
         reply, frames = self._call(header, (), timeout)
@@ -194,6 +205,15 @@ class TransferQueueClient:
         self.close()
 
     # ----------------------------------------------------------------- transport
+    def _move_to_same_host_endpoint(self, endpoint: str | None) -> None:
+        """Send requests over the server's Unix socket instead of TCP (same host, nothing in
+        flight yet); ``address`` stays the TCP one that error messages name."""
+        if endpoint is None:
+            return
+        self._sock.disconnect(self.address)
+        self._sock.connect(endpoint)
+        self.endpoint = endpoint
+
     def _send_rows(self, header: dict[str, Any], rows: Sequence[Row], wait: float) -> tuple[dict[str, Any], list[Any]]:
         """A put/write: payloads as frames, or in one shm payload file with references."""
         blocks = encode_blocks(rows)

@@ -100,6 +100,7 @@ class TransferQueueServer:
         self._want_shm = shm_enabled_by_env() if shm is None else shm
         self._shm_root = shm_root
         self._shm: ShmStore | None = None
+        self._ipc: str | None = None  # same-host endpoint, bound next to the shm directory
         self._state: QueueState[Encoded] = QueueState(capacity)
         self._poll_interval_s = poll_interval_s
         self._parked: list[_Request] = []
@@ -109,6 +110,7 @@ class TransferQueueServer:
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
+        self._handlers = self._ops()
 
     # ----------------------------------------------------------------- lifecycle
     @property
@@ -166,6 +168,8 @@ class TransferQueueServer:
                 self._shm = ShmStore(self._shm_root)
             except OSError as exc:  # no tmpfs here: every client stays on TCP
                 log.warning("transfer queue: no shared-memory path (%s); clients use TCP only", exc)
+            else:
+                self._ipc = self._bind_same_host(sock, self._shm.ipc_address)
         self._ready.set()
         try:
             self._loop(sock)
@@ -174,6 +178,19 @@ class TransferQueueServer:
             ctx.term()
             if self._shm is not None:
                 self._shm.close()
+
+    @staticmethod
+    def _bind_same_host(sock: zmq.Socket[Any], address: str | None) -> str | None:
+        """Also listen on a Unix socket in the shm directory: a same-host request then skips
+        the TCP loopback (about 20 us less per round trip, measured in bench_queue.py)."""
+        if address is None:
+            return None
+        try:
+            sock.bind(address)
+        except zmq.ZMQError as exc:
+            log.warning("transfer queue: same-host endpoint %s unavailable (%s); clients use TCP", address, exc)
+            return None
+        return address
 
     # ----------------------------------------------------------------- event loop
     def _loop(self, sock: zmq.Socket[Any]) -> None:
@@ -211,9 +228,9 @@ class TransferQueueServer:
             if self._is_duplicate(sock, req):
                 return False
             op = arg(req.header, "op", str)
-            handler = self._ops().get(op)
+            handler = self._handlers.get(op)
             if handler is None:
-                raise WireError(f"unknown op {op!r}; known: {sorted(self._ops())}")
+                raise WireError(f"unknown op {op!r}; known: {sorted(self._handlers)}")
             reply = handler(req)
             if reply is None:
                 self._park(req)
@@ -234,7 +251,8 @@ class TransferQueueServer:
 
     def _ops(self) -> dict[str, Callable[[_Request], list[Any] | None]]:
         return {
-            "ping": lambda r: [{"capacity": self._state.capacity, **(self._shm.describe() if self._shm else {})}],
+            "ping": lambda r: [{"capacity": self._state.capacity, "ipc": self._ipc,
+                                **(self._shm.describe() if self._shm else {})}],
             "put": self._op_put,
             "write": self._op_write,
             "get": self._op_get,
@@ -301,6 +319,8 @@ class TransferQueueServer:
         batch_size = arg(req.header, "n", int)
         owner = self._owner(req)
         reads_shm = req.header.get("m") is True
+        if "ack" in req.header:  # applied once: a retry of this request is answered from the reply cache
+            self._state.ack(partition, task, int_list_arg(req.header, "ack"), owner)
 
         def attempt() -> list[Any] | None:
             taken = self._state.try_get(partition, task, fields, batch_size, owner)

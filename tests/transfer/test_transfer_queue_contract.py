@@ -229,6 +229,48 @@ def test_restarted_consumer_gets_unacked_rows_once(harness: QueueHarness) -> Non
     assert q.get("train_0", "reference", ["uid"], 10, timeout=5).indices == list(range(10))
 
 
+def test_get_acks_the_previous_batch_in_the_same_request(harness: QueueHarness) -> None:
+    q = harness.start()
+    q.put("train_0", rows(6))
+    q.complete("train_0", 6)
+    first = harness.handle()
+    a = first.get("train_0", "actor", ["uid"], 2, timeout=5)
+    b = first.get("train_0", "actor", ["uid"], 2, timeout=5, ack=a.indices)  # rows 0, 1 acked here
+    first.close()  # dies holding rows 2, 3 (received, never acked)
+
+    restarted = harness.handle()
+    seen: list[int] = []
+    done: list[int] = []
+    while True:
+        batch = restarted.get("train_0", "actor", ["uid"], 3, timeout=5, ack=done)
+        seen.extend(batch.indices)
+        done = batch.indices
+        if batch.end:
+            break
+    assert b.indices == [2, 3]
+    assert sorted(seen) == [2, 3, 4, 5]  # acked rows never come back, unacked ones once
+
+
+def test_ack_riding_on_a_get_stands_when_the_get_times_out(harness: QueueHarness) -> None:
+    q = harness.start()
+    q.put("train_0", rows(2))
+    first = harness.handle()
+    got = first.get("train_0", "actor", ["uid"], 2, timeout=5)
+    with pytest.raises(TransferTimeoutError):
+        first.get("train_0", "actor", ["uid"], 1, timeout=0.2, ack=got.indices)
+    first.close()
+    q.complete("train_0", 2)
+    assert harness.handle().get("train_0", "actor", ["uid"], 5, timeout=5).indices == []  # nothing owed again
+
+
+def test_get_refuses_an_ack_of_rows_it_never_received(harness: QueueHarness) -> None:
+    q = harness.start()
+    q.put("train_0", rows(3))
+    with pytest.raises(TransferQueueError):
+        q.get("train_0", "actor", ["uid"], 1, timeout=1, ack=[2])
+    assert q.get("train_0", "actor", ["uid"], 3, timeout=5).indices == [0, 1, 2]
+
+
 def test_replaced_session_is_fenced(harness: QueueHarness) -> None:
     q = harness.start()
     q.put("train_0", rows(4))

@@ -40,9 +40,9 @@ def payload_files(server: TransferQueueServer) -> list[str]:
 
 
 def all_files(server: TransferQueueServer) -> list[str]:
-    """Every file but the server's owner file."""
+    """Every file but the server's owner file and socket."""
     assert server.shm_dir is not None
-    return sorted(f for f in os.listdir(server.shm_dir) if f != shm.OWNER_FILE)
+    return sorted(f for f in os.listdir(server.shm_dir) if f not in (shm.OWNER_FILE, shm.SOCKET_FILE))
 
 
 def samples(n: int, start: int = 0) -> list[dict[str, Any]]:
@@ -129,6 +129,7 @@ def test_orphans_are_swept_but_fresh_and_owned_files_stay(server: TransferQueueS
     left = all_files(server)
     assert "orphan-old" not in left  # old and nobody references it
     assert shm.OWNER_FILE in os.listdir(server.shm_dir or "")  # as old, but the server's own
+    assert shm.SOCKET_FILE in os.listdir(server.shm_dir or "")  # so is its same-host endpoint
     assert ".crashed.tmp" in left  # may be a put still on its way: kept until it is old
     assert ".free-" + owned[0] in left or ".free-" + owned[1] in left  # train_0's, released just now
     assert set(payload_files(server)) < set(owned)  # train_1's file is owned: kept
@@ -219,6 +220,31 @@ def test_cross_host_client_falls_back_to_tcp_and_reads_shm_rows(server: Transfer
     assert torch.equal(got.rows[4]["x"], torch.full((SAMPLE,), 4.0))  # type: ignore[arg-type]
     local.close()
     remote.close()
+
+
+def test_same_host_client_sends_requests_over_the_unix_socket(server: TransferQueueServer, monkeypatch: Any) -> None:
+    assert server.shm_dir is not None
+    local = client(server)
+    assert local.endpoint == f"ipc://{os.path.join(server.shm_dir, shm.SOCKET_FILE)}"
+    local.put("train_0", samples(2))
+    monkeypatch.setattr(shm, "local_host_id", lambda: "elsewhere/boot")
+    remote = client(server)
+    assert remote.endpoint == server.address  # another host: TCP, the only way there
+    assert remote.get("train_0", "actor", ["uid"], 2, timeout=5).indices == [0, 1]
+    assert local.get("train_0", "reference", ["uid"], 2, timeout=5).indices == [0, 1]
+    local.close()
+    remote.close()
+
+
+def test_an_endpoint_outside_the_shm_directory_is_never_used(tmp_path: Any) -> None:
+    directory = str(tmp_path)
+    sock_path = os.path.join(directory, shm.SOCKET_FILE)
+    open(sock_path, "w").close()
+    assert shm.same_host_endpoint(directory, f"ipc://{sock_path}") == f"ipc://{sock_path}"
+    assert shm.same_host_endpoint(directory, "ipc:///tmp/elsewhere.sock") is None
+    assert shm.same_host_endpoint(directory, None) is None
+    os.remove(sock_path)
+    assert shm.same_host_endpoint(directory, f"ipc://{sock_path}") is None  # not there: stay on TCP
 
 
 def test_env_switch_keeps_tcp(server: TransferQueueServer, monkeypatch: Any) -> None:
