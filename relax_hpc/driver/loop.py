@@ -1,4 +1,4 @@
-"""The training loop: train on each rollout step, start the weight broadcast, clear the step, checkpoint.
+"""The training loop: train on each rollout step, clear it, start the weight broadcast, checkpoint.
 
 Rollout runs its own producer (generate -> score -> advantages -> queue), paced by one knob,
 `max_staleness`: it may start step N+1 only while N + 1 - oldest uncleared step <= max_staleness.
@@ -11,9 +11,11 @@ staleness bound is unchanged because rollout (and ActorFwd) wait at their batch 
 version the bound requires (`relax_hpc.weights.base.required_weight_version`). A failed
 broadcast fails the loop with the channel's error.
 
-The next training step is submitted right after the broadcast starts (the trainer runs calls
-in order, so the snapshot comes first), and the step's bookkeeping (clear, metrics) runs while
-the trainer already works: only a checkpoint step waits, so that it saves exactly that step.
+A trained step is cleared at once, before anything else: a rollout held by the staleness bound
+may start its next step (it still waits for the weights the bound requires). The next training
+step is submitted right after the broadcast starts (the trainer runs calls in order, so the
+snapshot comes first), and the step's bookkeeping (report, metrics) runs while the trainer
+already works: only a checkpoint step waits, so that it saves exactly that step.
 
 Read it top to bottom; everything it does is a call on a role handle. It resumes from the newest
 complete checkpoint, and stops cleanly (checkpoint first) when `stop.requested` is set by a
@@ -111,6 +113,7 @@ def run_loop(
             train_stats = ticket.result()         # partition train_<step>, streamed as it came in
             t1 = time.perf_counter()
             ticket = None
+            roles.clear_step(step)                # first: a rollout held by the staleness bound goes on
             if pending is not None:               # one broadcast at a time
                 previous, pending = pending, None
                 previous.wait()
@@ -122,9 +125,9 @@ def run_loop(
             checkpoint_due = step % cfg.save_interval == 0 or step == cfg.total_steps or stop.requested
             if not checkpoint_due:                # queued behind the snapshot: the trainer never idles
                 ticket = roles.start_train(step)  # while the bookkeeping below runs
-            # Clears the partition (rollout may run ahead again); the data cursor as it stood
-            # after this step took its prompts is what a checkpoint here stores.
-            rollout_stats, cursor = roles.finish_step(done)
+            # The data cursor as it stood after this step took its prompts is what a checkpoint
+            # here stores.
+            rollout_stats, cursor = roles.step_report(done)
             samples_trained += int(train_stats["rows"])
             now = time.perf_counter()
             m = step_metrics(train_stats, rollout_stats, now - t_step, version)

@@ -49,7 +49,8 @@ class Roles(Protocol):
 
     def start_rollout(self, start_step: int, total_steps: int, max_staleness: int, start_version: int) -> None: ...
     def start_train(self, step: int) -> TrainTicket: ...
-    def finish_step(self, step: int) -> tuple[dict[str, float], dict]: ...
+    def clear_step(self, step: int) -> None: ...
+    def step_report(self, step: int) -> tuple[dict[str, float], dict]: ...
     def save_checkpoint(self, state: ResumeState) -> str: ...
     def load_checkpoint(self) -> ResumeState | None: ...
     def restore_cursor(self, state: dict) -> None: ...
@@ -90,8 +91,10 @@ class LocalRoles:
         return _LazyTicket(lambda: _guard(self._errors, lambda: self.actor.train_from_queue(
             self.queue, step, self.timeout_s)))
 
-    def finish_step(self, step: int) -> tuple[dict[str, float], dict]:
+    def clear_step(self, step: int) -> None:
         self.actor.clear_partition(step)
+
+    def step_report(self, step: int) -> tuple[dict[str, float], dict]:
         return self.rollout.step_report(step)
 
     def save_checkpoint(self, state: ResumeState) -> str:
@@ -252,14 +255,13 @@ class RayRoles:
         self._ticket = _RayTicket(refs, self._errors)
         return self._ticket
 
-    def finish_step(self, step: int) -> tuple[dict[str, float], dict]:
-        import ray
-
-        # The driver clears through its own client: the trainer may already be training the
-        # next step, and a strictly on-policy rollout waits for this clear to produce it.
-        report = self._rollout.step_report.remote(step)
+    def clear_step(self, step: int) -> None:
+        # The driver clears through its own client: every trainer rank has acked its rows by
+        # now, and a rollout held by the staleness bound waits for this clear.
         self._queue.clear(partition_name(step))
-        return ray.get(report)
+
+    def step_report(self, step: int) -> tuple[dict[str, float], dict]:
+        return self._rollout_call("step_report", step)
 
     def save_checkpoint(self, state: ResumeState) -> str:
         return self._all("save_checkpoint", state)[0]

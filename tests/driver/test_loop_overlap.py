@@ -73,8 +73,10 @@ class RecordedRoles:
         self.events.append(f"submit {step}")
         return RecordedTicket(self, step)
 
-    def finish_step(self, step: int) -> tuple[dict[str, float], dict]:
+    def clear_step(self, step: int) -> None:
         self.events.append(f"clear {step}")
+
+    def step_report(self, step: int) -> tuple[dict[str, float], dict]:
         return {}, {"after": step}
 
     def save_checkpoint(self, state: ResumeState) -> str:
@@ -100,18 +102,18 @@ def _run(roles: RecordedRoles, total: int, resume: bool = False) -> InMemorySink
     return sink
 
 
-def test_broadcast_starts_before_the_clear_and_is_waited_for_before_the_next_one() -> None:
+def test_a_step_is_cleared_first_and_each_broadcast_is_waited_for_before_the_next_one() -> None:
     roles = RecordedRoles()
     sink = _run(roles, total=4)
     assert roles.events == [
         "rollout from step 0 version 0",
         "submit 0",
-        # the next step is submitted right after the snapshot, before the bookkeeping
-        "train 0", "start 1", "submit 1", "clear 0",
+        # cleared at once (rollout may go on); the next step is submitted right after the snapshot
+        "train 0", "clear 0", "start 1", "submit 1",
         # a checkpoint step: nothing is submitted until the trainer has saved exactly step 2
-        "train 1", "wait 1", "start 2", "clear 1", "checkpoint 2 version 2", "submit 2",
-        "train 2", "wait 2", "start 3", "submit 3", "clear 2",
-        "train 3", "wait 3", "start 4", "clear 3", "checkpoint 4 version 4",
+        "train 1", "clear 1", "wait 1", "start 2", "checkpoint 2 version 2", "submit 2",
+        "train 2", "clear 2", "wait 2", "start 3", "submit 3",
+        "train 3", "clear 3", "wait 3", "start 4", "checkpoint 4 version 4",
         "wait 4",  # the last broadcast is complete before the loop returns (and shutdown runs)
     ]
     assert [m["weight_version"] for _, m in sink.rows] == [1.0, 2.0, 3.0, 4.0]
@@ -123,7 +125,7 @@ def test_resume_pushes_the_checkpoint_version_and_counts_on_from_it() -> None:
     _run(roles, total=5, resume=True)
     assert roles.events == [
         "restore cursor", "sync 6", "rollout from step 4 version 6", "submit 4",
-        "train 4", "start 7", "clear 4", "checkpoint 5 version 7", "wait 7",
+        "train 4", "clear 4", "start 7", "checkpoint 5 version 7", "wait 7",
     ]
 
 
@@ -131,8 +133,8 @@ def test_a_failed_broadcast_fails_the_loop_with_the_channel_error() -> None:
     roles = RecordedRoles(failing_version=2)
     with pytest.raises(WeightChannelError, match=r"weight sync to version 2 failed: sender"):
         _run(roles, total=5)
-    assert roles.events[roles.events.index("start 2"):] == ["start 2", "clear 1", "checkpoint 2 version 2",
-                                                            "submit 2", "train 2", "wait 2"]
+    assert roles.events[roles.events.index("start 2"):] == ["start 2", "checkpoint 2 version 2",
+                                                            "submit 2", "train 2", "clear 2", "wait 2"]
 
 
 def test_training_starved_by_a_failed_broadcast_reports_the_channel_error() -> None:
