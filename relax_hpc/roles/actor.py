@@ -110,18 +110,20 @@ class ActorWorker(WeightSenderEndpoint):
             fields = (*fields, "prompt_index")
 
         def row_batches() -> Iterator[list[dict[str, Any]]]:
+            # The next micro-batch is fetched while this one trains; rows are acked below.
+            batches = queue.stream(partition, "actor", fields, self.cfg_micro_batch, timeout=timeout_s, ack=False)
             while True:
                 t0 = time.perf_counter()
-                batch = queue.get(partition, "actor", fields, self.cfg_micro_batch, timeout=timeout_s)
+                batch = next(batches, None)
                 waited[0] += time.perf_counter() - t0
+                if batch is None:
+                    return
                 if batch.rows:
                     received.extend(batch.indices)
                     rewards.extend(float(r["rewards"]) for r in batch.rows)
                     if self.archive is not None:
                         trained.extend(row_to_sample(r) for r in batch.rows)
                     yield batch.rows
-                if batch.end:
-                    return
 
         pad_id = self.backend.pad_id
         if self.mini_batches > 1:  # several optimizer steps need the whole batch first

@@ -130,25 +130,24 @@ class ForwardWorker(StepLoopWorker, WeightReceiverEndpoint):
     def _process(self, queue: Any, step: int) -> bool:
         """Add this role's field to every row of one step; False when asked to stop."""
         partition, field = partition_name(step), OUTPUT_FIELD[self.cfg.kind]
-        written: list[int] = []  # acked by the next get: one round trip a micro-batch
         ended = False
         while not ended and not self._stop.is_set():
+            # The next micro-batch is fetched while this one runs; each is acked once written
+            # (a worker killed before that has its unacked rows redone by its restart).
             try:
-                batch = queue.get(partition, self.cfg.kind, INPUT_FIELDS, self.cfg.micro_batch_size,
-                                  timeout=1.0, ack=written)
+                for batch in queue.stream(partition, self.cfg.kind, INPUT_FIELDS, self.cfg.micro_batch_size,
+                                          timeout=1.0):
+                    if batch.rows:
+                        samples = [_sample_of(row) for row in batch.rows]
+                        values = response_log_probs(self.model, samples, self.pad_id, self.cfg.temperature,
+                                                    self.cfg.device)
+                        queue.write(partition, batch.indices, [{field: v} for v in values])
+                        self.rows_done += len(batch.indices)
+                    ended = batch.end
+                    if self._stop.is_set() and not ended:
+                        break
             except TimeoutError:
-                written = []  # the ack stands even though the get timed out
-                continue
-            written = []
-            if batch.rows:
-                samples = [_sample_of(row) for row in batch.rows]
-                values = response_log_probs(self.model, samples, self.pad_id, self.cfg.temperature, self.cfg.device)
-                queue.write(partition, batch.indices, [{field: v} for v in values])
-                written = batch.indices
-                self.rows_done += len(batch.indices)
-            ended = batch.end
-        if written:  # a worker killed before this line has its unacked rows redone by its restart
-            queue.ack(partition, self.cfg.kind, written)
+                continue  # nothing came for a second: look at the stop flag, then ask again
         return ended
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from relax_hpc.transfer.queue import (
     Batch,
@@ -98,6 +98,29 @@ class InMemoryTransferQueue:
                         "those fields running?"
                     )
                 self._cond.wait(left)
+
+    def stream(
+        self,
+        partition: str,
+        task: str,
+        fields: Sequence[str],
+        batch_size: int,
+        timeout: float = 60.0,
+        ack: bool = True,
+    ) -> Iterator[Batch]:
+        finished: list[int] = []  # asked past: acked by the next get (it stands if that times out)
+        try:
+            while True:
+                batch = self.get(partition, task, fields, batch_size, timeout, ack=finished)
+                finished = []
+                yield batch
+                if ack:
+                    finished = batch.indices
+                if batch.end:
+                    break
+        finally:
+            if finished:
+                self.ack(partition, task, finished)
 
     def ack(self, partition: str, task: str, indices: Sequence[int]) -> int:
         with self._cond:

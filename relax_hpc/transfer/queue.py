@@ -14,7 +14,7 @@ are :mod:`relax_hpc.transfer.memory` (threads, tests) and the ZMQ server/client 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, Union, runtime_checkable
 
@@ -112,6 +112,26 @@ class TransferQueue(Protocol):
         ``ack``: rows of this partition that ``task`` is done with, acked first (as by
         :meth:`ack`) in the same request, so a consumer loop costs one round trip a batch. The
         ack stands even when the get then times out.
+        """
+        ...
+
+    def stream(
+        self,
+        partition: str,
+        task: str,
+        fields: Sequence[str],
+        batch_size: int,
+        timeout: float = 60.0,
+        ack: bool = True,
+    ) -> Iterator[Batch]:
+        """Every batch of ``partition`` for ``task`` (as :meth:`get` returns them), up to and
+        including the one with ``end=True``; an implementation may fetch the next batch while the
+        caller works on the current one. ``timeout`` applies to each batch.
+
+        With ``ack``, a batch counts as done once the caller asks for the next one (or the stream
+        ends, or a get fails) and is acked then, riding on a get where it can. A caller that leaves
+        the stream early leaves the current batch (and one fetched ahead) unacked: those rows go to
+        the next session of this consumer id, as after a crash. Without ``ack`` the caller acks.
         """
         ...
 

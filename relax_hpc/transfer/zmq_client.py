@@ -1,9 +1,16 @@
 """ZMQ transfer queue client: the :class:`TransferQueue` interface over a DEALER socket.
 
-One client is one consumer session. Calls are serialised by a lock (one request in flight per
-client); give each thread its own client for parallel traffic. Each request carries an id: a
-retry after a lost reply is answered from the server's reply cache, so a retried put never
-adds rows twice and a retried get never loses rows.
+One client is one consumer session. Calls are serialised by a lock; give each thread its own
+client for parallel traffic. Each request carries an id: a retry after a lost reply is answered
+from the server's reply cache, so a retried put never adds rows twice and a retried get never
+loses rows (:mod:`relax_hpc.transfer.zmq_requests`).
+
+Two calls keep requests in flight instead of waiting for each reply, because a round trip
+through the server costs as much as moving a 64 KiB sample: :meth:`TransferQueueClient.put_async`
+(a producer sends its next rows while the server files the last ones; at most ``MAX_IN_FLIGHT``
+puts) and :meth:`TransferQueueClient.stream` (a consumer's next get is on its way while it works
+on the current batch). Every other call first waits for the puts in flight, so a ``complete``
+or ``clear`` never overtakes them.
 
 Tensors are sent as memoryviews of their CPU data (no copy) and received tensors are built on
 the received frames (no copy); do not mutate a tensor while a put is in progress.
@@ -21,9 +28,9 @@ import itertools
 import logging
 import os
 import threading
-import time
 import uuid
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import zmq
@@ -33,7 +40,6 @@ from relax_hpc.transfer.queue import (
     PartitionInfo,
     Row,
     TransferQueueError,
-    TransferTimeoutError,
     TransferUnreachableError,
     check_name,
 )
@@ -45,7 +51,6 @@ from relax_hpc.transfer.shm import (
     shm_enabled_by_env,
 )
 from relax_hpc.transfer.wire import (
-    WIRE_VERSION,
     Block,
     Buffer,
     WireError,
@@ -53,9 +58,8 @@ from relax_hpc.transfer.wire import (
     blocks_to_wire,
     encode_blocks,
     materialize_blocks,
-    pack_header,
-    unpack_header,
 )
+from relax_hpc.transfer.zmq_requests import Reply, RequestPipe
 
 
 log = logging.getLogger(__name__)
@@ -67,6 +71,32 @@ ZERO_COPY_MIN_BYTES = int(os.environ.get("RELAX_TQ_ZERO_COPY_MIN", 256 * 1024))
 # A put/write whose tensors hold fewer bytes than this travels over TCP even on the server's
 # host: creating, renaming and later deleting a file costs more than sending a few KiB.
 SHM_MIN_BYTES = int(os.environ.get("RELAX_TQ_SHM_MIN_BYTES", 16 * 1024))
+# Puts a client keeps unanswered (put_async); the next one waits for the oldest reply.
+MAX_IN_FLIGHT = 4
+
+
+class PendingPut:
+    """A put sent by :meth:`TransferQueueClient.put_async`; :meth:`result` waits for its reply."""
+
+    def __init__(self, client: TransferQueueClient, req_id: int, partition: str, n_rows: int,
+                 segment: str | None) -> None:
+        self._client = client
+        self.req_id = req_id
+        self.partition = partition
+        self.n_rows = n_rows
+        self.segment = segment  # the shm payload file, given back to the pool if the put is refused
+        self.done = False
+        self.indices: list[int] = []
+        self.error: BaseException | None = None
+
+    def result(self) -> list[int]:
+        """The row indices, as :meth:`TransferQueueClient.put` returns them; raises its error."""
+        if not self.done:
+            with self._client._lock:
+                self._client._settle(self)
+        if self.error is not None:
+            raise self.error
+        return self.indices
 
 
 class TransferQueueClient:
@@ -101,7 +131,6 @@ class TransferQueueClient:
         self.session = uuid.uuid4().hex
         self._request_timeout = request_timeout
         self._retries = retries
-        self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._ctx = context or zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.DEALER)
@@ -109,6 +138,8 @@ class TransferQueueClient:
         self._sock.copy_threshold = ZERO_COPY_MIN_BYTES
         self._sock.connect(address)
         self.endpoint = address  # where requests go: a same-host client moves to ipc:// after the ping
+        self._pipe = RequestPipe(self._sock, address, self.session, consumer_id)
+        self._puts: deque[PendingPut] = deque()  # put_async calls not answered yet, oldest first
         self._closed = False
         self._pool: SegmentPool | None = None
         try:
@@ -128,13 +159,34 @@ class TransferQueueClient:
 
     # ----------------------------------------------------------------- the interface
     def put(self, partition: str, rows: Sequence[Row], timeout: float = 60.0) -> list[int]:
+        return self.put_async(partition, rows, timeout).result()
+
+    def put_async(self, partition: str, rows: Sequence[Row], timeout: float = 60.0) -> PendingPut:
+        """Send a put without waiting for its reply; ``.result()`` gives the row indices.
+
+        At most ``MAX_IN_FLIGHT`` puts are unanswered: a further one first waits for the oldest
+        and raises its error, if any. Any other call of this client waits for all of them first
+        and raises the first error nobody has seen through ``.result()``. Do not change the
+        tensors until the put is answered.
+        """
         check_name("partition", partition)
-        reply, _ = self._send_rows({"op": "put", "p": partition, "timeout": timeout}, rows, timeout)
-        return list(reply["idx"])
+        with self._lock:
+            self._check_open()
+            while len(self._puts) >= MAX_IN_FLIGHT:
+                self._settle(self._puts[0], raise_error=True)
+            header = {"op": "put", "p": partition, "timeout": timeout}
+            req_id, segment = self._send_rows(header, rows, timeout)
+            pending = PendingPut(self, req_id, partition, len(rows), segment)
+            self._puts.append(pending)
+            return pending
 
     def write(self, partition: str, indices: Sequence[int], rows: Sequence[Row]) -> None:
         check_name("partition", partition)
-        self._send_rows({"op": "write", "p": partition, "idx": list(indices)}, rows, 0.0)
+        with self._lock:
+            self._check_open()
+            self._settle_puts()
+            req_id, segment = self._send_rows({"op": "write", "p": partition, "idx": list(indices)}, rows, 0.0)
+            self._collect_rows(req_id, segment)
 
     def get(
         self,
@@ -145,21 +197,58 @@ class TransferQueueClient:
         timeout: float = 60.0,
         ack: Sequence[int] = (),
     ) -> Batch:
-        check_name("partition", partition)
-        check_name("task", task)
-        names = [check_name("field", f) for f in fields]
-        header = {"op": "get", "p": partition, "task": task, "fields": names, "n": batch_size, "timeout": timeout}
-        if ack:
-            header["ack"] = list(ack)
-        if self.shm_dir is not None:
-            header["m"] = True  # answer with shm references: this client reads them itself
+        header = self._get_header(partition, task, fields, batch_size, timeout, ack)
         reply, frames = self._call(header, (), timeout)
+        return self._batch(partition, reply, frames)
+
+    def stream(
+        self,
+        partition: str,
+        task: str,
+        fields: Sequence[str],
+        batch_size: int,
+        timeout: float = 60.0,
+        ack: bool = True,
+    ) -> Iterator[Batch]:
+        """Every batch of ``partition`` for ``task``, the next get already on its way while the
+        caller works on the current batch (see :meth:`TransferQueue.stream`).
+
+        With ``ack``, a batch is acked by a later get once the caller has asked for the batch
+        after it, and the rest when the stream ends or a get fails. A stream left early leaves the
+        current batch and the one fetched ahead unacked: they go to the next session of this
+        consumer id, as after a crash.
+        """
+        finished: list[int] = []  # asked past, not acked yet
+        in_flight: int | None = self._send_get(partition, task, fields, batch_size, timeout, ())
         try:
-            blocks = reply.get("blocks")
-            rows = materialize_blocks(blocks, frames) if self.shm_dir is None else read_blocks(self.shm_dir, blocks, frames)
-        except WireError as exc:
-            raise TransferQueueError(f"transfer queue at {self.address} sent a malformed batch: {exc}") from None
-        return Batch(partition, list(reply["idx"]), rows, bool(reply["end"]))
+            while in_flight is not None:
+                try:
+                    with self._lock:
+                        reply, frames = self._pipe.collect(in_flight)
+                finally:
+                    in_flight = None  # answered or failed; on failure what was asked past is acked below
+                if not reply.get("end"):  # ask for the next batch before reading this one's bytes
+                    in_flight = self._send_get(partition, task, fields, batch_size, timeout, finished)
+                    finished = []
+                batch = self._batch(partition, reply, frames)
+                yield batch
+                if ack:
+                    finished = [*finished, *batch.indices]
+            if finished:
+                self.ack(partition, task, finished)
+                finished = []
+        finally:
+            if in_flight is not None:
+                with self._lock:
+                    self._pipe.abandon(in_flight)
+            if finished:  # left early: what the caller asked past is done
+                self._ack_quietly(partition, task, finished)
+
+    def _ack_quietly(self, partition: str, task: str, indices: list[int]) -> None:
+        try:
+            self.ack(partition, task, indices)
+        except TransferQueueError as exc:  # unacked rows go to the next session: nothing is lost
+            log.warning("transfer queue: could not ack %d rows of %r for %r: %s", len(indices), partition, task, exc)
 
     def ack(self, partition: str, task: str, indices: Sequence[int]) -> int:
         reply, _ = self._call({"op": "ack", "p": partition, "task": task, "idx": list(indices)})
@@ -214,20 +303,79 @@ class TransferQueueClient:
         self._sock.connect(endpoint)
         self.endpoint = endpoint
 
-    def _send_rows(self, header: dict[str, Any], rows: Sequence[Row], wait: float) -> tuple[dict[str, Any], list[Any]]:
-        """A put/write: payloads as frames, or in one shm payload file with references."""
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TransferQueueError(f"client for {self.address} is closed")
+
+    def _get_header(self, partition: str, task: str, fields: Sequence[str], batch_size: int,
+                    timeout: float, ack: Sequence[int]) -> dict[str, Any]:
+        check_name("partition", partition)
+        check_name("task", task)
+        names = [check_name("field", f) for f in fields]
+        header = {"op": "get", "p": partition, "task": task, "fields": names, "n": batch_size, "timeout": timeout}
+        if ack:
+            header["ack"] = list(ack)
+        if self.shm_dir is not None:
+            header["m"] = True  # answer with shm references: this client reads them itself
+        return header
+
+    def _send_get(self, partition: str, task: str, fields: Sequence[str], batch_size: int,
+                  timeout: float, ack: Sequence[int]) -> int:
+        header = self._get_header(partition, task, fields, batch_size, timeout, ack)
+        with self._lock:
+            self._check_open()
+            self._settle_puts()
+            return self._pipe.send(header, (), timeout, self._request_timeout, self._retries)
+
+    def _batch(self, partition: str, reply: dict[str, Any], frames: list[Any]) -> Batch:
+        try:
+            blocks = reply.get("blocks")
+            rows = materialize_blocks(blocks, frames) if self.shm_dir is None else read_blocks(self.shm_dir, blocks, frames)
+        except WireError as exc:
+            raise TransferQueueError(f"transfer queue at {self.address} sent a malformed batch: {exc}") from None
+        return Batch(partition, list(reply["idx"]), rows, bool(reply["end"]))
+
+    def _send_rows(self, header: dict[str, Any], rows: Sequence[Row], wait: float) -> tuple[int, str | None]:
+        """Send a put/write: payloads as frames, or in one shm payload file with references.
+        Returns the request id and the shm file (None: frames)."""
         blocks = encode_blocks(rows)
         frames: list[Buffer] = []
         name = self._to_shm(blocks) if self.shm_dir is not None else None
         header["blocks"] = blocks_to_wire(blocks, frames, name)
+        req_id = self._pipe.send(header, frames, wait, self._request_timeout, self._retries)
+        return req_id, None if name is None else name[0]
+
+    def _collect_rows(self, req_id: int, segment: str | None) -> Reply:
         try:
-            return self._call(header, frames, wait)
+            return self._pipe.collect(req_id)
         except TransferUnreachableError:
             raise  # the server may still apply it: the file stays, an orphan sweep removes it if not
         except TransferQueueError:
-            if name is not None and self._pool is not None:  # refused: the segment is ours again
-                self._pool.release(name[0])
+            if segment is not None and self._pool is not None:  # refused: the segment is ours again
+                self._pool.release(segment)
             raise
+
+    def _settle(self, pending: PendingPut, raise_error: bool = False) -> None:
+        """Collect the reply of ``pending`` (lock held); with ``raise_error`` raise its error."""
+        if not pending.done:
+            pending.done = True
+            self._puts.remove(pending)
+            try:
+                reply, _ = self._collect_rows(pending.req_id, pending.segment)
+                pending.indices = list(reply["idx"])
+            except TransferQueueError as exc:
+                pending.error = exc
+        if raise_error and pending.error is not None:
+            raise pending.error
+
+    def _settle_puts(self) -> None:
+        """Wait for every put in flight (lock held); raise the first error among them."""
+        settled = list(self._puts)
+        for pending in settled:
+            self._settle(pending)
+        for pending in settled:
+            if pending.error is not None:
+                raise pending.error
 
     def _to_shm(self, blocks: list[Block]) -> tuple[str, list[int]] | None:
         """Write the array bytes into one shm file: (file, offsets); None when too small to bother."""
@@ -242,61 +390,14 @@ class TransferQueueClient:
             log.warning("transfer queue: shm write to %s failed (%s); sending over TCP", self.shm_dir, exc)
             return None
 
-    def _call(
-        self, header: dict[str, Any], frames: Sequence[Buffer] = (), wait: float = 0.0
-    ) -> tuple[dict[str, Any], list[Any]]:
+    def _call(self, header: dict[str, Any], frames: Sequence[Buffer] = (), wait: float = 0.0) -> Reply:
         return self._request(header, frames, wait, self._request_timeout, self._retries)
 
-    def _request(
-        self,
-        header: dict[str, Any],
-        frames: Sequence[Buffer],
-        wait: float,
-        timeout: float,
-        retries: int,
-    ) -> tuple[dict[str, Any], list[Any]]:
-        """Send and wait ``wait + timeout`` seconds per attempt; raise on an error reply."""
+    def _request(self, header: dict[str, Any], frames: Sequence[Buffer], wait: float, timeout: float,
+                 retries: int) -> Reply:
+        """Send, after the puts in flight are answered, and wait ``wait + timeout`` seconds per
+        attempt; raise on an error reply."""
         with self._lock:
-            if self._closed:
-                raise TransferQueueError(f"client for {self.address} is closed")
-            req_id = next(self._ids)
-            head = pack_header({"v": WIRE_VERSION, "id": req_id, "s": self.session, "c": self.consumer_id, **header})
-            for _attempt in range(1 + retries):
-                self._sock.send_multipart([head, *frames], copy=False)
-                answer = self._await(req_id, wait + timeout)
-                if answer is not None:
-                    return _check_reply(answer, header["op"], self.address)
-        raise TransferUnreachableError(
-            f"transfer queue at {self.address} did not answer within {timeout:g}s "
-            f"({1 + retries} attempt(s)); is the driver running? Check the driver's log, and "
-            "that this address (from the job's cluster.json) is reachable from this node"
-        )
-
-    def _await(self, req_id: int, seconds: float) -> tuple[dict[str, Any], list[Any]] | None:
-        deadline = time.monotonic() + seconds
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0 or not self._sock.poll(left * 1000, zmq.POLLIN):
-                return None
-            frames = self._sock.recv_multipart(copy=False)
-            try:
-                reply = unpack_header(frames[0])
-            except WireError:
-                continue
-            if reply.get("id") == req_id:  # anything else answers an earlier, retried request
-                return reply, frames[1:]
-
-
-def _check_reply(answer: tuple[dict[str, Any], list[Any]], op: str, address: str) -> tuple[dict[str, Any], list[Any]]:
-    reply, frames = answer
-    if reply.get("ok") is True:
-        return reply, frames
-    kind = reply.get("kind")
-    message = str(reply.get("error", "no message"))
-    if kind == "timeout":
-        raise TransferTimeoutError(message)
-    if kind == "invalid":
-        raise TransferQueueError(f"transfer queue at {address} rejected {op!r} as malformed: {message}")
-    if kind == "internal":
-        raise TransferQueueError(f"transfer queue at {address} failed on {op!r}: {message} (see the driver log)")
-    raise TransferQueueError(message)
+            self._check_open()
+            self._settle_puts()
+            return self._pipe.collect(self._pipe.send(header, frames, wait, timeout, retries))

@@ -54,6 +54,10 @@ from relax_hpc.transfer.wire import (
 log = logging.getLogger(__name__)
 
 MAX_SESSIONS_REMEMBERED = 4096
+# Replies kept per session for retries. A client names in each request (header 'r') its oldest
+# request still unanswered; older replies are dropped. Clients keep at most MAX_IN_FLIGHT
+# (zmq_client.py) requests unanswered, far below this bound.
+MAX_REPLIES_PER_SESSION = 64
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
 
 
@@ -104,7 +108,8 @@ class TransferQueueServer:
         self._state: QueueState[Encoded] = QueueState(capacity)
         self._poll_interval_s = poll_interval_s
         self._parked: list[_Request] = []
-        self._replies: OrderedDict[str, tuple[int, list[Any] | None]] = OrderedDict()
+        # session -> request id -> reply frames (None while the request is parked)
+        self._replies: OrderedDict[str, OrderedDict[int, list[Any] | None]] = OrderedDict()
         self._address: str | None = None
         self._stop = threading.Event()
         self._ready = threading.Event()
@@ -438,14 +443,21 @@ class TransferQueueServer:
         return (consumer, req.session)
 
     def _is_duplicate(self, sock: zmq.Socket[Any], req: _Request) -> bool:
-        """A client retry of the request it sent last: resend the answer, or wait for it."""
+        """A client retry of a request it has not had the answer to: resend it, or wait for it."""
         if req.session is None or req.req_id is None:
             return False
-        last = self._replies.get(req.session)
-        if last is None or last[0] != req.req_id:
+        replies = self._replies.get(req.session)
+        if replies is None:
             return False
-        if last[1] is not None:
-            sock.send_multipart([req.identity, *last[1]], copy=False)
+        oldest_unanswered = req.header.get("r")
+        if isinstance(oldest_unanswered, int):  # the client has every reply before this one
+            while replies and next(iter(replies)) < oldest_unanswered:
+                replies.popitem(last=False)
+        if req.req_id not in replies:
+            return False
+        payload = replies[req.req_id]
+        if payload is not None:
+            sock.send_multipart([req.identity, *payload], copy=False)
         else:  # still parked: answer the retry's socket when it completes
             for parked in self._parked:
                 if parked.session == req.session and parked.req_id == req.req_id:
@@ -453,7 +465,12 @@ class TransferQueueServer:
         return True
 
     def _remember(self, session: str, req_id: int, payload: list[Any] | None) -> None:
-        self._replies[session] = (req_id, payload)
+        replies = self._replies.get(session)
+        if replies is None:
+            replies = self._replies[session] = OrderedDict()
+        replies[req_id] = payload
+        while len(replies) > MAX_REPLIES_PER_SESSION:
+            replies.popitem(last=False)
         self._replies.move_to_end(session)
         while len(self._replies) > MAX_SESSIONS_REMEMBERED:
             self._replies.popitem(last=False)

@@ -81,22 +81,23 @@ def test_reference_role_writes_reference_log_probs(model_dir: Path, queue_with_r
 
 def test_killed_actor_fwd_restarts_where_it_stopped(model_dir: Path, queue_with_rows: tuple[str, list[Sample]]) -> None:
     address, samples = queue_with_rows
-    # The first worker dies (no cleanup, like SIGKILL) right after receiving its third batch,
-    # having written and acked two.
+    # The first worker dies (no cleanup, like SIGKILL) with its third batch in hand, before
+    # writing it, having written two. The ack of the second rides on the get of the fourth batch,
+    # which was sent before the third was handed over; the pause lets it leave the process.
     script = textwrap.dedent(f"""
-        import os
+        import os, time
         from relax_hpc.roles import forward, step_loop
         real_connect = step_loop.connect_queue
         def connect(target, consumer_id):
             queue = real_connect(target, consumer_id)
-            real_get, calls = queue.get, [0]
-            def get(*args, **kwargs):
-                batch = real_get(*args, **kwargs)
+            real_write, calls = queue.write, [0]
+            def write(*args, **kwargs):
                 calls[0] += 1
                 if calls[0] == 3:
+                    time.sleep(0.3)
                     os._exit(137)
-                return batch
-            queue.get = get
+                return real_write(*args, **kwargs)
+            queue.write = write
             return queue
         step_loop.connect_queue = connect
         cfg = forward.ForwardConfig(kind="actor_fwd", model_path={str(model_dir)!r}, micro_batch_size={MICRO})
@@ -111,8 +112,8 @@ def test_killed_actor_fwd_restarts_where_it_stopped(model_dir: Path, queue_with_
     got = _trainer_view(address, "log_probs")
     restarted.stop()
     assert restarted.error() is None
-    # Two batches were done before the kill; the third was received but never acked, so the
-    # restart does it again together with the rest: nothing lost, nothing done twice.
+    # Two batches were done before the kill; the third was received but never acked (nor the
+    # fourth, fetched ahead), so the restart does them with the rest: nothing lost, nothing done twice.
     assert restarted.rows_done == ROWS - 2 * MICRO
     assert sorted(got) == list(range(ROWS))
     expected = response_log_probs(load_causal_lm(model_dir).eval(), samples, 0, 1.0, "cpu")

@@ -271,6 +271,70 @@ def test_get_refuses_an_ack_of_rows_it_never_received(harness: QueueHarness) -> 
     assert q.get("train_0", "actor", ["uid"], 3, timeout=5).indices == [0, 1, 2]
 
 
+def test_stream_delivers_each_row_once_as_it_is_produced_and_acks_it(harness: QueueHarness) -> None:
+    q = harness.start()
+    producer, consumer = harness.handle(), harness.handle()
+
+    def produce() -> None:
+        for start in range(0, 20, 5):
+            producer.put("train_0", rows(5, start=start))
+            time.sleep(0.02)
+        producer.complete("train_0", 20)
+
+    feeding = in_thread(produce)
+    batches = list(consumer.stream("train_0", "actor", ["uid"], 3, timeout=5))
+    feeding.result(timeout=5)
+    seen = [u for b in batches for u in uids(b.rows)]
+    assert sorted(seen) == list(range(20)) and len(seen) == 20
+    assert batches[-1].end and not any(b.end for b in batches[:-1])
+    consumer.close()
+    # everything was acked: a restarted consumer is owed nothing
+    assert harness.handle().get("train_0", "actor", ["uid"], 20, timeout=5).indices == []
+
+
+def test_stream_left_early_acks_only_what_was_asked_past(harness: QueueHarness) -> None:
+    q = harness.start()
+    q.put("train_0", rows(12))
+    q.complete("train_0", 12)
+    first = harness.handle()
+    done: list[int] = []
+    for batch in first.stream("train_0", "actor", ["uid"], 3, timeout=5):
+        if len(done) == 6:  # rows 0..5 were asked past; rows 6..8 are in hand when it leaves
+            break
+        done.extend(batch.indices)
+    first.close()
+    restarted = harness.handle()
+    again = [i for b in restarted.stream("train_0", "actor", ["uid"], 12, timeout=5) for i in b.indices]
+    assert not set(again) & set(done)  # acked rows never come back
+    assert sorted(again + done) == list(range(12))  # and nothing is lost
+
+
+def test_stream_without_ack_leaves_acking_to_the_caller(harness: QueueHarness) -> None:
+    q = harness.start()
+    q.put("train_0", rows(5))
+    q.complete("train_0", 5)
+    first = harness.handle()
+    got = [i for b in first.stream("train_0", "actor", ["uid"], 2, timeout=5, ack=False) for i in b.indices]
+    assert got == [0, 1, 2, 3, 4]
+    first.ack("train_0", "actor", got[:2])
+    first.close()
+    assert harness.handle().get("train_0", "actor", ["uid"], 5, timeout=5).indices == [2, 3, 4]
+
+
+def test_stream_timeout_raises_and_keeps_what_was_asked_past(harness: QueueHarness) -> None:
+    q = harness.start()
+    q.put("train_0", rows(4))  # never completed: the stream runs dry after row 3
+    first = harness.handle()
+    stream = first.stream("train_0", "actor", ["uid"], 2, timeout=0.3)
+    assert next(stream).indices == [0, 1]
+    assert next(stream).indices == [2, 3]  # asking for it finished rows 0, 1
+    with pytest.raises(TransferTimeoutError):
+        next(stream)  # finished rows 2, 3, then no row came
+    first.close()
+    q.complete("train_0", 4)
+    assert harness.handle().get("train_0", "actor", ["uid"], 4, timeout=5).indices == []
+
+
 def test_replaced_session_is_fenced(harness: QueueHarness) -> None:
     q = harness.start()
     q.put("train_0", rows(4))

@@ -131,6 +131,80 @@ def test_retried_put_is_applied_once(server: TransferQueueServer, raw: zmq.Socke
     client.close()
 
 
+def test_each_of_several_requests_in_flight_is_answered_once_on_retry(
+    server: TransferQueueServer, raw: zmq.Socket[Any]
+) -> None:
+    def put(req_id: int, oldest: int, value: float) -> list[bytes]:
+        blocks = [{"n": 1, "cols": {"x": ["v", [value]]}}]
+        return [head(op="put", id=req_id, r=oldest, p="train_0", blocks=blocks, timeout=1.0)]
+
+    first, second = put(1, 1, 1.0), put(2, 1, 2.0)
+    raw.send_multipart(first)
+    raw.send_multipart(second)  # two puts in flight, neither answered yet
+    answers = {}
+    for _ in range(2):
+        assert raw.poll(5000)
+        reply = msgpack.unpackb(raw.recv_multipart()[0])
+        answers[reply["id"]] = reply["idx"]
+    assert answers == {1: [0], 2: [1]}
+    assert exchange(raw, first)[0]["idx"] == [0]  # both replies lost: each retry gets its answer
+    assert exchange(raw, second)[0]["idx"] == [1]
+    client = TransferQueueClient(server.address)
+    assert [p.rows for p in client.partitions()] == [2]  # applied once each
+    # once the client says it has every reply before id 3, a request 1 counts as new
+    assert exchange(raw, put(3, 3, 3.0))[0]["idx"] == [2]
+    assert exchange(raw, put(1, 3, 1.0))[0]["idx"] == [3]
+    client.close()
+
+
+def test_put_async_keeps_puts_in_flight_and_a_complete_waits_for_them(server: TransferQueueServer) -> None:
+    producer = TransferQueueClient(server.address)
+    pending = [producer.put_async("train_0", [{"x": torch.full((3,), float(i))}] * 2) for i in range(6)]
+    producer.complete("train_0", 12)  # waits for the puts still in flight
+    assert all(p.done for p in pending)
+    assert sorted(i for p in pending for i in p.result()) == list(range(12))
+    consumer = TransferQueueClient(server.address)
+    batch = consumer.get("train_0", "actor", ["x"], 12, timeout=5)
+    assert batch.end and [float(r["x"][0]) for r in batch.rows] == [i // 2 for i in range(12)]  # type: ignore[index]
+    producer.close()
+    consumer.close()
+
+
+def test_a_refused_put_async_raises_at_its_result_or_at_the_next_call(server: TransferQueueServer) -> None:
+    producer = TransferQueueClient(server.address)
+    too_big = producer.put_async("train_0", [{"x": 1}] * 101)  # capacity 100
+    fine = producer.put_async("train_0", [{"x": 1}])
+    with pytest.raises(TransferQueueError, match="can never fit"):
+        too_big.result()
+    assert fine.result() == [0]
+    unseen = producer.put_async("train_1", [{"x": 1}] * 101)
+    with pytest.raises(TransferQueueError, match="can never fit"):
+        producer.complete("train_1", 1)  # nobody looked at the refused put: the next call says so
+    assert unseen.done
+    producer.complete("train_1", 0)  # reported once; the client goes on
+    producer.close()
+
+
+def test_a_stream_and_writes_share_one_client(server: TransferQueueServer) -> None:
+    """A role's pattern: the next get waits on the server while the role writes its field."""
+    producer = TransferQueueClient(server.address)
+    role = TransferQueueClient(server.address)
+    feeding = producer.put_async("train_0", [{"x": float(i)} for i in range(3)])
+    written = []
+    for batch in role.stream("train_0", "fwd", ["x"], 2, timeout=5):
+        if batch.rows:
+            role.write("train_0", batch.indices, [{"y": float(r["x"]) * 10} for r in batch.rows])  # type: ignore[arg-type]
+            written.extend(batch.indices)
+        if len(written) == 2:
+            producer.put("train_0", [{"x": 3.0}])
+            producer.complete("train_0", 4)
+    assert feeding.result() == [0, 1, 2] and written == [0, 1, 2, 3]
+    got = TransferQueueClient(server.address).get("train_0", "actor", ["y"], 4, timeout=5)
+    assert [r["y"] for r in got.rows] == [0.0, 10.0, 20.0, 30.0]
+    producer.close()
+    role.close()
+
+
 def test_error_reply_for_refused_request(server: TransferQueueServer) -> None:
     client = TransferQueueClient(server.address)
     with pytest.raises(TransferQueueError, match="can never fit in a queue of capacity 100"):
