@@ -278,10 +278,16 @@ class TransferQueueClient:
         self._call({"op": "wait_start", "step": step, "max_staleness": max_staleness, "timeout": timeout}, (), timeout)
 
     def close(self) -> None:
-        """Close the socket. Rows received but not acked are handed out again to the next
-        session of this consumer id (that is the restart path)."""
+        """Wait for the puts in flight (a failed one is logged), then close the socket. Rows
+        received but not acked are handed out again to the next session of this consumer id
+        (that is the restart path)."""
         with self._lock:
             if not self._closed:
+                for pending in list(self._puts):  # unsent messages die with the socket
+                    self._settle(pending)
+                    if pending.error is not None:
+                        log.warning("transfer queue: put_async of %d rows to %r failed before close: %s",
+                                    pending.n_rows, pending.partition, pending.error)
                 self._closed = True
                 self._sock.close(0)
                 if self._pool is not None:

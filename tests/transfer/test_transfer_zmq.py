@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -168,6 +169,21 @@ def test_put_async_keeps_puts_in_flight_and_a_complete_waits_for_them(server: Tr
     assert batch.end and [float(r["x"][0]) for r in batch.rows] == [i // 2 for i in range(12)]  # type: ignore[index]
     producer.close()
     consumer.close()
+
+
+def test_close_waits_for_the_puts_still_in_flight(server: TransferQueueServer) -> None:
+    producer, actor = TransferQueueClient(server.address), TransferQueueClient(server.address)
+    full = producer.put_async("train_0", [{"x": 1}] * 100)  # capacity 100
+    parked = producer.put_async("train_1", [{"x": 2}])  # waits on the server for room
+    clearing = threading.Timer(0.3, lambda: actor.clear("train_0"))
+    clearing.start()
+    t0 = time.monotonic()
+    producer.close()  # nobody asked for a result: close still waits for every reply
+    assert time.monotonic() - t0 >= 0.25
+    assert full.done and parked.done and parked.indices == [0]
+    assert [p.rows for p in actor.partitions()] == [1]
+    clearing.join()
+    actor.close()
 
 
 def test_a_refused_put_async_raises_at_its_result_or_at_the_next_call(server: TransferQueueServer) -> None:
