@@ -364,13 +364,17 @@ class TransferQueueClient:
     def _settle(self, pending: PendingPut, raise_error: bool = False) -> None:
         """Collect the reply of ``pending`` (lock held); with ``raise_error`` raise its error."""
         if not pending.done:
-            pending.done = True
             self._puts.remove(pending)
             try:
                 reply, _ = self._collect_rows(pending.req_id, pending.segment)
                 pending.indices = list(reply["idx"])
             except TransferQueueError as exc:
                 pending.error = exc
+            except BaseException as exc:  # interrupted: the put's fate is unknown, and says so
+                pending.error = exc
+                raise
+            finally:
+                pending.done = True
         if raise_error and pending.error is not None:
             raise pending.error
 

@@ -83,6 +83,15 @@ class RequestPipe:
             if early is not None:
                 return early
             left = flight.deadline - time.monotonic()
+            # Past the deadline, still look once: a request collected late (a stream's prefetched
+            # get, while the caller worked) may have its reply waiting.
+            if self._sock.poll(max(left, 0.0) * 1000, zmq.POLLIN):
+                got, answer = self._receive()
+                if got == req_id and answer is not None:
+                    return answer
+                if got is not None and answer is not None and got in self._flights:
+                    self._early[got] = answer
+                continue
             if left <= 0:
                 if flight.attempts_left <= 0:
                     raise TransferUnreachableError(
@@ -94,19 +103,16 @@ class RequestPipe:
                 flight.attempts_left -= 1
                 self._sock.send_multipart([flight.head, *flight.frames], copy=False)
                 flight.deadline = time.monotonic() + flight.per_attempt_s
-                continue
-            if not self._sock.poll(left * 1000, zmq.POLLIN):
-                continue
-            frames = self._sock.recv_multipart(copy=False)
-            try:
-                reply = unpack_header(frames[0])
-            except WireError:
-                continue
-            got = reply.get("id")
-            if got == req_id:
-                return reply, frames[1:]
-            if isinstance(got, int) and got in self._flights:
-                self._early[got] = (reply, frames[1:])
+
+    def _receive(self) -> tuple[int | None, Reply | None]:
+        """One message from the socket: (request id, reply); (None, None) when unreadable."""
+        frames = self._sock.recv_multipart(copy=False)
+        try:
+            reply = unpack_header(frames[0])
+        except WireError:
+            return None, None
+        got = reply.get("id")
+        return (got if isinstance(got, int) else None), (reply, frames[1:])
 
 
 def check_reply(answer: Reply, op: str, address: str) -> Reply:

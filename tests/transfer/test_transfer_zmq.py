@@ -201,6 +201,21 @@ def test_a_refused_put_async_raises_at_its_result_or_at_the_next_call(server: Tr
     producer.close()
 
 
+def test_a_prefetched_reply_collected_after_its_deadline_is_still_taken(server: TransferQueueServer) -> None:
+    producer = TransferQueueClient(server.address)
+    producer.put("train_0", [{"x": float(i)} for i in range(4)])
+    producer.complete("train_0", 4)
+    # no retries and a short reply timeout: a slow caller must not turn a waiting reply into an error
+    consumer = TransferQueueClient(server.address, request_timeout=0.2, retries=0)
+    seen = []
+    for batch in consumer.stream("train_0", "actor", ["x"], 2, timeout=0.1):
+        seen.extend(batch.indices)
+        time.sleep(0.5)  # the next get's reply arrived long ago
+    assert seen == [0, 1, 2, 3]
+    producer.close()
+    consumer.close()
+
+
 def test_a_stream_and_writes_share_one_client(server: TransferQueueServer) -> None:
     """A role's pattern: the next get waits on the server while the role writes its field."""
     producer = TransferQueueClient(server.address)
