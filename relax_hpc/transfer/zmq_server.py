@@ -187,7 +187,7 @@ class TransferQueueServer:
     @staticmethod
     def _bind_same_host(sock: zmq.Socket[Any], address: str | None) -> str | None:
         """Also listen on a Unix socket in the shm directory: a same-host request then skips
-        the TCP loopback (about 20 us less per round trip, measured in bench_queue.py)."""
+        the TCP loopback (a bare pyzmq round trip: 78 us instead of 102 us on the development host)."""
         if address is None:
             return None
         try:
