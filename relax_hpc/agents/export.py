@@ -14,10 +14,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-import torch
-
-from relax_hpc.algos.advantages import advantages_by_group  # noqa: F401  (re-exported for callers)
-
 
 @dataclass
 class CompletionRecord:

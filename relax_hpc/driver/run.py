@@ -209,9 +209,9 @@ def run_job(spec: JobSpec, in_process: bool = False, ray_address: str | None = N
     install_stop_handlers(stop)
     r, staleness = spec.rollout, spec.algorithm.max_staleness
     capacity = queue_capacity(r.prompts_per_step, staleness, r.n_samples_per_prompt)
-    forwards = queue_role_configs(spec, device)
-    roles: Roles = (LocalRoles(rollout_cfg, actor_cfg, forwards, capacity) if in_process
-                    else RayRoles(rollout_cfg, actor_cfg, spec.train.num_processes, forwards, capacity))
+    queue_roles = queue_role_configs(spec, device)
+    roles: Roles = (LocalRoles(rollout_cfg, actor_cfg, queue_roles, capacity) if in_process
+                    else RayRoles(rollout_cfg, actor_cfg, spec.train.num_processes, queue_roles, capacity))
     print(f"dataset: {roles.dataset_summary()}", file=sys.stderr)
     metrics = make_sinks(spec, job_dir)
     bar = tqdm(total=spec.train.steps, desc=spec.job.name, unit="step", disable=not progress,

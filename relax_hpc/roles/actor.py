@@ -136,10 +136,6 @@ class ActorWorker(WeightSenderEndpoint):
         return {**stats, "rows": float(len(received)), "reward_sum": float(sum(rewards)),
                 "queue_wait_s": waited[0]}
 
-    def clear_partition(self, step: int) -> None:
-        if self._queue is not None:
-            self._queue.clear(partition_name(step))
-
     def export_weights(self) -> list[tuple[str, torch.Tensor]]:
         return [(n, t.clone()) for n, t in self.backend.named_weights()]
 

@@ -66,23 +66,23 @@ def mean_stats(all_stats: list[dict[str, float]]) -> dict[str, float]:
 class LocalRoles:
     """Every role in this process (one trainer rank); the queue is in memory."""
 
-    def __init__(self, rollout: RolloutConfig, actor: ActorConfig, forwards: Sequence[RoleConfig] = (),
+    def __init__(self, rollout: RolloutConfig, actor: ActorConfig, queue_roles: Sequence[RoleConfig] = (),
                  capacity: int | None = None, timeout_s: float = 600.0) -> None:
         self.queue = InMemoryTransferQueue(capacity=capacity)
         self.rollout = RolloutWorker(rollout)
-        self.forwards = [_worker_class(f)(f) for f in forwards]
+        self.queue_roles = [_worker_class(f)(f) for f in queue_roles]
         self.actor = ActorWorker(actor)
-        receivers = [self.rollout, *(f for f in self.forwards if f.cfg.kind == "actor_fwd")]
+        receivers = [self.rollout, *(f for f in self.queue_roles if f.cfg.kind == "actor_fwd")]
         self.weights: WeightSync = InProcessWeightSync(self.actor, receivers)
         self.timeout_s = timeout_s
 
     def start_rollout(self, start_step: int, total_steps: int, max_staleness: int, start_version: int) -> None:
         self.rollout.start_producer(self.queue, start_step, total_steps, max_staleness, start_version)
-        for f in self.forwards:
+        for f in self.queue_roles:
             f.start(self.queue, start_step, total_steps, start_version=start_version)
 
     def _errors(self) -> str | None:
-        found = [e for e in (self.rollout.producer_error(), *(f.error() for f in self.forwards)) if e]
+        found = [e for e in (self.rollout.producer_error(), *(f.error() for f in self.queue_roles)) if e]
         return "; ".join(found) or None
 
     def start_train(self, step: int) -> TrainTicket:
@@ -92,7 +92,7 @@ class LocalRoles:
             self.queue, step, self.timeout_s)))
 
     def clear_step(self, step: int) -> None:
-        self.actor.clear_partition(step)
+        self.queue.clear(partition_name(step))
 
     def step_report(self, step: int) -> tuple[dict[str, float], dict]:
         return self.rollout.step_report(step)
@@ -111,7 +111,7 @@ class LocalRoles:
 
     def shutdown(self) -> None:
         self.rollout.stop_producer()
-        for f in self.forwards:
+        for f in self.queue_roles:
             f.stop()
         self.actor.shutdown()
 
@@ -173,7 +173,7 @@ class RayRoles:
     """
 
     def __init__(self, rollout: RolloutConfig, actor: ActorConfig, num_processes: int,
-                 forwards: Sequence[RoleConfig] = (), capacity: int | None = None,
+                 queue_roles: Sequence[RoleConfig] = (), capacity: int | None = None,
                  timeout_s: float = 600.0) -> None:
         import ray
 
@@ -204,13 +204,13 @@ class RayRoles:
             for rank in range(num_processes)
         ]
         # ActorFwd / Reference / Advantages go to the forward component when the cluster has one.
-        self._forwards = [
+        self._queue_roles = [
             ray.remote(_worker_class(f)).options(max_concurrency=4, **self._placement("forward")).remote(f)
-            for f in forwards
+            for f in queue_roles
         ]
-        ray.get([self._rollout.weight_version.remote(), *(f.weight_version.remote() for f in self._forwards)])
+        ray.get([self._rollout.weight_version.remote(), *(f.weight_version.remote() for f in self._queue_roles)])
         # Trainer rank 0 broadcasts to every engine (and ActorFwd) over gloo / NCCL in buckets.
-        fwd = [(h, f) for h, f in zip(self._forwards, forwards)
+        fwd = [(h, f) for h, f in zip(self._queue_roles, queue_roles)
                if isinstance(f, ForwardConfig) and f.kind == "actor_fwd"]
         self.weights = DistributedWeightSync(
             self._actors[0], [self._rollout, *(h for h, _ in fwd)], host=host, device=actor.device,
@@ -242,12 +242,12 @@ class RayRoles:
         self._rollout_call("start_producer", self.queue_address, start_step, total_steps, max_staleness,
                            start_version)
         ray.get([f.start.remote(self.queue_address, start_step, total_steps, start_version=start_version)
-                 for f in self._forwards])
+                 for f in self._queue_roles])
 
     def _errors(self) -> str | None:
         import ray
 
-        found = [self._rollout_call("producer_error"), *ray.get([f.error.remote() for f in self._forwards])]
+        found = [self._rollout_call("producer_error"), *ray.get([f.error.remote() for f in self._queue_roles])]
         return "; ".join(e for e in found if e) or None
 
     def start_train(self, step: int) -> TrainTicket:
@@ -279,7 +279,7 @@ class RayRoles:
         import ray
 
         try:
-            stopping = [self._rollout.stop_producer.remote(), *(f.stop.remote() for f in self._forwards)]
+            stopping = [self._rollout.stop_producer.remote(), *(f.stop.remote() for f in self._queue_roles)]
             ray.get(stopping, timeout=60)
             # A trainer still inside a step (the loop failed) would answer only after its queue
             # timeout: it is killed below without the polite part.
@@ -289,7 +289,7 @@ class RayRoles:
         except Exception as e:  # noqa: BLE001 - a role that already died; the loop's own error matters
             log.warning("roles did not shut down cleanly (%s: %s); killing them", type(e).__name__, e)
         finally:
-            for a in [*self._actors, self._rollout, *self._forwards]:
+            for a in [*self._actors, self._rollout, *self._queue_roles]:
                 ray.kill(a)
             self._queue.close()
             self._server.stop()

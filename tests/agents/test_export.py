@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from relax_hpc.agents.export import (
-    CompletionRecord, advantages_by_group, assign_rewards, export_concat, export_individual,
+    CompletionRecord, assign_rewards, export_concat, export_individual,
 )
-from relax_hpc.algos import group_advantages
 
 
 def rec(cid: str, prompt: list[int], resp: list[int]) -> CompletionRecord:
@@ -55,12 +53,3 @@ def test_concat_export_masks_the_tokens_between_model_turns() -> None:
     assert s.logprobs == [-0.5, -0.6, 0.0, 0.0, -0.5]
     assert s.reward == 1.0 and s.completion_ids == ["a", "b"]
     assert out[1].response_ids == [6] and out[1].reward == 0.2
-
-
-def test_advantages_by_group_matches_group_advantages_and_handles_uneven_groups() -> None:
-    rewards = [1.0, 0.0, 0.5, 0.5]
-    even = advantages_by_group(rewards, [1, 1, 2, 2], True)
-    assert even == pytest.approx(group_advantages(torch.tensor(rewards), 2, True).tolist())
-    # Group 7 has three samples (mean 1.0), group 8 one (its own mean: advantage 0).
-    uneven = advantages_by_group([0.0, 1.0, 2.0, 5.0], [7, 7, 7, 8], False)
-    assert uneven == pytest.approx([-1.0, 0.0, 1.0, 0.0])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from relax_hpc.algos.advantages import group_advantages, normalizes_std, opd_advantages
+from relax_hpc.algos.advantages import advantages_by_group, group_advantages, normalizes_std, opd_advantages
 
 
 def test_group_advantages_use_sample_std_per_consecutive_group() -> None:
@@ -72,3 +72,12 @@ def test_opd_advantages_accept_per_token_advantages_and_are_detached() -> None:
     assert not adv.requires_grad
     with pytest.raises(ValueError, match=r"expected \[B\] = \[1\] or \[B, T\]"):
         opd_advantages(torch.zeros(3), student.detach(), teacher, torch.ones(1, 2), coef=1.0)
+
+
+def test_advantages_by_group_matches_group_advantages_and_handles_uneven_groups() -> None:
+    rewards = [1.0, 0.0, 0.5, 0.5]
+    even = advantages_by_group(rewards, [1, 1, 2, 2], True)
+    assert even == pytest.approx(group_advantages(torch.tensor(rewards), 2, True).tolist())
+    # Group 7 has three samples (mean 1.0), group 8 one (its own mean: advantage 0).
+    uneven = advantages_by_group([0.0, 1.0, 2.0, 5.0], [7, 7, 7, 8], False)
+    assert uneven == pytest.approx([-1.0, 0.0, 1.0, 0.0])
