@@ -8,14 +8,21 @@ transformer: embedding, per-layer attention and MLP matrices, norms and biases) 
 
 * raw: one ``broadcast`` of a preallocated flat tensor holding the same number of bytes, on a
   group of the same backend built the same way (the ceiling for any channel);
-* channel: ``WeightChannelSender.broadcast`` -> every ``WeightChannelReceiver.receive`` applying
-  each bucket into its own copy of the model (``copy_``, as an engine does), with the header,
-  the done message and the acknowledgements included.
+* channel, as the roles run it: the sender broadcasts a ``snapshot`` of the model (one flat
+  buffer laid out in buckets) and every receiver receives into the spare one of its two flat
+  buffers (``receive_into``), the one its engine is not bound to; the header, the done message
+  and the acknowledgements are included. Taking the snapshot is timed apart: the trainer
+  makes that copy before the next training step whatever the channel does (it used to clone).
+* ``--loose``: the channel's other path, as a caller with loose tensors uses it: the sender
+  packs small tensors into staging buffers, every receiver copies each bucket into its own copy
+  of the model (``copy_``).
 
-Each timing runs from a barrier (1-element all-reduce) to a barrier, seen by the sender; the
-best of ``--repeats`` is kept for both (a shared host's noise hits both alike). gloo on CPU;
-NCCL when CUDA is available and there is one GPU per rank. It ends with one line per size, e.g.
-``weights 100MB 1.08x of raw broadcast (channel 0.41 s, raw 0.38 s; 0.24 GB/s)``.
+Each timing runs from a barrier (1-element all-reduce) to a barrier, seen by the sender. The
+figure is the median over ``--repeats`` alternating pairs of the channel's time divided by the
+raw time of its pair (a shared host's noise drifts over seconds, and hits both of a pair
+alike); best against best is printed beside it. gloo on CPU; NCCL when CUDA is available and
+there is one GPU per rank. It ends with one line per size, e.g.
+``weights 100MB 1.08x of raw broadcast (channel 0.41 s, raw 0.38 s; 0.24 GB/s; snapshot 0.03 s)``.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from typing import Any
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 MB = 1_000_000
+MIB = 1 << 20
 
 def _context(device: str) -> Any:
     # fork is cheap and safe on CPU (the parent runs no torch op); CUDA cannot survive a fork
@@ -93,7 +101,7 @@ def _rank_main(rank: int, port: int, args: argparse.Namespace, size: int, out: A
     total = sum(t.numel() * t.element_size() for _, t in named)
     if rank == 0:
         chan: Any = WeightChannelSender(
-            "127.0.0.1", port, n, bucket_bytes=args.bucket_mb * MB, timeout_s=300, device=str(device),
+            "127.0.0.1", port, n, bucket_bytes=args.bucket_mib * MIB, timeout_s=300, device=str(device),
             direct_bytes=int(args.direct_mb * MB),
         )
         store = chan.store
@@ -106,6 +114,8 @@ def _rank_main(rank: int, port: int, args: argparse.Namespace, size: int, out: A
     flat = torch.ones(total, dtype=torch.uint8, device=device)  # touched: no first-use page faults
     model = {k: v.clone() for k, v in named}
     one = torch.zeros(1, device=device)
+    snapshot: Any = None
+    buffers: list[Any] = [None, None]  # receiver: [bound to the engine, spare]
 
     def barrier() -> None:
         raw_group.pg.allreduce([one]).wait()
@@ -128,23 +138,36 @@ def _rank_main(rank: int, port: int, args: argparse.Namespace, size: int, out: A
     def raw() -> None:
         raw_group.broadcast(flat, 0).wait()
 
+    def take_snapshot() -> None:
+        nonlocal snapshot
+        if rank == 0 and not args.loose:
+            snapshot = chan.snapshot(named, reuse=snapshot)
+
     def channel(version: int) -> None:
         if rank == 0:
-            chan.broadcast(named, version)
-        else:
+            chan.broadcast(named if args.loose else snapshot, version)
+        elif args.loose:
             assert chan.receive(apply, targets=model if args.targets else None) == version
+        else:  # the spare buffer takes the new version, then the two trade places (engine swap)
+            received, got = chan.receive_into(buffers[1])
+            assert got == version
+            buffers[:] = [received, buffers[0]]
 
-    raws, chans = [], []
+    raws, chans, snaps = [], [], []
+    take_snapshot()
     channel(0)  # warm-up: group construction, buffer allocation
+    channel(1000)  # warm-up: the receivers' second flat buffer
     raw()
     for rep in range(args.repeats):
         raws.append(timed(raw))
+        snaps.append(timed(take_snapshot))
         chans.append(timed(lambda: channel(rep + 1)))
     if rank != 0:
-        ok = all(torch.equal(model[k], v) for k, v in named)
+        got_model = model if args.loose else dict(buffers[0].named())
+        ok = all(torch.equal(got_model[k], v) for k, v in named)
         out.put(("check", rank, ok))
     else:
-        out.put(("times", total, raws, chans, len(named)))
+        out.put(("times", total, raws, chans, snaps, len(named)))
     barrier()
     chan.close()
     raw_group.close()
@@ -176,29 +199,35 @@ def measure(args: argparse.Namespace, size: int) -> str:
     checks = [r for r in results if r[0] == "check"]
     if not all(ok for _, _, ok in checks):
         raise SystemExit(f"weights {size // MB}MB: a receiver's model differs from the sender's after sync")
-    _, total, raws, chans, count = times
-    raw, chan = min(raws), min(chans)
+    _, total, raws, chans, snaps, count = times
+    ratio = statistics.median(c / r for c, r in zip(chans, raws))
+    raw, chan = statistics.median(raws), statistics.median(chans)
+    path = "loose tensors" if args.loose else "flat snapshot -> flat buffers"
     print(
-        f"{size // MB:>4} MB ({count} tensors, {args.device}): raw best {raw:.3f} s median "
-        f"{statistics.median(raws):.3f} s | channel best {chan:.3f} s median {statistics.median(chans):.3f} s "
-        f"(bucket {args.bucket_mb} MB, direct >= {args.direct_mb} MB, {args.repeats} runs each)",
+        f"{size // MB:>4} MB ({count} tensors, {args.device}, {path}): raw best {min(raws):.3f} s median "
+        f"{raw:.3f} s | channel best {min(chans):.3f} s median {chan:.3f} s | best vs best "
+        f"{min(chans) / min(raws):.2f}x | pairs {' '.join(f'{c / r:.2f}' for c, r in zip(chans, raws))} "
+        f"(bucket {args.bucket_mib} MiB, direct >= {args.direct_mb} MB, {args.repeats} pairs)",
         flush=True,
     )
+    snap = f"; snapshot {statistics.median(snaps):.3f} s" if not args.loose else ""
     return (
-        f"weights {size // MB}MB {chan / raw:.2f}x of raw broadcast (channel {chan:.2f} s, raw {raw:.2f} s; "
-        f"{total / chan / 1e9:.2f} GB/s)"
+        f"weights {size // MB}MB {ratio:.2f}x of raw broadcast (channel {chan:.3f} s, raw {raw:.3f} s; "
+        f"{total / chan / 1e9:.2f} GB/s{snap})"
     )
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repeats (under about 30 s)")
-    parser.add_argument("--repeats", type=int, default=None, help="alternating runs per path (best is kept)")
+    parser.add_argument("--repeats", type=int, default=None, help="alternating raw/channel pairs")
     parser.add_argument("--receivers", type=int, default=2)
-    parser.add_argument("--bucket-mb", type=int, default=64, help="channel bucket size in MB (the channel default is 512)")
+    parser.add_argument("--bucket-mib", type=int, default=512, help="channel bucket size in MiB (the channel's default)")
     parser.add_argument("--direct-mb", type=float, default=16.0, help="tensors of at least this go unpacked")
+    parser.add_argument("--loose", action="store_true",
+                        help="send loose tensors and copy each bucket into the receivers' models")
     parser.add_argument("--no-targets", dest="targets", action="store_false",
-                        help="receive every bucket into a buffer and copy (no in-place receive)")
+                        help="with --loose: copy direct buckets too (no in-place receive)")
     parser.add_argument("--hidden", type=int, default=512, help="hidden size of the synthetic model")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")

@@ -57,7 +57,12 @@ class Generation:
 
 
 class RolloutEngine(Protocol):
-    """A generation backend. Implementations: `NativeEngine` (torch), the SGLang adapter."""
+    """A generation backend. Implementations: `NativeEngine` (torch), the SGLang adapter.
+
+    An engine may also offer ``bind_weights(flat, version) -> bool``: run on the tensors of a
+    received `relax_hpc.weights.flat.FlatWeights` in place of its own, without a copy (False
+    when it cannot; the rollout role then copies through `update_weights`).
+    """
 
     @property
     def weight_version(self) -> int: ...

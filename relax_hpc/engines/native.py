@@ -15,6 +15,7 @@ import torch
 from relax_hpc.engines.base import Generation, SamplingParams
 from relax_hpc.engines.sampling import sample_next
 from relax_hpc.models.hf import load_causal_lm, load_tokenizer
+from relax_hpc.weights.flat import FlatWeights, bind_module
 
 
 class NativeEngine:
@@ -47,6 +48,14 @@ class NativeEngine:
                     )
                 own[name].copy_(tensor.to(own[name].device, own[name].dtype))
         self._version = version
+
+    def bind_weights(self, flat: FlatWeights, version: int) -> bool:
+        """Run on `flat`'s tensors from now on, without a copy (between batches, like
+        `update_weights`); False, nothing changed, when its dtypes, shapes or device differ."""
+        if not bind_module(self.model, flat):
+            return False
+        self._version = version
+        return True
 
     def generate(
         self, prompts: list[list[int]], params: SamplingParams, seed: int | None = None

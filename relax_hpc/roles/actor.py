@@ -139,6 +139,10 @@ class ActorWorker(WeightSenderEndpoint):
     def export_weights(self) -> list[tuple[str, torch.Tensor]]:
         return [(n, t.clone()) for n, t in self.backend.named_weights()]
 
+    def live_weights(self) -> list[tuple[str, torch.Tensor]]:
+        """The weights themselves: the weight channel snapshots them into its flat buffer."""
+        return list(self.backend.named_weights())
+
     def compute_log_probs(self, samples: list[Sample]) -> list[list[float]]:
         return self.backend.compute_log_probs(samples)
 

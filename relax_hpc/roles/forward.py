@@ -30,6 +30,7 @@ from relax_hpc.roles.step_loop import StepLoopWorker
 from relax_hpc.transfer.queue import partition_name
 from relax_hpc.weights.base import required_weight_version
 from relax_hpc.weights.endpoints import WeightInbox, WeightReceiverEndpoint
+from relax_hpc.weights.flat import bind_module
 
 ForwardKind = Literal["actor_fwd", "reference"]
 OUTPUT_FIELD: dict[str, str] = {"actor_fwd": "log_probs", "reference": "ref_log_probs"}
@@ -101,16 +102,19 @@ class ForwardWorker(StepLoopWorker, WeightReceiverEndpoint):
     def weights_failed(self, message: str) -> None:
         self._inbox.fail(message)
 
+    def weight_inbox(self) -> WeightInbox:
+        return self._inbox
+
     def _apply_pending(self) -> None:
-        update = self._inbox.take()
-        if update is None:
-            return
-        weights, version = update
+        version = self._inbox.install(lambda flat, _v: bind_module(self.model, flat), self._copy_weights)
+        if version is not None:
+            self._version = version
+
+    def _copy_weights(self, named_tensors: list[tuple[str, torch.Tensor]], version: int) -> None:
         own = self.model.state_dict()
         with torch.no_grad():
-            for name, tensor in weights.items():
+            for name, tensor in named_tensors:
                 own[name].copy_(tensor.to(own[name].device, own[name].dtype))
-        self._version = version
 
     def _wait_for_version(self, version: int) -> bool:
         """Apply a complete update of at least `version` (waiting for it); False when asked to stop."""

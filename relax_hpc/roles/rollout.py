@@ -84,6 +84,10 @@ def build_genrm_judge(reward: RewardSettings, dtype: str, device: str) -> tuple[
     return None, None
 
 
+def _cannot_bind(_flat: Any, _version: int) -> bool:
+    return False
+
+
 class RolloutWorker(WeightReceiverEndpoint):
     def __init__(self, cfg: RolloutConfig) -> None:
         if cfg.num_threads > 0:
@@ -143,6 +147,9 @@ class RolloutWorker(WeightReceiverEndpoint):
     def weights_failed(self, message: str) -> None:
         self._inbox.fail(message)
 
+    def weight_inbox(self) -> WeightInbox:
+        return self._inbox
+
     def awaited_weight_version(self) -> int | None:
         """The version the producer is waiting for at its batch boundary; None when not waiting."""
         return self._inbox.awaited
@@ -153,10 +160,7 @@ class RolloutWorker(WeightReceiverEndpoint):
         current = self.engine.weight_version
         if not self._inbox.wait_for(required, current, self._stop, self.cfg.weights_timeout_s, "rollout"):
             return False
-        update = self._inbox.take()
-        if update is not None:
-            weights, version = update
-            self.engine.update_weights(weights.items(), version)
+        self._inbox.install(getattr(self.engine, "bind_weights", _cannot_bind), self.engine.update_weights)
         return True
 
     # -- the producer: rollout's own loop, paced by the staleness rule --------------------------

@@ -7,15 +7,17 @@ One sender (rank 0, the trainer's first rank; it hosts the channel's TCPStore) a
    store under ``header/<seq>``; every receiver announces ``ready/<seq>/<rank>`` and reads it;
 2. the sender waits (deadline) until every receiver is ready, naming the ones that are not;
 3. buckets go out one collective each, pipelined: the sender packs bucket k+1 while bucket k is
-   on the wire, a receiver posts bucket k+1 before it applies bucket k;
+   on the wire, a receiver posts bucket k+1 before it applies bucket k. A `FlatWeights`
+   snapshot (`snapshot`) is sent without packing, and `receive_into` receives into one
+   without unpacking: the roles move weights that way, copying nothing but the snapshot;
 4. a final "done" collective carries (version, seq, bucket count) so a receiver that fell out of
    step fails loudly instead of applying someone else's bytes;
 5. each receiver sets ``ack/<seq>/<rank>`` after its last apply; the sender waits (deadline) for
    all acks and names the receivers that did not answer.
 
 `broadcast_async` runs the broadcast on a background thread so it overlaps the next training
-step; the tensors handed over must not change until its handle's `wait()` returns (the Actor's
-`export_weights` clones, so that holds). See docs/weights.md for the measured figures.
+step; the tensors handed over must not change until its handle's `wait()` returns (a snapshot
+is a copy, so that holds). See docs/weights.md for the measured figures.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from typing import Callable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
+from relax_hpc.weights.flat import FlatWeights
 from relax_hpc.weights.group import (
     BroadcastGroup, PendingOp, TorchBroadcastGroup, backend_for, local_address_towards, open_store,
 )
@@ -72,6 +75,20 @@ def _wait_keys(store: dist.Store, keys: dict[int, str], deadline: float) -> list
     return _missing(store, keys)
 
 
+def _broadcast_buckets(group: BroadcastGroup, flat: FlatWeights) -> None:
+    """Every bucket of `flat`, one collective each, from rank 0 into the same slices everywhere
+    (the same call on the sender and on a receiver); at most two on the wire at once."""
+    in_flight: deque[PendingOp] = deque()
+    for k, bucket in enumerate(flat.buckets):
+        if bucket.nbytes == 0:
+            continue
+        while len(in_flight) > 1:
+            in_flight.popleft().wait()
+        in_flight.append(group.broadcast(flat.bucket(k), 0))
+    while in_flight:
+        in_flight.popleft().wait()
+
+
 class PendingBroadcast:
     """Handle of a broadcast running on the sender's background thread."""
 
@@ -113,14 +130,29 @@ class WeightChannelSender:
         self._broken = ""
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-channel")
 
-    def broadcast(self, named_tensors: NamedTensors, version: int) -> int:
-        """Send `named_tensors` as `version` to every receiver; returns once all acknowledged."""
-        return self.broadcast_async(named_tensors, version).wait()
+    def broadcast(self, weights: NamedTensors | FlatWeights, version: int) -> int:
+        """Send `weights` as `version` to every receiver; returns once all acknowledged."""
+        return self.broadcast_async(weights, version).wait()
 
-    def broadcast_async(self, named_tensors: NamedTensors, version: int) -> PendingBroadcast:
-        """Start the broadcast on the background thread (one at a time, in call order)."""
-        named = list(named_tensors)
-        return PendingBroadcast(self._pool.submit(self._broadcast, named, version), version)
+    def broadcast_async(self, weights: NamedTensors | FlatWeights, version: int) -> PendingBroadcast:
+        """Start the broadcast on the background thread (one at a time, in call order).
+
+        A `FlatWeights` (see `snapshot`) goes out bucket by bucket without a copy; loose
+        (name, tensor) pairs are packed into staging buffers on the way.
+        """
+        payload = weights if isinstance(weights, FlatWeights) else list(weights)
+        return PendingBroadcast(self._pool.submit(self._broadcast, payload, version), version)
+
+    def snapshot(self, named_tensors: NamedTensors, reuse: FlatWeights | None = None) -> FlatWeights:
+        """Copy `named_tensors` into a flat buffer laid out in this channel's buckets, on its device.
+
+        The one copy a sender that keeps training must make anyway; broadcasting the result then
+        copies nothing. Pass the previous snapshot as `reuse` once its broadcast is done.
+        """
+        flat = FlatWeights.snapshot(named_tensors, self.bucket_bytes, self.direct_bytes, self.device, reuse)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()  # the copy is done before it is sent
+        return flat
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
@@ -132,7 +164,7 @@ class WeightChannelSender:
     def _keys(self, kind: str, seq: int) -> dict[int, str]:
         return {r: f"{kind}/{seq}/{r}" for r in range(1, self.num_receivers + 1)}
 
-    def _broadcast(self, named: list[tuple[str, torch.Tensor]], version: int) -> int:
+    def _broadcast(self, named: list[tuple[str, torch.Tensor]] | FlatWeights, version: int) -> int:
         if self._broken:
             raise WeightChannelError(
                 f"weight channel is broken by an earlier failure ({self._broken}); rebuild it "
@@ -147,9 +179,18 @@ class WeightChannelSender:
             self._broken = f"{type(exc).__name__}: {exc}"
             raise
 
-    def _run(self, named: list[tuple[str, torch.Tensor]], version: int) -> int:
+    def _run(self, weights: list[tuple[str, torch.Tensor]] | FlatWeights, version: int) -> int:
         seq, deadline = self._seq, time.monotonic() + self.timeout_s
-        header = Header(version, seq, self.backend, plan_buckets(named, self.bucket_bytes, self.direct_bytes))
+        if isinstance(weights, FlatWeights):
+            if weights.device != self.device:
+                raise ValueError(
+                    f"weight snapshot lives on {weights.device}, the channel sends from {self.device}; "
+                    "take it with this channel's snapshot()"
+                )
+            buckets = weights.buckets
+        else:
+            buckets = plan_buckets(weights, self.bucket_bytes, self.direct_bytes)
+        header = Header(version, seq, self.backend, buckets)
         self._forget(seq - 1)
         self.store.set(f"header/{seq}", encode_header(header))
         late = _wait_keys(self.store, self._keys("ready", seq), deadline)
@@ -164,7 +205,10 @@ class WeightChannelSender:
         if self._group is None:
             self._group = self._group_factory(self.backend)
         try:
-            self._stream(self._group, header, dict(named))
+            if isinstance(weights, FlatWeights):
+                self._stream_flat(self._group, header, weights)
+            else:
+                self._stream(self._group, header, dict(weights))
         except RuntimeError as exc:
             missing = _missing(self.store, self._keys("ack", seq))
             raise WeightChannelError(
@@ -200,6 +244,13 @@ class WeightChannelSender:
             in_flight.append((group.broadcast(payload, 0), payload))
         while in_flight:
             in_flight.popleft()[0].wait()
+        self._send_done(group, header)
+
+    def _stream_flat(self, group: BroadcastGroup, header: Header, flat: FlatWeights) -> None:
+        _broadcast_buckets(group, flat)
+        self._send_done(group, header)
+
+    def _send_done(self, group: BroadcastGroup, header: Header) -> None:
         done = torch.tensor([header.version, header.seq, len(header.buckets)], dtype=torch.int64, device=self.device)
         group.broadcast(done, 0).wait()
 
@@ -255,6 +306,28 @@ class WeightChannelReceiver:
         channel's device and of the same dtype and shape: `apply` then gets the target itself
         (``target.copy_(target)`` is free), saving a full copy of the large parameters.
         """
+        header, group = self._begin()
+        self._stream(group, header, apply, targets or {})
+        return self._finish(header)
+
+    def receive_into(self, into: FlatWeights | None = None) -> tuple[FlatWeights, int]:
+        """Take part in the next broadcast, receiving every bucket straight into a flat buffer.
+
+        `into` is filled when its layout fits the broadcast's (the same model as last time);
+        otherwise a new `FlatWeights` is allocated and `into` is left alone. Returns the buffer
+        holding the complete update and its version. Nothing is copied after the wire; after a
+        failure the buffer's contents are partial and must not be used.
+        """
+        header, group = self._begin()
+        flat = into if into is not None and into.fits(header.buckets, self.device) else FlatWeights(
+            header.buckets, self.device
+        )
+        _broadcast_buckets(group, flat)
+        self._check_done(group, header)
+        return flat, self._finish(header)
+
+    def _begin(self) -> tuple[Header, BroadcastGroup]:
+        """Announce readiness for the next broadcast and read its header."""
         seq = self._seq
         self.store.set(f"ready/{seq}/{self.rank}", b"1")
         key = f"header/{seq}"
@@ -273,9 +346,11 @@ class WeightChannelReceiver:
             )
         if self._group is None:
             self._group = self._group_factory(self.backend)
-        self._stream(self._group, header, apply, targets or {})
-        self.store.set(f"ack/{seq}/{self.rank}", str(header.version).encode())
-        self._seq, self.version = seq + 1, header.version
+        return header, self._group
+
+    def _finish(self, header: Header) -> int:
+        self.store.set(f"ack/{header.seq}/{self.rank}", str(header.version).encode())
+        self._seq, self.version = header.seq + 1, header.version
         return header.version
 
     def close(self) -> None:
@@ -313,6 +388,9 @@ class WeightChannelReceiver:
         empty = [b for b in header.buckets if not b.nbytes]
         for bucket in empty:  # zero-byte parameters never travel; hand them over as empty tensors
             apply(unpack_bucket(bucket, torch.empty(0, dtype=torch.uint8, device=self.device)))
+        self._check_done(group, header)
+
+    def _check_done(self, group: BroadcastGroup, header: Header) -> None:
         done = torch.empty(3, dtype=torch.int64, device=self.device)
         group.broadcast(done, 0).wait()
         got = [int(x) for x in done.tolist()]

@@ -2,7 +2,10 @@
 
 * `WeightSenderEndpoint` for the trainer's rank 0; the class must provide
   `export_weights() -> list[(name, tensor)]` returning a snapshot (clones), because the
-  broadcast runs on a background thread while the next training step changes the model.
+  broadcast runs on a background thread while the next training step changes the model. A
+  class that also provides `live_weights()` (the tensors themselves) is snapshotted by the
+  channel instead, into one flat buffer laid out as the buckets: the same one copy as a clone,
+  and then the broadcast copies nothing (docs/weights.md, "Flat buffers").
 * `WeightReceiverEndpoint` for rollout engines and ActorFwd; the class must provide
   `weight_version() -> int` and `update_weights(named_tensors, version)`, and may override
   `stage_weights` / `commit_weights` / `weights_failed` to keep a broadcast apart until it is
@@ -21,13 +24,14 @@ from __future__ import annotations
 import abc
 import threading
 import time
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 
 from relax_hpc.weights.channel import (
     DEFAULT_BUCKET_BYTES, DEFAULT_TIMEOUT_S, PendingBroadcast, WeightChannelReceiver, WeightChannelSender,
 )
+from relax_hpc.weights.flat import FlatWeights
 
 
 class WeightSenderEndpoint(abc.ABC):
@@ -35,10 +39,15 @@ class WeightSenderEndpoint(abc.ABC):
 
     _weight_sender: WeightChannelSender | None = None
     _weight_pending: PendingBroadcast | None = None
+    _weight_snapshot: FlatWeights | None = None
 
     @abc.abstractmethod
     def export_weights(self) -> list[tuple[str, torch.Tensor]]:
         """A snapshot (clones) of the weights to send."""
+
+    def live_weights(self) -> list[tuple[str, torch.Tensor]] | None:
+        """The weights themselves (no copy), for the channel to snapshot; None: use `export_weights`."""
+        return None
 
     def open_weight_channel(
         self, host: str, port: int, num_receivers: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
@@ -55,7 +64,12 @@ class WeightSenderEndpoint(abc.ABC):
             raise RuntimeError("start_send_weights before open_weight_channel: open the channel first")
         if self._weight_pending is not None:
             self.finish_send_weights()  # one broadcast at a time; surface the previous one's error
-        self._weight_pending = self._weight_sender.broadcast_async(self.export_weights(), version)
+        live = self.live_weights()
+        if live is None:
+            payload: list[tuple[str, torch.Tensor]] | FlatWeights = self.export_weights()
+        else:  # the previous snapshot is off the wire: refill it
+            payload = self._weight_snapshot = self._weight_sender.snapshot(live, reuse=self._weight_snapshot)
+        self._weight_pending = self._weight_sender.broadcast_async(payload, version)
 
     def finish_send_weights(self) -> int:
         """Wait for the background broadcast; returns its version or raises its error."""
@@ -70,6 +84,7 @@ class WeightSenderEndpoint(abc.ABC):
 
     def close_weight_channel(self) -> None:
         sender, self._weight_sender, self._weight_pending = self._weight_sender, None, None
+        self._weight_snapshot = None
         if sender is not None:
             sender.close()
 
@@ -107,12 +122,21 @@ class WeightReceiverEndpoint(abc.ABC):
     def weights_failed(self, message: str) -> None:
         """A broadcast failed mid-way (its error is raised to the caller of `receive_weights` too)."""
 
+    def weight_inbox(self) -> WeightInbox | None:
+        """The role's inbox, to receive straight into its spare flat buffer; None: stage buckets."""
+        return None
+
     def receive_weights(self) -> int:
-        """Receive one broadcast, staging each bucket as it arrives; returns the new version."""
+        """Receive one broadcast (into the inbox, or staging each bucket as it arrives), then
+        `commit_weights`; returns the new version."""
         if self._weight_receiver is None:
             raise RuntimeError("receive_weights before join_weight_channel: join the channel first")
+        inbox = self.weight_inbox()
         try:
-            version = self._weight_receiver.receive(self.stage_weights)
+            if inbox is not None:
+                version = inbox.receive(self._weight_receiver)
+            else:
+                version = self._weight_receiver.receive(self.stage_weights)
         except Exception as exc:
             self.weights_failed(f"{type(exc).__name__}: {exc}")
             raise
@@ -126,22 +150,32 @@ class WeightReceiverEndpoint(abc.ABC):
 
 
 Weights = dict[str, torch.Tensor]
+BindFn = Callable[[FlatWeights, int], bool]
+CopyFn = Callable[[list[tuple[str, torch.Tensor]], int], None]
 
 
 class WeightInbox:
     """Where a receiving role keeps weight updates until its engine can swap them in.
 
-    Buckets of a broadcast are staged (copied: a channel reuses its bucket buffers); `commit`
-    after the last bucket turns them into a complete update that `take` hands out. Complete
-    updates not yet taken merge, the newer version winning (each carries every tensor). Thread
-    safe: the channel's thread stages and commits while the role's producer waits and takes.
+    Two ways in. A channel receive goes straight into a flat buffer (`receive`): the spare one,
+    which the engine does not run on, so nothing is copied after the wire. Loose buckets (the
+    in-process sync, `update_weights`) are staged as copies. Either way `commit` after the last
+    bucket turns what arrived into a complete update, and `install` hands the newest one to the
+    engine at its batch boundary: a flat update is bound (the engine's parameters become views
+    into it, and the buffer it ran on becomes the spare) or, when the engine cannot bind it,
+    copied. Complete updates not yet installed merge, the newer version winning (each carries
+    every tensor); a receive that finds one waiting reuses its buffer. Thread safe: the
+    channel's thread receives and commits while the role's producer waits and installs.
     """
 
     def __init__(self) -> None:
         self._changed = threading.Condition()
         self._staged: Weights = {}
-        self._ready: Weights | None = None
+        self._staged_flat: FlatWeights | None = None
+        self._ready: Weights | FlatWeights | None = None
         self._ready_version = -1
+        self._spare: FlatWeights | None = None  # a flat buffer nobody reads: the next receive's target
+        self._bound: FlatWeights | None = None  # the flat buffer the engine runs on
         self._failure: str | None = None
         self.awaited: int | None = None  # the version a producer is waiting for (diagnostics, tests)
 
@@ -150,23 +184,72 @@ class WeightInbox:
         with self._changed:
             self._staged.update(copies)
 
+    def receive(self, receiver: WeightChannelReceiver) -> int:
+        """Take part in the channel's next broadcast, received into the spare flat buffer."""
+        with self._changed:
+            spare, self._spare = self._spare, None
+            if spare is None and isinstance(self._ready, FlatWeights):
+                # The waiting update is about to be superseded: its buffer takes the new one.
+                spare, self._ready = self._ready, None
+        flat, version = receiver.receive_into(spare)
+        with self._changed:
+            self._staged_flat = flat
+        return version
+
     def commit(self, version: int) -> None:
         with self._changed:
-            self._ready = {**(self._ready or {}), **self._staged}
+            if self._staged_flat is not None:
+                replaced = self._ready
+                self._ready, self._staged_flat = self._staged_flat, None
+                if isinstance(replaced, FlatWeights):
+                    self._spare = replaced
+            else:
+                ready = dict(self._ready.named()) if isinstance(self._ready, FlatWeights) else self._ready
+                self._ready = {**(ready or {}), **self._staged}
             self._ready_version, self._staged, self._failure = version, {}, None
             self._changed.notify_all()
 
     def fail(self, message: str) -> None:
         """Drop the staged part of a failed broadcast and wake a producer waiting for it."""
         with self._changed:
-            self._staged, self._failure = {}, message
+            self._staged, self._staged_flat, self._failure = {}, None, message
             self._changed.notify_all()
 
     def take(self) -> tuple[Weights, int] | None:
-        """The newest complete update not yet taken, as (weights, version), or None."""
+        """The newest complete update not yet taken, as (weights by name, version), or None.
+
+        The weights are the caller's to keep (a flat update's buffer is not reused afterwards).
+        """
         with self._changed:
             ready, self._ready = self._ready, None
-            return None if ready is None else (ready, self._ready_version)
+            if ready is None:
+                return None
+            return (dict(ready.named()) if isinstance(ready, FlatWeights) else ready), self._ready_version
+
+    def install(self, bind: BindFn, copy: CopyFn) -> int | None:
+        """Hand the newest complete update to the engine; returns its version, None when there is none.
+
+        A flat update is given to `bind(flat, version)`; when that returns False (the engine
+        cannot use the buffer in place) or for staged copies, `copy(named_tensors, version)`.
+        Call it only where the engine may change weights (its batch boundary).
+        """
+        with self._changed:
+            ready, self._ready = self._ready, None
+            version = self._ready_version
+        if ready is None:
+            return None
+        if not isinstance(ready, FlatWeights):
+            copy(list(ready.items()), version)
+            return version
+        if bind(ready, version):
+            released, self._bound = self._bound, ready
+        else:
+            copy(ready.named(), version)
+            released = ready
+        if released is not None:
+            with self._changed:
+                self._spare = released
+        return version
 
     def wait_for(self, version: int, current: int, stop: threading.Event, timeout_s: float, who: str) -> bool:
         """Block until the engine (at `current`) or a complete update holds at least `version`.

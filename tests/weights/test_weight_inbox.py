@@ -11,6 +11,7 @@ import torch
 
 from relax_hpc.weights.base import InProcessWeightSync, required_weight_version
 from relax_hpc.weights.endpoints import WeightInbox
+from relax_hpc.weights.flat import FlatWeights
 
 
 @pytest.mark.parametrize("step, start_step, start_version, max_staleness, expected", [
@@ -145,3 +146,89 @@ def test_in_process_sync_delivers_at_start_and_returns_a_finished_handle() -> No
     assert pending.version == 3
     sync.sync(4)
     assert receivers[0].updates[-1] == (["w"], 4)
+
+
+# --------------------------------------------------------------------------- flat buffers
+class FakeReceiver:
+    """Stands in for a channel receiver: fills the buffer it is given (or a new one) with `value`."""
+
+    def __init__(self) -> None:
+        self.given: list[FlatWeights | None] = []
+        self.filled: list[FlatWeights] = []
+
+    def receive_into(self, into: FlatWeights | None) -> tuple[FlatWeights, int]:
+        self.given.append(into)
+        flat = into if into is not None else FlatWeights.snapshot([("w", torch.zeros(2))], 1 << 20, 1 << 20)
+        flat.buffer.view(torch.float32).fill_(float(len(self.given)))
+        self.filled.append(flat)
+        return flat, len(self.given)
+
+
+class Engine:
+    def __init__(self, can_bind: bool = True) -> None:
+        self.can_bind, self.bound, self.copied = can_bind, None, []
+
+    def bind(self, flat: FlatWeights, version: int) -> bool:
+        if self.can_bind:
+            self.bound = flat
+        return self.can_bind
+
+    def copy(self, named: Any, version: int) -> None:
+        self.copied.append(({n: t.clone() for n, t in named}, version))
+
+
+def _receive(inbox: WeightInbox, receiver: FakeReceiver) -> int:
+    version = inbox.receive(receiver)
+    inbox.commit(version)
+    return version
+
+
+def test_flat_updates_are_bound_and_two_buffers_trade_places() -> None:
+    inbox, receiver, engine = WeightInbox(), FakeReceiver(), Engine()
+    assert inbox.install(engine.bind, engine.copy) is None  # nothing arrived yet
+    _receive(inbox, receiver)
+    assert inbox.install(engine.bind, engine.copy) == 1
+    first = engine.bound
+    _receive(inbox, receiver)  # the engine runs on `first`: this one needs a second buffer
+    assert receiver.given[-1] is None
+    assert inbox.install(engine.bind, engine.copy) == 2
+    second = engine.bound
+    assert second is not first and first is not None
+    _receive(inbox, receiver)  # the buffer the engine left is the spare now
+    assert receiver.given[-1] is first and engine.bound is second
+    assert float(second.buffer.view(torch.float32)[0]) == 2.0  # untouched while bound
+    assert inbox.install(engine.bind, engine.copy) == 3 and engine.bound is first
+    assert engine.copied == []
+
+
+def test_an_update_not_yet_installed_lends_its_buffer_to_the_next_receive() -> None:
+    inbox, receiver, engine = WeightInbox(), FakeReceiver(), Engine()
+    _receive(inbox, receiver)
+    inbox.install(engine.bind, engine.copy)
+    _receive(inbox, receiver)  # version 2 waits, never installed ...
+    _receive(inbox, receiver)  # ... so version 3 is received into its buffer
+    assert receiver.given[-1] is receiver.filled[1]
+    assert inbox.install(engine.bind, engine.copy) == 3
+    assert float(engine.bound.buffer.view(torch.float32)[0]) == 3.0
+
+
+def test_an_engine_that_cannot_bind_gets_a_copy_and_the_buffer_is_reused() -> None:
+    inbox, receiver, engine = WeightInbox(), FakeReceiver(), Engine(can_bind=False)
+    _receive(inbox, receiver)
+    assert inbox.install(engine.bind, engine.copy) == 1
+    assert engine.bound is None and torch.equal(engine.copied[0][0]["w"], torch.ones(2))
+    _receive(inbox, receiver)
+    assert receiver.given[-1] is not None  # the copied-from buffer was handed back
+    inbox.install(engine.bind, engine.copy)
+    assert [v for _, v in engine.copied] == [1, 2] and torch.equal(engine.copied[1][0]["w"], torch.full((2,), 2.0))
+
+
+def test_a_failed_flat_receive_is_dropped_and_reported() -> None:
+    inbox, stop = WeightInbox(), threading.Event()
+    receiver = FakeReceiver()
+    inbox.receive(receiver)  # the bytes arrived but the broadcast failed before the commit
+    inbox.fail("WeightChannelError: done message out of step")
+    with pytest.raises(RuntimeError, match="out of step"):
+        inbox.wait_for(1, current=0, stop=stop, timeout_s=1.0, who="rollout")
+    engine = Engine()
+    assert inbox.install(engine.bind, engine.copy) is None and engine.bound is None

@@ -65,6 +65,29 @@ def test_bucket_size_sets_the_number_of_applied_buckets(gloo_run: Any) -> None:
     assert mixed["calls"] == 5
 
 
+FLAT_PLAN = [
+    {"version": 1, "seed": 11, "bucket_bytes": 4096, "direct_bytes": 1024},
+    {"version": 2, "seed": 22, "bucket_bytes": 4096, "direct_bytes": 1024},  # same layout: buffers reused
+    {"version": 3, "seed": 33, "bucket_bytes": 256, "direct_bytes": 4 * MIB},  # new layout: new buffer
+]
+
+
+def test_flat_snapshots_reach_flat_and_bucket_receivers_exactly() -> None:
+    # The wire is the same whichever side holds flat buffers: rank 1 receives into a flat
+    # buffer, rank 2 applies bucket by bucket; the sender broadcasts snapshots.
+    sent, per_rank = run_channel(
+        {1: len(FLAT_PLAN), 2: len(FLAT_PLAN)}, n=2, plan=FLAT_PLAN, timeout_s=20.0, flat_sender=True,
+        flat_receivers=(1,),
+    )
+    assert sent == [("sent", 1), ("sent", 2), ("sent", 3)]
+    for rank in (1, 2):
+        assert [kind for kind, _ in per_rank[rank]] == ["version"] * 3, per_rank[rank]
+        for step, (_, got) in zip(FLAT_PLAN, per_rank[rank]):
+            expected = {name: tensor_bytes(t) for name, t in make_weights(step["seed"])}
+            assert got["version"] == step["version"] and got["weights"] == expected, (rank, step)
+    assert [got["reused"] for _, got in per_rank[1]] == [False, True, False]
+
+
 def test_receiver_that_never_receives_or_never_joins_is_named() -> None:
     # rank 1 receives, rank 2 joins but never calls receive(), rank 3 never starts
     sent, per_rank = run_channel({1: 1, 2: 0}, n=3, plan=PLAN[:1], timeout_s=3.0)
@@ -81,10 +104,12 @@ def test_receiver_that_never_receives_or_never_joins_is_named() -> None:
     not torch.cuda.is_available() or torch.cuda.device_count() < 2,
     reason="NCCL weight channel needs CUDA and 2 GPUs (one per rank); this machine has none",
 )
-def test_nccl_channel_exact_on_cuda() -> None:
+@pytest.mark.parametrize("flat", [False, True], ids=["buckets", "flat"])
+def test_nccl_channel_exact_on_cuda(flat: bool) -> None:
     plan = PLAN[:2]
     sent, per_rank = run_channel(
-        {1: len(plan)}, n=1, plan=plan, timeout_s=60.0, device="cuda:0", receiver_device="cuda:1"
+        {1: len(plan)}, n=1, plan=plan, timeout_s=60.0, device="cuda:0", receiver_device="cuda:1",
+        flat_sender=flat, flat_receivers=(1,) if flat else (),
     )
     assert sent == [("sent", 1), ("sent", 2)]
     for step, (kind, got) in zip(plan, per_rank[1]):

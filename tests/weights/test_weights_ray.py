@@ -139,3 +139,87 @@ def test_a_failed_broadcast_raises_its_error_on_every_wait_and_the_next_one_rebu
         sync.close()
         ray.kill(trainer)
         ray.kill(engine)
+
+
+def _flat_actor_classes() -> tuple[Any, Any, Any]:
+    import torch
+
+    from relax_hpc.weights.endpoints import WeightInbox, WeightReceiverEndpoint, WeightSenderEndpoint
+    from relax_hpc.weights.flat import bind_module
+
+    def model(seed: int) -> torch.nn.Module:
+        torch.manual_seed(seed)
+        return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.LayerNorm(32), torch.nn.Linear(32, 8))
+
+    class LiveTrainer(WeightSenderEndpoint):
+        """Hands over its live tensors: the channel takes the snapshot."""
+
+        def __init__(self) -> None:
+            self.model = model(0)
+
+        def reseed(self, seed: int) -> None:
+            with torch.no_grad():
+                for name, p in model(seed).state_dict().items():
+                    self.model.state_dict()[name].copy_(p)
+
+        def export_weights(self) -> list[tuple[str, torch.Tensor]]:
+            raise AssertionError("a sender with live_weights is snapshotted by the channel")
+
+        def live_weights(self) -> list[tuple[str, torch.Tensor]]:
+            return list(self.model.state_dict().items())
+
+    class BindingEngine(WeightReceiverEndpoint):
+        """A role with an inbox: receives into flat buffers and runs its module on them."""
+
+        def __init__(self) -> None:
+            self.model, self.version, self.inbox = model(1), 0, WeightInbox()
+            self.buffers: set[int] = set()
+
+        def weight_version(self) -> int:
+            return self.version
+
+        def update_weights(self, named: Any, version: int) -> None:
+            raise AssertionError("flat updates are bound, not copied")
+
+        def weight_inbox(self) -> WeightInbox:
+            return self.inbox
+
+        def commit_weights(self, version: int) -> None:
+            self.inbox.commit(version)
+
+            def bind(flat: Any, v: int) -> bool:
+                self.buffers.add(flat.buffer.data_ptr())
+                return bind_module(self.model, flat)
+
+            self.version = self.inbox.install(bind, self.update_weights) or self.version
+
+        def state(self) -> tuple[int, int, dict[str, list[float]]]:
+            return self.version, len(self.buffers), {
+                n: t.flatten().tolist() for n, t in self.model.state_dict().items()
+            }
+
+    return LiveTrainer, BindingEngine, model
+
+
+@pytest.mark.slow
+def test_live_weights_are_snapshotted_and_bound_by_the_receiver_without_copies(ray_cluster: None) -> None:
+    from relax_hpc.weights.ray_sync import DistributedWeightSync
+
+    trainer_cls, engine_cls, model = _flat_actor_classes()
+    trainer = ray.remote(trainer_cls).options(num_cpus=0).remote()
+    engine = ray.remote(engine_cls).options(num_cpus=0).remote()
+    sync = DistributedWeightSync(trainer, [engine], host="127.0.0.1", bucket_bytes=1024, timeout_s=30)
+    try:
+        for version, seed in [(1, 11), (2, 22), (3, 33)]:
+            ray.get(trainer.reseed.remote(seed))
+            pending = sync.start(version)
+            ray.get(trainer.reseed.remote(999))  # after the snapshot: must not reach the engine
+            pending.wait()
+            got_version, buffers, weights = ray.get(engine.state.remote())
+            expected = {n: t.flatten().tolist() for n, t in model(seed).state_dict().items()}
+            assert got_version == version and weights == expected, f"version {version} differs"
+        assert buffers == 2  # the engine's buffer and the spare trade places
+    finally:
+        sync.close()
+        ray.kill(trainer)
+        ray.kill(engine)

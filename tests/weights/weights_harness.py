@@ -49,19 +49,26 @@ def free_port() -> int:
 
 
 def sender_main(
-    n: int, plan: list[dict[str, Any]], timeout_s: float, device: str, port_out: Any, results: Any
+    n: int, plan: list[dict[str, Any]], timeout_s: float, device: str, port_out: Any, results: Any,
+    flat: bool = False,
 ) -> None:
-    """Host the channel, then run each planned broadcast: {version, seed, bucket_bytes, direct_bytes}."""
+    """Host the channel, then run each planned broadcast: {version, seed, bucket_bytes, direct_bytes}.
+
+    `flat`: send a `snapshot` (refilling the previous one) instead of loose tensors.
+    """
     from relax_hpc.weights.channel import WeightChannelSender
 
     torch.set_num_threads(1)
     sender = WeightChannelSender("127.0.0.1", 0, n, timeout_s=timeout_s, device=device)
     port_out.put(sender.port)
     outcomes: list[tuple[str, Any]] = []
+    snapshot = None
     try:
         for step in plan:
             sender.bucket_bytes, sender.direct_bytes = step["bucket_bytes"], step["direct_bytes"]
-            named = [(k, v.to(device)) for k, v in make_weights(step["seed"])]
+            named: Any = [(k, v.to(device)) for k, v in make_weights(step["seed"])]
+            if flat:
+                named = snapshot = sender.snapshot(named, reuse=snapshot)
             pending = sender.broadcast_async(named, step["version"])
             outcomes.append(("sent", pending.wait()))
     except Exception as exc:  # noqa: BLE001 - the parent asserts on the message
@@ -72,9 +79,13 @@ def sender_main(
 
 
 def receiver_main(
-    port: int, rank: int, n: int, broadcasts: int, timeout_s: float, device: str, results: Any
+    port: int, rank: int, n: int, broadcasts: int, timeout_s: float, device: str, results: Any,
+    flat: bool = False,
 ) -> None:
-    """Join as `rank` and take part in `broadcasts` broadcasts (0: join, then idle until killed)."""
+    """Join as `rank` and take part in `broadcasts` broadcasts (0: join, then idle until killed).
+
+    `flat`: receive into a flat buffer (the previous one when it fits) instead of applying buckets.
+    """
     from relax_hpc.weights.channel import WeightChannelReceiver
 
     torch.set_num_threads(1)
@@ -84,7 +95,15 @@ def receiver_main(
             results.put((rank, "joined", None))
             CTX.Event().wait(timeout_s * 4)
             return
+        buffer = None
         for _ in range(broadcasts):
+            if flat:
+                previous = buffer
+                buffer, version = receiver.receive_into(previous)
+                weights = {name: tensor_bytes(t.cpu()) for name, t in buffer.named()}
+                payload = {"version": version, "reused": buffer is previous, "weights": weights}
+                results.put((rank, "version", payload))
+                continue
             got: dict[str, tuple[str, tuple[int, ...], bytes]] = {}
             calls = [0]
 
@@ -102,17 +121,24 @@ def receiver_main(
 
 def run_channel(
     receivers: dict[int, int], n: int, plan: list[dict[str, Any]], timeout_s: float, device: str = "cpu",
-    join_s: float = 60.0, receiver_device: str | None = None,
+    join_s: float = 60.0, receiver_device: str | None = None, flat_sender: bool = False,
+    flat_receivers: tuple[int, ...] = (),
 ) -> tuple[list[tuple[str, Any]], dict[int, list[tuple[str, Any]]]]:
-    """Start a sender and the given receivers ({rank: broadcasts}); returns (sender results, per-rank results)."""
+    """Start a sender and the given receivers ({rank: broadcasts}); returns (sender results, per-rank results).
+
+    `flat_sender` sends snapshots; the ranks in `flat_receivers` receive into flat buffers.
+    """
     port_q, sender_q, recv_q = CTX.Queue(), CTX.Queue(), CTX.Queue()
-    sender = CTX.Process(target=sender_main, args=(n, plan, timeout_s, device, port_q, sender_q))
+    sender = CTX.Process(target=sender_main, args=(n, plan, timeout_s, device, port_q, sender_q, flat_sender))
     sender.start()
     procs = [sender]
     try:
         port = port_q.get(timeout=join_s)
         for rank, count in receivers.items():
-            p = CTX.Process(target=receiver_main, args=(port, rank, n, count, timeout_s, receiver_device or device, recv_q))
+            p = CTX.Process(
+                target=receiver_main,
+                args=(port, rank, n, count, timeout_s, receiver_device or device, recv_q, rank in flat_receivers),
+            )
             p.start()
             procs.append(p)
         sent = sender_q.get(timeout=join_s + timeout_s * (len(plan) + 1))

@@ -1,0 +1,118 @@
+"""A full set of weights in one byte buffer laid out bucket by bucket, as the channel sends them.
+
+The channel moves bytes fastest when neither side copies: the sender broadcasts each bucket
+straight out of a `FlatWeights` snapshot (taking the snapshot is the one copy the trainer must
+make anyway, so the next training step can change its weights while the bytes move), and a
+receiver broadcasts each bucket straight into a `FlatWeights` whose parameters its engine then
+uses in place (`bind_module`: every parameter becomes a view into the buffer, no copy).
+
+Receivers keep two: the engine runs on one while the next version arrives in the other, and the
+two trade places at the engine's batch boundary (`WeightInbox` in endpoints.py).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from relax_hpc.weights.layout import ALIGN, Bucket, plan_buckets, view_param
+
+
+def _aligned(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def _signature(buckets: Sequence[Bucket]) -> tuple:
+    # The direct flag only says how a loose tensor was sent; in a flat buffer every bucket is a slice.
+    return tuple((b.nbytes, b.params) for b in buckets)
+
+
+class FlatWeights:
+    """Weights held in one uint8 buffer, each bucket at an aligned offset, each parameter a view."""
+
+    def __init__(self, buckets: Sequence[Bucket], device: str | torch.device = "cpu") -> None:
+        self.buckets = tuple(buckets)
+        self.device = torch.device(device)
+        self.starts: list[int] = []
+        total = 0
+        for b in self.buckets:
+            self.starts.append(total)
+            total = _aligned(total + b.nbytes)
+        self.buffer = torch.empty(total, dtype=torch.uint8, device=self.device)
+        self._signature = _signature(self.buckets)
+
+    @classmethod
+    def snapshot(
+        cls, named_tensors: Sequence[tuple[str, torch.Tensor]], bucket_bytes: int, direct_bytes: int,
+        device: str | torch.device = "cpu", reuse: FlatWeights | None = None,
+    ) -> FlatWeights:
+        """Copy `named_tensors` into a flat buffer laid out as the channel would bucket them.
+
+        `reuse` is filled instead of allocating when its layout and device fit (the usual case:
+        the same model every step); it must not be on the wire or in use meanwhile.
+        """
+        named = list(named_tensors)
+        buckets = plan_buckets(named, bucket_bytes, direct_bytes)
+        flat = reuse if reuse is not None and reuse.fits(buckets, device) else cls(buckets, device)
+        flat.copy_from(named)
+        return flat
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self.buckets)
+
+    def fits(self, buckets: Sequence[Bucket], device: str | torch.device | None = None) -> bool:
+        """True when `buckets` (e.g. a received header's) describe this buffer's layout."""
+        same_device = device is None or torch.device(device) == self.device
+        return same_device and _signature(buckets) == self._signature
+
+    def bucket(self, k: int) -> torch.Tensor:
+        """Bucket `k`'s bytes: a uint8 view to broadcast from or receive into."""
+        return self.buffer[self.starts[k] : self.starts[k] + self.buckets[k].nbytes]
+
+    def named(self) -> list[tuple[str, torch.Tensor]]:
+        """Every parameter as a typed, shaped view into the buffer, in bucket order."""
+        return [(p.name, view_param(self.bucket(k), p)) for k, b in enumerate(self.buckets) for p in b.params]
+
+    def copy_from(self, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
+        views = dict(self.named())
+        given = {name for name, _ in named_tensors}
+        if given != set(views):
+            raise ValueError(
+                f"weights do not match this buffer's layout (missing {sorted(set(views) - given)[:5]}, "
+                f"unknown {sorted(given - set(views))[:5]}); take a new snapshot"
+            )
+        with torch.no_grad():
+            for name, tensor in named_tensors:
+                views[name].copy_(tensor.detach())
+
+
+def bind_module(module: torch.nn.Module, flat: FlatWeights) -> bool:
+    """Make every tensor of `module.state_dict()` a view into `flat` (no copy); True when done.
+
+    Returns False and changes nothing unless `flat` holds every one of them with the same
+    dtype, shape and device (the caller then copies instead). Tied parameters appear under
+    each of their names and end up on one of their views; both names keep sharing it.
+    """
+    views = dict(flat.named())
+    own = module.state_dict(keep_vars=True)
+    for name, tensor in own.items():
+        view = views.get(name)
+        if (
+            view is None or view.dtype != tensor.dtype or view.shape != tensor.shape
+            or view.device != tensor.device
+        ):
+            return False
+    with torch.no_grad():
+        for name, tensor in own.items():
+            owner_name, _, attr = name.rpartition(".")
+            owner = module.get_submodule(owner_name)
+            if attr in owner._parameters and owner._parameters[attr] is not None:
+                owner._parameters[attr].data = views[name]
+            elif attr in owner._buffers:
+                owner._buffers[attr] = views[name]
+            else:  # a state-dict entry of a custom module: copy it, the rest stays bound
+                tensor.copy_(views[name])
+    return True
+
