@@ -12,6 +12,7 @@ import re
 from typing import Any
 
 from relax_hpc.data.sample import Sample
+from relax_hpc.rewards.registry import inline_reward
 from relax_hpc.rewards.extract import answer_tag, last_boxed, tail
 
 _PHRASE = re.compile(r"(?i:answer)(?:\s+is)?\s*[:\s]\s*\(?\s*([A-Z])\b\)?")
@@ -70,10 +71,12 @@ def _reward(sample: Sample, letters: str) -> dict[str, float]:
     return {"score": float(want is not None and got == want), "has_answer": float(got is not None)}
 
 
+@inline_reward
 def multiple_choice_reward(sample: Sample) -> dict[str, float]:
     return _reward(sample, "ABCDEFGHIJ")
 
 
+@inline_reward
 def gpqa_reward(sample: Sample) -> dict[str, float]:
     # GPQA questions have exactly four options.
     return _reward(sample, "ABCD")

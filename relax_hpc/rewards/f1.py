@@ -13,6 +13,7 @@ from collections import Counter
 from typing import Any
 
 from relax_hpc.data.sample import Sample
+from relax_hpc.rewards.registry import inline_reward
 from relax_hpc.rewards.extract import answer_line, answer_tag, tail
 
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
@@ -44,6 +45,7 @@ def _truths(label: Any) -> list[str]:
     return [] if label is None else [str(label)]
 
 
+@inline_reward
 def f1_reward(sample: Sample) -> dict[str, float]:
     text = tail(sample.response_text)
     answer = answer_tag(text) or answer_line(text) or text

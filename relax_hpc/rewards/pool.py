@@ -1,5 +1,8 @@
 """Concurrent reward scoring: async rewards on an event loop, sync ones on a thread pool.
 
+Rewards marked `@inline_reward` (cheap, never blocking) skip both: they are called in the
+scoring thread, one sample after the other, with the same error handling but no timeout.
+
 Why: a GenRM judge or a remote reward model takes seconds per sample; scored one after the
 other they would stall rollout. `RewardPool.score` runs up to `concurrency` rewards at once,
 bounds each by `timeout_s`, and never raises for a reward's own failure: a reward that raises,
@@ -22,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from relax_hpc.data.sample import Sample
-from relax_hpc.rewards.registry import RewardFn, RewardResult
+from relax_hpc.rewards.registry import RewardFn, RewardResult, is_inline_reward
 
 log = logging.getLogger(__name__)
 
@@ -98,16 +101,50 @@ class RewardPool:
 
     def score(self, samples: list[Sample], pick: Picker) -> RewardStats:
         """Score every sample in place (reward, raw_reward, reward_info). Blocks until done."""
-        return asyncio.run(self.score_async(samples, pick))
+        stats = RewardStats()
+        pooled = self._score_inline(samples, pick, stats)
+        if pooled:
+            asyncio.run(self._score_pooled(pooled, stats))
+        return self._report(stats, len(samples))
 
     async def score_async(self, samples: list[Sample], pick: Picker) -> RewardStats:
         stats = RewardStats()
+        pooled = self._score_inline(samples, pick, stats)
+        if pooled:
+            await self._score_pooled(pooled, stats)
+        return self._report(stats, len(samples))
+
+    def _score_inline(
+        self, samples: list[Sample], pick: Picker, stats: RewardStats
+    ) -> list[tuple[Sample, str, RewardFn]]:
+        """Score the samples whose reward is inline (or cannot be picked); returns the others
+        with the reward `pick` chose for them."""
+        pooled: list[tuple[Sample, str, RewardFn]] = []
+        for sample in samples:
+            name = "?"
+            try:
+                name, fn = pick(sample)
+                if not is_inline_reward(fn):
+                    pooled.append((sample, name, fn))
+                    continue
+                stats.by_type[name] = stats.by_type.get(name, 0) + 1
+                score, info = to_score(fn(sample), name)  # type: ignore[arg-type]
+            except Exception as e:  # a reward's failure must not end rollout; it is counted instead
+                stats.errors += 1
+                stats.note(f"reward {name}: {type(e).__name__}: {e}")
+                score, info = 0.0, {"reward_error": 1.0}
+            _set_score(sample, score, info, stats)
+        return pooled
+
+    async def _score_pooled(self, pooled: list[tuple[Sample, str, RewardFn]], stats: RewardStats) -> None:
         limit = asyncio.Semaphore(self.concurrency)
-        await asyncio.gather(*(self._score_one(s, pick, limit, stats) for s in samples))
+        await asyncio.gather(*(self._score_one(s, name, fn, limit, stats) for s, name, fn in pooled))
+
+    def _report(self, stats: RewardStats, count: int) -> RewardStats:
         if stats.errors or stats.timeouts:
             log.warning(
                 "%d reward errors and %d timeouts among %d samples (scored 0); first ones: %s",
-                stats.errors, stats.timeouts, len(samples), " | ".join(stats.messages),
+                stats.errors, stats.timeouts, count, " | ".join(stats.messages),
             )
         return stats
 
@@ -121,12 +158,10 @@ class RewardPool:
         return result  # type: ignore[return-value]
 
     async def _score_one(
-        self, sample: Sample, pick: Picker, limit: asyncio.Semaphore, stats: RewardStats
+        self, sample: Sample, name: str, fn: RewardFn, limit: asyncio.Semaphore, stats: RewardStats
     ) -> None:
-        name = "?"
         async with limit:
             try:
-                name, fn = pick(sample)
                 stats.by_type[name] = stats.by_type.get(name, 0) + 1
                 value = await asyncio.wait_for(self._call(fn, sample), self.timeout_s)
                 score, info = to_score(value, name)
@@ -138,6 +173,10 @@ class RewardPool:
                 stats.errors += 1
                 stats.note(f"reward {name}: {type(e).__name__}: {e}")
                 score, info = 0.0, {"reward_error": 1.0}
-        sample.raw_reward = sample.reward = score
-        sample.reward_info = info
-        stats.scored += 1
+        _set_score(sample, score, info, stats)
+
+
+def _set_score(sample: Sample, score: float, info: dict[str, float], stats: RewardStats) -> None:
+    sample.raw_reward = sample.reward = score
+    sample.reward_info = info
+    stats.scored += 1

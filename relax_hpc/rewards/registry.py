@@ -2,7 +2,8 @@
 
 `function` is either a built-in name (see BUILTIN_REWARDS) or "package.module:function". A reward
 function takes a `Sample` and returns a float or a dict with a "score" key (other keys are logged
-as reward details); it may be `async def`.
+as reward details); it may be `async def`. A plain function marked `@inline_reward` (quick, no
+I/O, bounded work) is called in the scoring thread instead of the worker pool.
 """
 
 from __future__ import annotations
@@ -16,6 +17,28 @@ from relax_hpc.data.sample import Sample
 
 RewardResult = Union[float, int, bool, dict[str, Any]]
 RewardFn = Callable[[Sample], Union[RewardResult, Awaitable[RewardResult]]]
+
+INLINE_ATTR = "relax_inline_reward"
+
+
+def inline_reward(fn: Callable[[Sample], RewardResult]) -> Callable[[Sample], RewardResult]:
+    """Mark a plain reward function as cheap: scored in the caller's thread, not the pool.
+
+    For functions that finish in well under a millisecond and never block (string matching,
+    small arithmetic). Handing each sample to a worker thread costs tens of microseconds, more
+    than such a function itself; on a small host it was most of rollout's scoring time. An
+    inline reward is not bounded by `timeout_s` (a thread cannot be interrupted), so never mark
+    one that does I/O, calls a solver, or runs a regex a response can make slow.
+    """
+    if inspect.iscoroutinefunction(fn):
+        raise TypeError(f"inline_reward marks plain functions; {fn.__name__} is async def")
+    setattr(fn, INLINE_ATTR, True)
+    return fn
+
+
+def is_inline_reward(fn: Any) -> bool:
+    return bool(getattr(fn, INLINE_ATTR, False))
+
 
 # name -> "module:function"; imported lazily so heavy reward dependencies load only when used.
 BUILTIN_REWARDS: dict[str, str] = {

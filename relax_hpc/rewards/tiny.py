@@ -9,10 +9,12 @@ scores 0. The prefix credit gives the policy a signal before it has learnt to st
 from __future__ import annotations
 
 from relax_hpc.data.sample import Sample
+from relax_hpc.rewards.registry import inline_reward
 
 END_OF_TURN = "<|im_end|>"
 
 
+@inline_reward
 def tiny_sum_reward(sample: Sample) -> dict[str, float]:
     target = list(str(sample.label)) + [END_OF_TURN]
     # response_text has special tokens removed; rebuild the stop marker from the finish reason.

@@ -14,6 +14,7 @@ import pytest
 from relax_hpc.data.sample import Sample
 from relax_hpc.rewards.hub import RewardHub
 from relax_hpc.rewards.pool import RewardPool
+from relax_hpc.rewards.registry import BUILTIN_REWARDS, inline_reward, is_inline_reward, resolve_reward
 
 
 def _sample(text: str = "", label: object = None, **metadata: object) -> Sample:
@@ -69,6 +70,49 @@ def test_failures_and_timeouts_score_zero_and_are_counted() -> None:
     assert "reward raises: RuntimeError: judge crashed" in stats.messages
     assert any("returned a non-finite score nan" in m for m in stats.messages)
     assert any("without a 'score' key (keys: ['acc'])" in m for m in stats.messages)
+
+
+def test_inline_rewards_run_in_the_calling_thread_beside_pooled_ones() -> None:
+    caller, threads = threading.get_ident(), {}
+
+    @inline_reward
+    def cheap(sample: Sample) -> float:
+        threads.setdefault("cheap", set()).add(threading.get_ident())
+        return 1.0
+
+    def pooled(sample: Sample) -> float:
+        threads.setdefault("pooled", set()).add(threading.get_ident())
+        return 2.0
+
+    @inline_reward
+    def broken(sample: Sample) -> float:
+        raise ValueError("bad label")
+
+    def pick(sample: Sample) -> tuple[str, object]:
+        if sample.response_text == "?":
+            raise KeyError("no reward named 'nope'")
+        return {"c": ("cheap", cheap), "p": ("pooled", pooled), "b": ("broken", broken)}[sample.response_text]
+
+    samples = [_sample(t) for t in "cpcbp?"]
+    with RewardPool(concurrency=2, timeout_s=5) as pool:
+        stats = pool.score(samples, pick)
+    assert [s.reward for s in samples] == [1.0, 2.0, 1.0, 0.0, 2.0, 0.0]
+    assert threads["cheap"] == {caller} and caller not in threads["pooled"]
+    assert stats.by_type == {"cheap": 2, "pooled": 2, "broken": 1} and stats.scored == 6
+    assert stats.errors == 2 and samples[3].reward_info == {"reward_error": 1.0}
+    assert "reward broken: ValueError: bad label" in stats.messages
+    assert "reward ?: KeyError: \"no reward named 'nope'\"" in stats.messages
+
+
+def test_inline_marks_only_plain_functions_and_the_cheap_built_ins_carry_it() -> None:
+    async def judge(sample: Sample) -> float:
+        return 1.0
+
+    with pytest.raises(TypeError, match="judge is async def"):
+        inline_reward(judge)
+    marked = {name for name in BUILTIN_REWARDS if is_inline_reward(resolve_reward(name))}
+    # string matching only; the math rewards call a symbolic checker, the others parse instructions
+    assert marked == {"tiny_sum", "multiple_choice", "gpqa", "f1"}
 
 
 def test_pool_settings_are_checked() -> None:
