@@ -27,6 +27,7 @@ from relax_hpc.backends.torch_backend import OptimConfig
 from relax_hpc.driver.loop import LoopConfig, LoopResult, StopFlag, run_loop
 from relax_hpc.engines.base import SamplingParams
 from relax_hpc.ops.archive import archive_dir
+from relax_hpc.ops.heap import settle_heap
 from relax_hpc.ops.metrics import FanOut, JsonlSink, MetricsSink, TensorBoardSink, WandbSink
 from relax_hpc.ops.plot import plot_reward_curve
 from relax_hpc.roles.actor import ActorConfig
@@ -218,6 +219,7 @@ def run_job(spec: JobSpec, in_process: bool = False, ray_address: str | None = N
                dynamic_ncols=True, file=sys.stderr)
 
     def on_step(step: int, m: dict[str, float]) -> None:
+        settle_heap()  # once, after the first step; this process also hosts the queue server
         bar.n = step
         bar.set_postfix(reward=f"{m['reward/mean']:.3f}", s_per_step=f"{m['time/step_s']:.2f}")
 

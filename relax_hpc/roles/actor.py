@@ -22,6 +22,7 @@ from relax_hpc.ckpt import CheckpointManager, ResumeState
 from relax_hpc.data.rows import TRAIN_FIELDS, row_to_sample
 from relax_hpc.data.sample import Sample
 from relax_hpc.ops.archive import HDF5TrajectoryArchive, TrajectoryArchive
+from relax_hpc.ops.heap import settle_heap
 from relax_hpc.transfer.connect import connect_queue
 from relax_hpc.transfer.queue import TransferQueue, partition_name
 from relax_hpc.weights.endpoints import WeightSenderEndpoint
@@ -133,6 +134,7 @@ class ActorWorker(WeightSenderEndpoint):
         queue.ack(partition, "actor", received)
         if self.archive is not None:  # after the optimizer step: only trained samples are archived
             self.archive.append(step, trained)
+        settle_heap()  # once, after the first step: start-up is over
         return {**stats, "rows": float(len(received)), "reward_sum": float(sum(rewards)),
                 "queue_wait_s": waited[0]}
 

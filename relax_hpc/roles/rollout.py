@@ -27,6 +27,7 @@ from relax_hpc.engines.base import RolloutEngine, SamplingParams
 from relax_hpc.engines.http_client import HttpEngine
 from relax_hpc.engines.native import NativeEngine
 from relax_hpc.models.hf import load_tokenizer
+from relax_hpc.ops.heap import settle_heap
 from relax_hpc.rewards.hub import RewardHub, RewardSettings
 from relax_hpc.transfer.connect import connect_queue
 from relax_hpc.transfer.memory import InMemoryTransferQueue
@@ -235,6 +236,7 @@ class RolloutWorker(WeightReceiverEndpoint):
                         del row["advantages"]
                 queue.put(partition, rows, timeout=self.cfg.queue_timeout_s)
                 queue.complete(partition, len(samples))
+                settle_heap()  # once, after the first step: start-up is over
         except Exception as e:  # reported to the driver, which stops with this message
             self._error = f"rollout producer failed: {type(e).__name__}: {e}"
         finally:

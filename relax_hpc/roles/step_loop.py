@@ -12,6 +12,7 @@ import abc
 import threading
 from typing import Any
 
+from relax_hpc.ops.heap import settle_heap
 from relax_hpc.transfer.connect import connect_queue
 
 
@@ -51,6 +52,7 @@ class StepLoopWorker(abc.ABC):
             for step in range(start_step, total_steps):
                 if not self._ready_for(step, start_step, start_version) or not self._process(queue, step):
                     return
+                settle_heap()  # once, after the first step: start-up is over
         except Exception as e:  # reported to the driver
             self._error = f"{self.kind} failed: {type(e).__name__}: {e}"
         finally:
