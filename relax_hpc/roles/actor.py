@@ -92,11 +92,14 @@ class ActorWorker(WeightSenderEndpoint):
     def train(self, samples: list[Sample]) -> dict[str, float]:
         return self.backend.train(samples)
 
-    def train_from_queue(self, target: Any, step: int, timeout_s: float) -> dict[str, float]:
+    def train_from_queue(self, target: Any, step: int, timeout_s: float,
+                         prefetch_step: int | None = None) -> dict[str, float]:
         """Train on partition train_<step> as its rows arrive; ack them only after the optimizer step.
 
         Rows are packed straight from their tensors (`pack_rows`); `Sample`s are built only for
-        the trajectory archive, which stores them.
+        the trajectory archive, which stores them. With `prefetch_step`, the first micro-batch
+        of that step is asked for before this one trains (`TransferQueue.prefetch`), so it
+        arrives while this step computes.
         """
         if self._queue is None:
             self._queue = connect_queue(target, f"actor-rank{self.rank}")
@@ -126,6 +129,8 @@ class ActorWorker(WeightSenderEndpoint):
                         trained.extend(row_to_sample(r) for r in batch.rows)
                     yield batch.rows
 
+        if prefetch_step is not None:
+            queue.prefetch(partition_name(prefetch_step), "actor", fields, self.cfg_micro_batch, timeout_s)
         pad_id = self.backend.pad_id
         if self.mini_batches > 1:  # several optimizer steps need the whole batch first
             stats = self.backend.train_batch(pack_rows([r for rows in row_batches() for r in rows], pad_id))

@@ -186,6 +186,7 @@ class RayRoles:
         self._queue = TransferQueueClient(self.queue_address, consumer_id="driver")
         self.timeout_s = timeout_s
         self._ticket: _RayTicket | None = None  # the last submitted training step
+        self._total_steps = 0  # set by start_rollout: the trainer prefetches up to the last step
         # max_concurrency: new weights and status calls must reach rollout while it produces.
         self._rollout = ray.remote(RolloutWorker).options(
             max_concurrency=4, **self._placement("rollout")).remote(rollout)
@@ -239,6 +240,7 @@ class RayRoles:
     def start_rollout(self, start_step: int, total_steps: int, max_staleness: int, start_version: int) -> None:
         import ray
 
+        self._total_steps = total_steps
         self._rollout_call("start_producer", self.queue_address, start_step, total_steps, max_staleness,
                            start_version)
         ray.get([f.start.remote(self.queue_address, start_step, total_steps, start_version=start_version)
@@ -251,7 +253,10 @@ class RayRoles:
         return "; ".join(e for e in found if e) or None
 
     def start_train(self, step: int) -> TrainTicket:
-        refs = [a.train_from_queue.remote(self.queue_address, step, self.timeout_s) for a in self._actors]
+        # Each rank asks for its first rows of the next step now, so they are on their way by
+        # the time this step ends (when rollout runs ahead, they are usually there already).
+        after = step + 1 if step + 1 < self._total_steps else None
+        refs = [a.train_from_queue.remote(self.queue_address, step, self.timeout_s, after) for a in self._actors]
         self._ticket = _RayTicket(refs, self._errors)
         return self._ticket
 

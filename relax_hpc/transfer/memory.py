@@ -122,6 +122,10 @@ class InMemoryTransferQueue:
             if finished:
                 self.ack(partition, task, finished)
 
+    def prefetch(self, partition: str, task: str, fields: Sequence[str], batch_size: int,
+                 timeout: float = 60.0) -> None:
+        """Nothing to do: in memory a get costs no round trip."""
+
     def ack(self, partition: str, task: str, indices: Sequence[int]) -> int:
         with self._cond:
             return self._state.ack(partition, task, list(indices), self._owner)

@@ -135,6 +135,16 @@ class TransferQueue(Protocol):
         """
         ...
 
+    def prefetch(self, partition: str, task: str, fields: Sequence[str], batch_size: int,
+                 timeout: float = 60.0) -> None:
+        """Ask now for the first batch of a later :meth:`stream` with the same arguments.
+
+        A hint: the request waits on the server (for rows that may not exist yet) while the
+        caller works, and that stream's first batch is its answer. An implementation may do
+        nothing. If the prefetched request times out, the stream asks again.
+        """
+        ...
+
     def ack(self, partition: str, task: str, indices: Sequence[int]) -> int:
         """Commit received rows so they are never delivered to ``task`` again; returns how many."""
         ...

@@ -40,6 +40,7 @@ from relax_hpc.transfer.queue import (
     PartitionInfo,
     Row,
     TransferQueueError,
+    TransferTimeoutError,
     TransferUnreachableError,
     check_name,
 )
@@ -99,6 +100,10 @@ class PendingPut:
         return self.indices
 
 
+def _stream_key(partition: str, task: str, fields: Sequence[str], batch_size: int) -> tuple[Any, ...]:
+    return (partition, task, tuple(fields), batch_size)
+
+
 class TransferQueueClient:
     """Connect to a :class:`~relax_hpc.transfer.zmq_server.TransferQueueServer`.
 
@@ -140,6 +145,7 @@ class TransferQueueClient:
         self.endpoint = address  # where requests go: a same-host client moves to ipc:// after the ping
         self._pipe = RequestPipe(self._sock, address, self.session, consumer_id)
         self._puts: deque[PendingPut] = deque()  # put_async calls not answered yet, oldest first
+        self._prefetched: dict[tuple[Any, ...], int] = {}  # stream arguments -> get request in flight
         self._closed = False
         self._pool: SegmentPool | None = None
         try:
@@ -219,14 +225,24 @@ class TransferQueueClient:
         consumer id, as after a crash.
         """
         finished: list[int] = []  # asked past, not acked yet
-        in_flight: int | None = self._send_get(partition, task, fields, batch_size, timeout, ())
+        with self._lock:
+            prefetched = self._prefetched.pop(_stream_key(partition, task, fields, batch_size), None)
+        in_flight: int | None = prefetched
+        if in_flight is None:
+            in_flight = self._send_get(partition, task, fields, batch_size, timeout, ())
         try:
             while in_flight is not None:
+                asked, in_flight = in_flight, None  # on failure what was asked past is acked below
                 try:
                     with self._lock:
-                        reply, frames = self._pipe.collect(in_flight)
-                finally:
-                    in_flight = None  # answered or failed; on failure what was asked past is acked below
+                        reply, frames = self._pipe.collect(asked)
+                except TransferTimeoutError:
+                    if asked != prefetched:
+                        raise
+                    # Asked for long before this stream began: ask again with the full timeout.
+                    prefetched = None
+                    in_flight = self._send_get(partition, task, fields, batch_size, timeout, ())
+                    continue
                 if not reply.get("end"):  # ask for the next batch before reading this one's bytes
                     in_flight = self._send_get(partition, task, fields, batch_size, timeout, finished)
                     finished = []
@@ -243,6 +259,18 @@ class TransferQueueClient:
                     self._pipe.abandon(in_flight)
             if finished:  # left early: what the caller asked past is done
                 self._ack_quietly(partition, task, finished)
+
+    def prefetch(self, partition: str, task: str, fields: Sequence[str], batch_size: int,
+                 timeout: float = 60.0) -> None:
+        """Send the first get of a later :meth:`stream` with these arguments now (see
+        :meth:`TransferQueue.prefetch`); asking twice for the same stream sends one request."""
+        key = _stream_key(partition, task, fields, batch_size)
+        with self._lock:
+            if key in self._prefetched:
+                return
+        req_id = self._send_get(partition, task, fields, batch_size, timeout, ())
+        with self._lock:
+            self._prefetched[key] = req_id
 
     def _ack_quietly(self, partition: str, task: str, indices: list[int]) -> None:
         try:

@@ -335,6 +335,34 @@ def test_stream_timeout_raises_and_keeps_what_was_asked_past(harness: QueueHarne
     assert harness.handle().get("train_0", "actor", ["uid"], 4, timeout=5).indices == []
 
 
+def test_prefetched_stream_delivers_rows_put_later_exactly_once(harness: QueueHarness) -> None:
+    q = harness.start()
+    consumer = harness.handle()
+    consumer.prefetch("train_1", "actor", ["uid"], 4, timeout=5)  # the partition does not exist yet
+    consumer.prefetch("train_1", "actor", ["uid"], 4, timeout=5)  # asking twice asks once
+    q.put("train_0", rows(3))
+    q.complete("train_0", 3)
+    # another partition streams meanwhile; the prefetched request waits on the server
+    assert [i for b in consumer.stream("train_0", "actor", ["uid"], 2, timeout=5) for i in b.indices] == [0, 1, 2]
+    q.put("train_1", rows(6, start=10))
+    q.complete("train_1", 6)
+    batches = list(consumer.stream("train_1", "actor", ["uid"], 4, timeout=5))
+    assert [uids(b.rows) for b in batches] == [[10, 11, 12, 13], [14, 15]] and batches[-1].end
+    consumer.close()
+    assert harness.handle().get("train_1", "actor", ["uid"], 6, timeout=5).indices == []  # all acked
+
+
+def test_a_prefetch_that_timed_out_is_asked_again_by_its_stream(harness: QueueHarness) -> None:
+    q = harness.start()
+    consumer = harness.handle()
+    consumer.prefetch("train_0", "actor", ["uid"], 2, timeout=0.2)
+    time.sleep(0.5)  # it has timed out on the server by now
+    q.put("train_0", rows(2))
+    q.complete("train_0", 2)
+    got = [i for b in consumer.stream("train_0", "actor", ["uid"], 2, timeout=5) for i in b.indices]
+    assert got == [0, 1]
+
+
 def test_replaced_session_is_fenced(harness: QueueHarness) -> None:
     q = harness.start()
     q.put("train_0", rows(4))

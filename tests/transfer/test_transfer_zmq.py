@@ -15,6 +15,7 @@ import torch
 import zmq
 
 from relax_hpc.transfer import TransferQueueError, TransferUnreachableError
+from relax_hpc.transfer.queue import TransferTimeoutError
 from relax_hpc.transfer.wire import WIRE_VERSION
 from relax_hpc.transfer.zmq_client import TransferQueueClient
 from relax_hpc.transfer.zmq_server import TransferQueueServer
@@ -270,3 +271,21 @@ def test_many_parked_gets_do_not_stall_other_clients(server: TransferQueueServer
         assert reply["ok"] and reply["idx"] == [0]
         w.close()
     client.close()
+
+
+def test_prefetch_sends_the_get_before_the_stream_asks(server: TransferQueueServer) -> None:
+    first = TransferQueueClient(server.address, consumer_id="first")
+    other = TransferQueueClient(server.address, consumer_id="other")
+    producer = TransferQueueClient(server.address)
+    try:
+        first.prefetch("train_0", "actor", ["x"], 4, timeout=5)
+        producer.put("train_0", [{"x": torch.tensor([float(i)])} for i in range(4)])
+        time.sleep(0.3)  # the server answered the prefetched get: those 4 rows are first's now
+        with pytest.raises(TransferTimeoutError):  # nothing left for another consumer
+            other.get("train_0", "actor", ["x"], 4, timeout=0.3)
+        producer.complete("train_0", 4)
+        batches = list(first.stream("train_0", "actor", ["x"], 4, timeout=5))
+        assert batches[0].indices == [0, 1, 2, 3]
+    finally:
+        for c in (first, other, producer):
+            c.close()
