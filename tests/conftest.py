@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
 from relax_hpc.models.tiny import write_tiny_model
+
+# Ray enables token auth when ~/.ray/auth_token exists; the tests start their own local clusters
+# without one, also when pytest is run directly rather than through tools/run-tests.
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 
 # The tiny model's matrices are far too small to gain from intra-op threads, and on a shared,
