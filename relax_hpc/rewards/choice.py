@@ -12,8 +12,8 @@ import re
 from typing import Any
 
 from relax_hpc.data.sample import Sample
-from relax_hpc.rewards.registry import inline_reward
 from relax_hpc.rewards.extract import answer_tag, last_boxed, tail
+from relax_hpc.rewards.registry import inline_reward
 
 _PHRASE = re.compile(r"(?i:answer)(?:\s+is)?\s*[:\s]\s*\(?\s*([A-Z])\b\)?")
 _LETTER_ONLY = re.compile(r"^\s*\(?([A-Za-z])\)?[.)]?\s*$")

@@ -13,8 +13,8 @@ from collections import Counter
 from typing import Any
 
 from relax_hpc.data.sample import Sample
-from relax_hpc.rewards.registry import inline_reward
 from relax_hpc.rewards.extract import answer_line, answer_tag, tail
+from relax_hpc.rewards.registry import inline_reward
 
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _PUNCT = str.maketrans("", "", string.punctuation)

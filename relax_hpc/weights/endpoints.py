@@ -215,17 +215,6 @@ class WeightInbox:
             self._staged, self._staged_flat, self._failure = {}, None, message
             self._changed.notify_all()
 
-    def take(self) -> tuple[Weights, int] | None:
-        """The newest complete update not yet taken, as (weights by name, version), or None.
-
-        The weights are the caller's to keep (a flat update's buffer is not reused afterwards).
-        """
-        with self._changed:
-            ready, self._ready = self._ready, None
-            if ready is None:
-                return None
-            return (dict(ready.named()) if isinstance(ready, FlatWeights) else ready), self._ready_version
-
     def install(self, bind: BindFn, copy: CopyFn) -> int | None:
         """Hand the newest complete update to the engine; returns its version, None when there is none.
 

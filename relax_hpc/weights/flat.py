@@ -16,11 +16,7 @@ from typing import Sequence
 
 import torch
 
-from relax_hpc.weights.layout import ALIGN, Bucket, plan_buckets, view_param
-
-
-def _aligned(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
+from relax_hpc.weights.layout import Bucket, aligned, plan_buckets, view_param
 
 
 def _signature(buckets: Sequence[Bucket]) -> tuple:
@@ -38,7 +34,7 @@ class FlatWeights:
         total = 0
         for b in self.buckets:
             self.starts.append(total)
-            total = _aligned(total + b.nbytes)
+            total = aligned(total + b.nbytes)
         self.buffer = torch.empty(total, dtype=torch.uint8, device=self.device)
         self._signature = _signature(self.buckets)
 
@@ -57,10 +53,6 @@ class FlatWeights:
         flat = reuse if reuse is not None and reuse.fits(buckets, device) else cls(buckets, device)
         flat.copy_from(named)
         return flat
-
-    @property
-    def nbytes(self) -> int:
-        return sum(b.nbytes for b in self.buckets)
 
     def fits(self, buckets: Sequence[Bucket], device: str | torch.device | None = None) -> bool:
         """True when `buckets` (e.g. a received header's) describe this buffer's layout."""

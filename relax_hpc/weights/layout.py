@@ -78,7 +78,8 @@ def dtype_from_name(name: str) -> torch.dtype:
     return dtype
 
 
-def _aligned(n: int) -> int:
+def aligned(n: int) -> int:
+    """`n` rounded up to a multiple of `ALIGN`."""
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
@@ -117,7 +118,7 @@ def plan_buckets(
             close_packed()
             buckets.append(Bucket(len(buckets), nbytes, True, (slot,)))
             continue
-        offset = _aligned(used)
+        offset = aligned(used)
         if current and offset + nbytes > bucket_bytes:
             close_packed()
             offset = 0

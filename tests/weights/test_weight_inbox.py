@@ -28,20 +28,27 @@ def test_required_weight_version(step: int, start_step: int, start_version: int,
     assert required_weight_version(step, start_step, start_version, max_staleness) == expected
 
 
+def _take(inbox: WeightInbox) -> tuple[dict[str, torch.Tensor], int] | None:
+    """Install the newest complete update into an engine that copies; what it got, or None."""
+    got: list[tuple[dict[str, torch.Tensor], int]] = []
+    inbox.install(lambda flat, version: False, lambda named, version: got.append((dict(named), version)))
+    return got[0] if got else None
+
+
 def test_staged_buckets_are_invisible_until_the_commit() -> None:
     inbox = WeightInbox()
     buffer = torch.ones(3)
     inbox.stage([("a", buffer)])
     buffer.fill_(7.0)  # a channel reuses its bucket buffer: the staged copy must not change
-    assert inbox.take() is None
+    assert _take(inbox) is None
     inbox.stage([("b", torch.zeros(2))])
     inbox.commit(4)
-    update = inbox.take()
+    update = _take(inbox)
     assert update is not None
     weights, version = update
     assert version == 4 and sorted(weights) == ["a", "b"]
     assert torch.equal(weights["a"], torch.ones(3))
-    assert inbox.take() is None  # handed out once
+    assert _take(inbox) is None  # handed out once
 
 
 def test_complete_updates_not_yet_taken_merge_and_the_newer_wins() -> None:
@@ -50,7 +57,7 @@ def test_complete_updates_not_yet_taken_merge_and_the_newer_wins() -> None:
     inbox.commit(1)
     inbox.stage([("a", torch.tensor([2.0]))])
     inbox.commit(2)
-    update = inbox.take()
+    update = _take(inbox)
     assert update is not None
     weights, version = update
     assert version == 2 and weights["a"].item() == 2.0 and weights["b"].item() == 1.0
@@ -63,7 +70,7 @@ def _waiter(inbox: WeightInbox, version: int, current: int, stop: threading.Even
     def run() -> None:  # what a producer does at its batch boundary: wait, then take the update
         try:
             outcome.append(inbox.wait_for(version, current, stop, timeout_s, "rollout"))
-            update = inbox.take()
+            update = _take(inbox)
             outcome.append(None if update is None else update[1])
         except Exception as exc:  # noqa: BLE001 - the test inspects it
             outcome.append(exc)
@@ -115,7 +122,7 @@ def test_wait_stops_when_asked_and_reports_a_failed_broadcast() -> None:
     assert "rollout needs weight version 1 (engine has 0)" in str(outcome[0])
     assert "rank 0 died" in str(outcome[0])
     inbox.commit(1)  # the half-received update was dropped: only what was staged since counts
-    update = inbox.take()
+    update = _take(inbox)
     assert update is not None and update[0] == {}
 
 
