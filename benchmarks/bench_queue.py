@@ -9,8 +9,9 @@ For each sample size (64 KiB and 1 MiB) it measures, in the same run and on the 
   broker);
 * queue, per path: the server runs in its own process (like the driver), a producer process
   puts samples into ``train_<k>`` partitions (``put_async``: up to 4 puts in flight) and
-  completes them, this process reads them with ``stream`` (the next get in flight while a batch
-  is read; acks ride on gets), then clears them. Path ``shm`` (the default on one host): payloads go through the server's
+  completes them, this process reads them as the actor does: ``prefetch`` of partition k+1
+  before partition k is read, ``stream`` (the next get in flight while a batch is read; acks
+  ride on gets), then ``clear``. Path ``shm`` (the default on one host): payloads go through the server's
   shared-memory directory and only headers cross the loopback. Path ``tcp`` (what a client on
   another host uses): every byte crosses the loopback twice, producer -> server -> consumer;
 * latency: single samples put at a gentle pace while the consumer waits in ``get``; p50/p99 of
@@ -183,7 +184,11 @@ def bench_queue(address: str, plan: Plan) -> Result:
     got, step = 0, plan.first_step
     while got < plan.samples:
         partition = f"train_{step}"
-        # as the roles read: the next get is on its way while a batch is read, acks ride on gets
+        # As the actor reads: the next partition's first get is asked for before this one is
+        # read; within a partition the next get is on its way while a batch is read and acks
+        # ride on gets.
+        if got + plan.rows_per_partition < plan.samples:
+            client.prefetch(f"train_{step + 1}", "bench", ["x"], plan.rows_per_message, timeout=120)
         for batch in client.stream(partition, "bench", ["x"], plan.rows_per_message, timeout=120):
             got += len(batch)
         client.clear(partition)

@@ -10,8 +10,9 @@ the copy itself (measured: 0.35 ms to write and 0.14 ms to delete a new 1 MiB fi
 refill a mapped one).
 The server stores references and never touches the bytes, except to inline them for a client
 that cannot see the directory (another host, or ``RELAX_TQ_SHM=0``). A consumer on the host
-reads the bytes straight into freshly allocated tensors (one copy out of shared memory), so what
-it receives owns its memory and stays valid after the partition is cleared.
+copies the bytes from its cached read-only mappings of those segments (:class:`ShmMaps`) into
+freshly allocated tensors (one copy out of shared memory), so what it receives owns its memory
+and stays valid after the partition is cleared.
 
 Lifetime rules (the server enforces them through :class:`ShmStore`):
 
@@ -32,8 +33,8 @@ New segments are written under a dot-prefixed temporary name and then renamed; a
 renamed to its new name before it is refilled, and the new name is sent only after the copy.
 References are plain names (``wire.SHM_NAME``: no ``/``, no ``.``), so a reference can never
 name a temporary or released file nor a path outside the directory. Regular files only: symlinks
-are refused. A consumer checks after copying that the name still exists: a batch read while its
-partition is being cleared fails loudly instead of returning recycled bytes.
+are refused. A consumer checks after copying that the name still names the inode it copied from: a batch
+read while its partition is being cleared fails loudly instead of returning recycled bytes.
 """
 
 from __future__ import annotations
@@ -43,8 +44,10 @@ import os
 import shutil
 import stat
 import tempfile
+import threading
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -196,71 +199,139 @@ def _fill(target: memoryview, views: list[memoryview], offsets: list[int]) -> No
 
 
 # --------------------------------------------------------------------------- consumer side
-class ShmReader:
-    """Reads the shm bytes of a get reply, one column at a time (a :data:`wire.ShmReader`).
+class ShmMaps:
+    """A consumer's read-only mappings of payload files, kept across gets (a :data:`wire.ShmReader`).
 
-    Each call copies the rows' byte ranges into one new buffer (rows of one put lie back to back
-    in one file, so that is usually one ``preadv``); the tensors built on it own their memory and
-    stay valid after the partition is cleared. :meth:`verify` then checks that no file was
-    released meanwhile, :meth:`close` closes the files.
+    Producers refill the same segments under new names, so a consumer meets the same few
+    inodes again and again: it keeps each mapped, keyed by (device, inode), and a read is one
+    ``stat`` of the name plus a memory copy (measured: 23 us for 1 MiB from a mapping, 63 us
+    through ``preadv``). A mapping holds its inode, so its number cannot name another file
+    while it is cached. At most ``max_maps`` mappings and ``max_bytes`` bytes stay mapped
+    (least recently used go first); a mapping of a deleted file pins its memory only until then.
+
+    Each read copies the rows' byte ranges into one new buffer; the tensors built on it own
+    their memory and stay valid after the partition is cleared. :meth:`verify` then checks that
+    every name read still names the inode read from: a batch read while its partition was
+    cleared (and its segment handed back for reuse) fails loudly instead of returning recycled
+    bytes. Thread-safe: reads are serialised.
     """
 
-    def __init__(self, directory: str) -> None:
+    def __init__(self, directory: str, max_maps: int = 64, max_bytes: int = 512 * 1024 * 1024) -> None:
         self.directory = directory
-        self._fds: dict[str, int] = {}
+        self.max_maps = max_maps
+        self.max_bytes = max_bytes
+        self._maps: OrderedDict[tuple[int, int], _Mapping] = OrderedDict()
+        self._bytes = 0
+        self._read: dict[str, tuple[int, int]] = {}  # name -> inode, since the last verify
+        self._lock = threading.RLock()
 
     def __call__(self, files: list[str], offsets: list[int], sizes: list[int]) -> np.ndarray:
         out = np.empty(sum(sizes), dtype=np.uint8)
         target = memoryview(out)
         at, i, n = 0, 0, len(files)
-        while i < n:
-            file, start, length = files[i], offsets[i], sizes[i]
-            j = i + 1
-            while j < n and files[j] == file and offsets[j] == start + length:  # coalesce
-                length += sizes[j]
-                j += 1
-            if length:
-                _read_exact(self._fd(file), target[at : at + length], file, start)
-            at, i = at + length, j
+        with self._lock:
+            while i < n:
+                file, start, length = files[i], offsets[i], sizes[i]
+                j = i + 1
+                while j < n and files[j] == file and offsets[j] == start + length:  # coalesce
+                    length += sizes[j]
+                    j += 1
+                if length:
+                    source = self._mapping(file)
+                    if start + length > source.size:
+                        raise WireError(f"shm payload {file!r} ends before offset {start} + {length} bytes")
+                    target[at : at + length] = source.view[start : start + length]
+                at, i = at + length, j
         return out
 
-    def _fd(self, file: str) -> int:
-        fd = self._fds.get(file)
-        if fd is None:
-            fd = self._fds[file] = _open_payload(self.directory, file)
-        return fd
-
     def verify(self) -> None:
-        """Raise if a file read from was released (its partition cleared) while it was read."""
-        for file, fd in self._fds.items():
-            if not _same_file(os.path.join(self.directory, file), fd):
-                raise WireError(
-                    f"shm payload {file!r} was released while this batch was read: its partition was "
-                    "cleared during the get; get only from partitions that are not being cleared"
-                )
+        """Raise if a file read since the last call was released (its partition cleared) while
+        it was read."""
+        with self._lock:
+            read, self._read = self._read, {}
+            for file, key in read.items():
+                if _inode(os.path.join(self.directory, file)) != key:
+                    raise WireError(
+                        f"shm payload {file!r} was released while this batch was read: its partition was "
+                        "cleared during the get; get only from partitions that are not being cleared"
+                    )
 
     def close(self) -> None:
-        for fd in self._fds.values():
+        with self._lock:
+            for mapping in self._maps.values():
+                mapping.close()
+            self._maps.clear()
+            self._bytes = 0
+            self._read.clear()
+
+    def _mapping(self, file: str) -> _Mapping:
+        key = self._read.get(file)
+        if key is None:
+            key = _inode(os.path.join(self.directory, file))
+        mapping = self._maps.get(key) if key is not None else None
+        if mapping is None:
+            key, mapping = self._map(file)
+        else:
+            self._maps.move_to_end(key)
+        self._read[file] = key
+        return mapping
+
+    def _map(self, file: str) -> tuple[tuple[int, int], _Mapping]:
+        fd = _open_payload(self.directory, file)
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                raise WireError(f"shm payload {file!r} is not a regular file")
+            key = (info.st_dev, info.st_ino)
+            stale = self._maps.pop(key, None)
+            if stale is not None:  # the same inode under a size it did not have: map it anew
+                self._bytes -= stale.size
+                stale.close()
+            memory = mmap.mmap(fd, info.st_size, prot=mmap.PROT_READ) if info.st_size else None
+        finally:
             os.close(fd)
-        self._fds.clear()
+        mapping = _Mapping(info.st_size, memory)
+        while self._maps and (len(self._maps) >= self.max_maps or self._bytes + mapping.size > self.max_bytes):
+            _, oldest = self._maps.popitem(last=False)
+            self._bytes -= oldest.size
+            oldest.close()
+        self._maps[key] = mapping
+        self._bytes += mapping.size
+        return key, mapping
 
 
-def read_blocks(directory: str, descs: Any, frames: Sequence[Buffer]) -> list[dict[str, Value]]:
-    """Materialise a get reply whose array columns may reference shm files in ``directory``."""
-    reader = ShmReader(directory)
+class _Mapping:
+    def __init__(self, size: int, memory: mmap.mmap | None) -> None:
+        self.size = size
+        self.memory = memory
+        self.view = memoryview(memory) if memory is not None else memoryview(b"")  # type: ignore[arg-type]
+
+    def close(self) -> None:
+        self.view.release()
+        if self.memory is not None:
+            self.memory.close()
+
+
+def read_blocks(directory: str, descs: Any, frames: Sequence[Buffer], maps: ShmMaps | None = None) -> list[dict[str, Value]]:
+    """Materialise a get reply whose array columns may reference shm files in ``directory``,
+    through ``maps`` (a client keeps one; None: map for this call only)."""
+    reader = ShmMaps(directory) if maps is None else maps
     try:
-        rows = materialize_blocks(descs, frames, reader)
-        reader.verify()
+        with reader._lock:
+            rows = materialize_blocks(descs, frames, reader)
+            reader.verify()
         return rows
     finally:
-        reader.close()
+        if maps is None:
+            reader.close()
 
 
-def _same_file(path: str, fd: int) -> bool:
+def _inode(path: str) -> tuple[int, int] | None:
     try:
-        return os.stat(path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino
+        info = os.stat(path, follow_symlinks=False)
     except FileNotFoundError:
-        return False
+        return None
+    return (info.st_dev, info.st_ino)
 
 
 def _open_payload(directory: str, name: str) -> int:

@@ -46,6 +46,7 @@ from relax_hpc.transfer.queue import (
 )
 from relax_hpc.transfer.shm import (
     SegmentPool,
+    ShmMaps,
     client_can_use,
     read_blocks,
     same_host_endpoint,
@@ -148,6 +149,7 @@ class TransferQueueClient:
         self._prefetched: dict[tuple[Any, ...], int] = {}  # stream arguments -> get request in flight
         self._closed = False
         self._pool: SegmentPool | None = None
+        self._maps: ShmMaps | None = None
         try:
             reply, _ = self._request({"op": "ping"}, (), wait=0.0, timeout=connect_timeout, retries=0)
         except BaseException:
@@ -161,6 +163,7 @@ class TransferQueueClient:
         self._payloads = itertools.count()
         if self.shm_dir is not None:
             self._pool = SegmentPool(self.shm_dir)
+            self._maps = ShmMaps(self.shm_dir)
             self._move_to_same_host_endpoint(same_host_endpoint(self.shm_dir, reply.get("ipc")))
 
     # ----------------------------------------------------------------- the interface
@@ -320,6 +323,8 @@ class TransferQueueClient:
                 self._sock.close(0)
                 if self._pool is not None:
                     self._pool.close()
+                if self._maps is not None:
+                    self._maps.close()
 
     def __enter__(self) -> TransferQueueClient:
         return self
@@ -364,7 +369,10 @@ class TransferQueueClient:
     def _batch(self, partition: str, reply: dict[str, Any], frames: list[Any]) -> Batch:
         try:
             blocks = reply.get("blocks")
-            rows = materialize_blocks(blocks, frames) if self.shm_dir is None else read_blocks(self.shm_dir, blocks, frames)
+            if self.shm_dir is None:
+                rows = materialize_blocks(blocks, frames)
+            else:
+                rows = read_blocks(self.shm_dir, blocks, frames, self._maps)
         except WireError as exc:
             raise TransferQueueError(f"transfer queue at {self.address} sent a malformed batch: {exc}") from None
         return Batch(partition, list(reply["idx"]), rows, bool(reply["end"]))

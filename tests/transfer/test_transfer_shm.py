@@ -323,6 +323,58 @@ def test_reading_a_batch_whose_partition_is_cleared_meanwhile_fails_loudly(serve
     q.close()
 
 
+def test_a_consumer_reads_reused_segments_through_one_cached_mapping(server: TransferQueueServer) -> None:
+    producer, consumer = client(server), client(server)
+    maps = consumer._maps
+    assert maps is not None
+    for step in range(3):  # the producer refills one segment under a new name each step
+        producer.put(f"train_{step}", samples(4, start=10 * step))
+        batch = consumer.get(f"train_{step}", "actor", ["x"], 4, timeout=5)
+        assert [float(r["x"][0]) for r in batch.rows] == [10.0 * step + i for i in range(4)]  # type: ignore[index]
+        consumer.clear(f"train_{step}")
+    assert len(maps._maps) == 1  # one inode, mapped once, read three times
+    received = batch.rows[0]["x"]
+    producer.put("train_3", samples(4, start=99))  # the segment is refilled again
+    assert float(received[0]) == 20.0  # type: ignore[index]  # what was received owns its memory
+    producer.close()
+    consumer.close()
+
+
+def test_a_cached_mapping_never_serves_a_name_that_was_released(server: TransferQueueServer) -> None:
+    q = client(server)
+    q.put("train_0", samples(1))
+    (name,) = payload_files(server)
+    blocks = [{"n": 1, "cols": {"x": ["s", "t", "float32", [[SAMPLE]], name, [0]]}}]
+    maps = shm.ShmMaps(server.shm_dir or "")
+    assert torch.equal(shm.read_blocks(server.shm_dir or "", blocks, [], maps)[0]["x"], torch.zeros(SAMPLE))  # type: ignore[arg-type]
+    q.clear("train_0")  # the name goes; the memory is still mapped here
+    with pytest.raises(WireError, match="partition was cleared"):
+        shm.read_blocks(server.shm_dir or "", blocks, [], maps)
+    maps.close()
+    q.close()
+
+
+def test_mappings_are_bounded_oldest_first(server: TransferQueueServer) -> None:
+    q = client(server)
+    maps = shm.ShmMaps(server.shm_dir or "", max_maps=2)
+    names = []
+    for step in range(3):  # three partitions alive at once: three segments
+        q.put(f"train_{step}", samples(1, start=step))
+        names.append(next(n for n in payload_files(server) if n not in names))
+    for step, name in enumerate(names):
+        blocks = [{"n": 1, "cols": {"x": ["s", "t", "float32", [[SAMPLE]], name, [0]]}}]
+        rows = shm.read_blocks(server.shm_dir or "", blocks, [], maps)
+        assert float(rows[0]["x"][0]) == float(step)  # type: ignore[index]
+    inodes = [os.stat(os.path.join(server.shm_dir or "", n)).st_ino for n in names]
+    assert [key[1] for key in maps._maps] == inodes[1:]  # the first one was unmapped
+    small = shm.ShmMaps(server.shm_dir or "", max_bytes=1)  # a mapping larger than the bound still serves
+    blocks = [{"n": 1, "cols": {"x": ["s", "t", "float32", [[SAMPLE]], names[2], [0]]}}]
+    assert float(shm.read_blocks(server.shm_dir or "", blocks, [], small)[0]["x"][0]) == 2.0  # type: ignore[index]
+    maps.close()
+    small.close()
+    q.close()
+
+
 def test_a_killed_servers_directory_is_removed_by_the_next_server(tmp_path: Any) -> None:
     import signal
     import subprocess
