@@ -93,14 +93,20 @@ class ActorWorker(WeightSenderEndpoint):
         return self.backend.train(samples)
 
     def train_from_queue(self, target: Any, step: int, timeout_s: float,
-                         prefetch_step: int | None = None) -> dict[str, float]:
+                         prefetch_step: int | None = None,
+                         publish_version: int | None = None) -> dict[str, float]:
         """Train on partition train_<step> as its rows arrive; ack them only after the optimizer step.
 
         Rows are packed straight from their tensors (`pack_rows`); `Sample`s are built only for
         the trajectory archive, which stores them. With `prefetch_step`, the first micro-batch
         of that step is asked for before this one trains (`TransferQueue.prefetch`), so it
-        arrives while this step computes.
+        arrives while this step computes. With `publish_version`, rank 0 then starts the
+        broadcast of the trained weights as that version (`start_send_weights`: it waits for the
+        previous broadcast, snapshots, and sends in the background), so the next step, queued
+        behind this call, starts without a round trip to the driver. `train_s` is this rank's
+        time for the step, `sync_s` its time starting the broadcast.
         """
+        t_start = time.perf_counter()
         if self._queue is None:
             self._queue = connect_queue(target, f"actor-rank{self.rank}")
         queue, partition = self._queue, partition_name(step)
@@ -139,9 +145,13 @@ class ActorWorker(WeightSenderEndpoint):
         queue.ack(partition, "actor", received)
         if self.archive is not None:  # after the optimizer step: only trained samples are archived
             self.archive.append(step, trained)
+        t_trained = time.perf_counter()
+        if publish_version is not None and self.rank == 0:
+            self.start_send_weights(publish_version)
+        t_published = time.perf_counter()
         settle_heap()  # once, after the first step: start-up is over
         return {**stats, "rows": float(len(received)), "reward_sum": float(sum(rewards)),
-                "queue_wait_s": waited[0]}
+                "queue_wait_s": waited[0], "train_s": t_trained - t_start, "sync_s": t_published - t_trained}
 
     def export_weights(self) -> list[tuple[str, torch.Tensor]]:
         return [(n, t.clone()) for n, t in self.backend.named_weights()]

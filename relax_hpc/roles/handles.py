@@ -8,6 +8,7 @@ in-memory queue (fast tests, debugging).
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, Callable, Protocol, Sequence
 
 from relax_hpc.ckpt import ResumeState
@@ -18,7 +19,7 @@ from relax_hpc.roles.forward import ForwardConfig, ForwardWorker
 from relax_hpc.roles.rollout import RolloutConfig, RolloutWorker
 from relax_hpc.transfer.memory import InMemoryTransferQueue
 from relax_hpc.transfer.queue import partition_name
-from relax_hpc.weights.base import InProcessWeightSync, WeightSync
+from relax_hpc.weights.base import InProcessWeightSync, PendingWeights, WeightSync
 from relax_hpc.weights.ray_sync import DistributedWeightSync
 
 
@@ -33,22 +34,27 @@ def _worker_class(cfg: RoleConfig) -> type[ForwardWorker] | type[AdvantagesWorke
 
 
 class TrainTicket(Protocol):
-    """A submitted training step; `result()` blocks until it is trained and returns its stats."""
+    """A submitted training step; `result()` blocks until it is trained and returns its stats.
+
+    The trainer starts the broadcast of the weights it trained as the step's `publish_version`
+    right after the step; `published()`, called once after `result()`, hands back that
+    broadcast (its `wait()` returns when every receiver holds the version)."""
 
     def result(self) -> dict[str, float]: ...
+    def published(self) -> PendingWeights: ...
 
 
 class Roles(Protocol):
     """What the driver calls. Rollout runs its own producer loop into the transfer queue, paced by
     the staleness rule; the trainer consumes one partition per step. `start_version` is the weight
     version the trainer starts from: with it rollout and ActorFwd know which version each step needs.
-    Calls to the trainer run in the order they are made: a step submitted after `weights.start`
-    trains after the snapshot."""
+    Calls to the trainer run in the order they are made: a step submitted while another trains
+    runs after it and after that step's broadcast has started."""
 
     weights: WeightSync
 
     def start_rollout(self, start_step: int, total_steps: int, max_staleness: int, start_version: int) -> None: ...
-    def start_train(self, step: int) -> TrainTicket: ...
+    def start_train(self, step: int, publish_version: int) -> TrainTicket: ...
     def clear_step(self, step: int) -> None: ...
     def step_report(self, step: int) -> tuple[dict[str, float], dict]: ...
     def save_checkpoint(self, state: ResumeState) -> str: ...
@@ -85,11 +91,11 @@ class LocalRoles:
         found = [e for e in (self.rollout.producer_error(), *(f.error() for f in self.queue_roles)) if e]
         return "; ".join(found) or None
 
-    def start_train(self, step: int) -> TrainTicket:
+    def start_train(self, step: int, publish_version: int) -> TrainTicket:
         # Lazy: in one process the step runs when the loop asks for it, after the clear that
-        # lets a strictly on-policy rollout produce it.
+        # lets a strictly on-policy rollout produce it; its weights are handed over right after.
         return _LazyTicket(lambda: _guard(self._errors, lambda: self.actor.train_from_queue(
-            self.queue, step, self.timeout_s)))
+            self.queue, step, self.timeout_s)), lambda: self.weights.start(publish_version))
 
     def clear_step(self, step: int) -> None:
         self.queue.clear(partition_name(step))
@@ -117,11 +123,21 @@ class LocalRoles:
 
 
 class _LazyTicket:
-    def __init__(self, run: Callable[[], dict[str, float]]) -> None:
-        self._run = run
+    def __init__(self, run: Callable[[], dict[str, float]], publish: Callable[[], PendingWeights]) -> None:
+        self._run, self._publish = run, publish
+        self._published: PendingWeights | None = None
 
     def result(self) -> dict[str, float]:
-        return self._run()
+        stats = self._run()
+        t0 = time.perf_counter()
+        self._published = self._publish()
+        stats["sync_s"] = time.perf_counter() - t0
+        return stats
+
+    def published(self) -> PendingWeights:
+        if self._published is None:
+            raise RuntimeError("published() before result(): the step has not trained yet")
+        return self._published
 
 
 class _RayTicket:
@@ -129,8 +145,10 @@ class _RayTicket:
     whether they failed: a dead rollout then ends the step at once with its error, instead of
     after the trainer's queue timeout (the stuck trainer is killed at shutdown)."""
 
-    def __init__(self, refs: list[Any], errors: Callable[[], str | None], poll_s: float = 1.0) -> None:
+    def __init__(self, refs: list[Any], errors: Callable[[], str | None], poll_s: float = 1.0,
+                 publish: Callable[[], PendingWeights] | None = None) -> None:
         self._refs, self._errors, self._poll_s = refs, errors, poll_s
+        self._publish = publish
         self.done = False
 
     def result(self) -> dict[str, float]:
@@ -146,6 +164,12 @@ class _RayTicket:
         stats = _guard(self._errors, lambda: _merge_rank_stats(ray.get(self._refs)))
         self.done = True
         return stats
+
+    def published(self) -> PendingWeights:
+        """The receivers' side of the broadcast rank 0 started after this step, posted now."""
+        if not self.done or self._publish is None:
+            raise RuntimeError("published() needs a finished step submitted with a publish_version")
+        return self._publish()
 
 
 def _guard(producer_error: Any, train: Any) -> dict[str, float]:
@@ -241,6 +265,7 @@ class RayRoles:
         import ray
 
         self._total_steps = total_steps
+        self.weights.connect()  # before any step is queued on the trainer: it opens the channel
         self._rollout_call("start_producer", self.queue_address, start_step, total_steps, max_staleness,
                            start_version)
         ray.get([f.start.remote(self.queue_address, start_step, total_steps, start_version=start_version)
@@ -252,12 +277,15 @@ class RayRoles:
         found = [self._rollout_call("producer_error"), *ray.get([f.error.remote() for f in self._queue_roles])]
         return "; ".join(e for e in found if e) or None
 
-    def start_train(self, step: int) -> TrainTicket:
+    def start_train(self, step: int, publish_version: int) -> TrainTicket:
         # Each rank asks for its first rows of the next step now, so they are on their way by
         # the time this step ends (when rollout runs ahead, they are usually there already).
+        # Rank 0 starts the broadcast of the trained weights itself; the receivers are posted
+        # once the step is back (`published`), after the previous broadcast was waited for.
         after = step + 1 if step + 1 < self._total_steps else None
-        refs = [a.train_from_queue.remote(self.queue_address, step, self.timeout_s, after) for a in self._actors]
-        self._ticket = _RayTicket(refs, self._errors)
+        refs = [a.train_from_queue.remote(self.queue_address, step, self.timeout_s, after, publish_version)
+                for a in self._actors]
+        self._ticket = _RayTicket(refs, self._errors, publish=lambda: self.weights.expect(publish_version))
         return self._ticket
 
     def clear_step(self, step: int) -> None:
@@ -301,8 +329,12 @@ class RayRoles:
 
 
 def _merge_rank_stats(per_rank: list[dict[str, float]]) -> dict[str, float]:
-    """Rows and reward sums add up over ranks; the loss statistics are already global means."""
+    """Rows and reward sums add up over ranks; the loss statistics are already global means; a
+    step takes as long as its slowest rank (and only rank 0 starts the broadcast)."""
     merged = mean_stats(per_rank)
     merged["rows"] = sum(s["rows"] for s in per_rank)
     merged["reward_sum"] = sum(s["reward_sum"] for s in per_rank)
+    for key in ("train_s", "sync_s", "queue_wait_s"):
+        if key in merged:
+            merged[key] = max(s[key] for s in per_rank)
     return merged

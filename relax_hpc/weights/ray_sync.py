@@ -7,8 +7,13 @@ tells the sender to send, and waits for all of them with a deadline; errors name
 `PendingSync` so the driver can run the next training step while the bytes move:
 
     pending = weights.start(version)   # sender snapshots its weights, broadcast starts
-    stats = roles.start_train(step).result()  # overlaps the broadcast
+    stats = train_the_next_step()      # overlaps the broadcast
     pending.wait()                     # every receiver now holds `version` (or this raises)
+
+In the training loop the trainer starts each broadcast itself, at the end of its step
+(`ActorWorker.train_from_queue(..., publish_version=v)`), so that the next step queued behind it
+starts at once; the driver then only posts the receivers' side with `expect(v)` and waits for
+them. The sender waits (with the channel's deadline) until every receiver is ready.
 
 Receivers stage the buckets and switch to the new version after the last one; rollout and
 ActorFwd wait at their batch boundary for the version the staleness bound requires
@@ -38,7 +43,8 @@ def _first_line(exc: BaseException) -> str:
 class PendingSync:
     """An in-flight `DistributedWeightSync` broadcast; `wait()` returns when every receiver runs it."""
 
-    def __init__(self, owner: DistributedWeightSync, version: int, start_ref: Any, receive_refs: list[Any]) -> None:
+    def __init__(self, owner: DistributedWeightSync, version: int, start_ref: Any | None,
+                 receive_refs: list[Any]) -> None:
         self.owner, self.version = owner, version
         self._start_ref, self._receive_refs = start_ref, receive_refs
         self._done = False
@@ -59,12 +65,14 @@ class PendingSync:
         import ray
 
         owner = self.owner
-        finish_ref = owner.sender.finish_send_weights.remote()
-        refs = [finish_ref, self._start_ref, *self._receive_refs]
+        # A broadcast the trainer started itself (start_ref None) is finished by the trainer's
+        # next one, or at shutdown; its receivers answering means every byte arrived.
+        sender_refs = [] if self._start_ref is None else [self._start_ref, owner.sender.finish_send_weights.remote()]
+        refs = [*sender_refs, *self._receive_refs]
         _, not_ready = ray.wait(refs, num_returns=len(refs), timeout=owner.timeout_s + _RAY_GRACE_S)
         problems: list[str] = []
         sender_error = ""
-        for ref in (self._start_ref, finish_ref):  # the first error is the cause; keep it
+        for ref in sender_refs:  # the first error is the cause; keep it
             if sender_error:
                 break
             if ref in not_ready:
@@ -148,6 +156,12 @@ class DistributedWeightSync:
         receive_refs = [r.receive_weights.remote() for r in self.receivers]
         start_ref = self.sender.start_send_weights.remote(version)
         return PendingSync(self, version, start_ref, receive_refs)
+
+    def expect(self, version: int) -> PendingSync:
+        """The receivers' side of a broadcast the trainer starts itself (see the module doc):
+        every receiver takes part in the next broadcast, which must be `version`."""
+        self.connect()
+        return PendingSync(self, version, None, [r.receive_weights.remote() for r in self.receivers])
 
     def sync(self, version: int) -> None:
         self.start(version).wait()

@@ -1,4 +1,5 @@
-"""The weight broadcast overlaps the next training step: call order, errors, and the staleness bound.
+"""The trainer never waits for the loop: the next step is queued behind the current one and its
+broadcast. Call order, checkpoints, stop requests, errors, and the staleness bound.
 
 The first tests drive `run_loop` with recording role doubles (fast, exact order of calls); the
 last two run real workers: in process with a broadcast that fails, and on Ray with
@@ -33,45 +34,48 @@ class RecordedPending:
 
 
 class RecordedWeights:
-    def __init__(self, events: list[str], failing_version: int | None) -> None:
-        self.events, self.failing_version = events, failing_version
-
-    def start(self, version: int) -> RecordedPending:
-        self.events.append(f"start {version}")
-        return RecordedPending(self.events, version, CHANNEL_ERROR if version == self.failing_version else None)
+    def __init__(self, events: list[str]) -> None:
+        self.events = events
 
     def sync(self, version: int) -> None:
         self.events.append(f"sync {version}")
 
 
 class RecordedTicket:
-    """A training step the trainer runs in submission order; `result` is when the loop asks."""
+    """A training step the trainer runs in submission order; `result` is when the loop asks.
+    The trainer starts the step's broadcast itself; `published` posts the receivers."""
 
-    def __init__(self, roles: "RecordedRoles", step: int) -> None:
-        self.roles, self.step = roles, step
+    def __init__(self, roles: "RecordedRoles", step: int, version: int) -> None:
+        self.roles, self.step, self.version = roles, step, version
 
     def result(self) -> dict[str, float]:
         self.roles.events.append(f"train {self.step}")
         if self.step == self.roles.train_fails_at:
             raise TimeoutError(f"get from 'train_{self.step}' timed out; is the producer of those fields running?")
-        return {"rows": 4.0, "reward_sum": 1.0, "loss": 0.5}
+        return {"rows": 4.0, "reward_sum": 1.0, "loss": 0.5, "train_s": 0.01, "sync_s": 0.001}
+
+    def published(self) -> RecordedPending:
+        self.roles.events.append(f"post {self.version}")
+        error = CHANNEL_ERROR if self.version == self.roles.failing_version else None
+        return RecordedPending(self.roles.events, self.version, error)
 
 
 class RecordedRoles:
-    """Every call the loop makes, in order; training step `train_fails_at` raises like a starved queue."""
+    """Every call the loop makes, in order; training step `train_fails_at` raises like a starved
+    queue; the broadcast of `failing_version` fails."""
 
     def __init__(self, resume: ResumeState | None = None, failing_version: int | None = None,
                  train_fails_at: int | None = None) -> None:
         self.events: list[str] = []
-        self.weights = RecordedWeights(self.events, failing_version)
-        self.resume, self.train_fails_at = resume, train_fails_at
+        self.weights = RecordedWeights(self.events)
+        self.resume, self.failing_version, self.train_fails_at = resume, failing_version, train_fails_at
 
     def start_rollout(self, start_step: int, total_steps: int, max_staleness: int, start_version: int) -> None:
         self.events.append(f"rollout from step {start_step} version {start_version}")
 
-    def start_train(self, step: int) -> "RecordedTicket":
-        self.events.append(f"submit {step}")
-        return RecordedTicket(self, step)
+    def start_train(self, step: int, publish_version: int) -> RecordedTicket:
+        self.events.append(f"submit {step} publish {publish_version}")
+        return RecordedTicket(self, step, publish_version)
 
     def clear_step(self, step: int) -> None:
         self.events.append(f"clear {step}")
@@ -102,39 +106,56 @@ def _run(roles: RecordedRoles, total: int, resume: bool = False) -> InMemorySink
     return sink
 
 
-def test_a_step_is_cleared_first_and_each_broadcast_is_waited_for_before_the_next_one() -> None:
+def test_the_next_step_is_queued_before_the_result_and_each_broadcast_is_waited_for_in_turn() -> None:
     roles = RecordedRoles()
     sink = _run(roles, total=4)
     assert roles.events == [
         "rollout from step 0 version 0",
-        "submit 0",
-        # cleared at once (rollout may go on); the next step is submitted right after the snapshot
-        "train 0", "clear 0", "start 1", "submit 1",
-        # a checkpoint step: nothing is submitted until the trainer has saved exactly step 2
-        "train 1", "clear 1", "wait 1", "start 2", "checkpoint 2 version 2", "submit 2",
-        "train 2", "clear 2", "wait 2", "start 3", "submit 3",
-        "train 3", "clear 3", "wait 3", "start 4", "checkpoint 4 version 4",
+        "submit 0 publish 1",
+        # step 1 is queued behind step 0 before its result is back; step 0 is cleared at once
+        "submit 1 publish 2", "train 0", "clear 0", "post 1",
+        # step 2 is a checkpoint: nothing is queued past it until the trainer has saved it
+        "train 1", "clear 1", "wait 1", "post 2", "checkpoint 2 version 2", "submit 2 publish 3",
+        "submit 3 publish 4", "train 2", "clear 2", "wait 2", "post 3",
+        "train 3", "clear 3", "wait 3", "post 4", "checkpoint 4 version 4",
         "wait 4",  # the last broadcast is complete before the loop returns (and shutdown runs)
     ]
     assert [m["weight_version"] for _, m in sink.rows] == [1.0, 2.0, 3.0, 4.0]
-    assert all("time/sync_s" in m for _, m in sink.rows)
+    assert all(m["time/sync_s"] == 0.001 and m["time/train_s"] == 0.01 for _, m in sink.rows)
 
 
 def test_resume_pushes_the_checkpoint_version_and_counts_on_from_it() -> None:
     roles = RecordedRoles(resume=ResumeState(step=4, weight_version=6, data_cursor={}, samples_trained=0))
     _run(roles, total=5, resume=True)
     assert roles.events == [
-        "restore cursor", "sync 6", "rollout from step 4 version 6", "submit 4",
-        "train 4", "clear 4", "start 7", "checkpoint 5 version 7", "wait 7",
+        "restore cursor", "sync 6", "rollout from step 4 version 6", "submit 4 publish 7",
+        "train 4", "clear 4", "post 7", "checkpoint 5 version 7", "wait 7",
     ]
+
+
+def test_a_stop_lets_the_queued_step_finish_then_checkpoints_it() -> None:
+    roles = RecordedRoles()
+    stop = StopFlag()
+
+    def stop_after_first(step: int, m: dict[str, float]) -> None:
+        stop.requested = step == 1 or stop.requested
+
+    result = run_loop(LoopConfig(total_steps=6, max_staleness=1, save_interval=10, resume=False),
+                      roles, InMemorySink(), stop, stop_after_first)
+    assert roles.events[1:] == [
+        "submit 0 publish 1", "submit 1 publish 2", "train 0", "clear 0", "post 1",
+        "train 1", "clear 1", "wait 1", "post 2", "checkpoint 2 version 2", "wait 2",
+    ]
+    assert result.end_step == 2 and result.stopped_early and result.last_checkpoint == "step_2"
 
 
 def test_a_failed_broadcast_fails_the_loop_with_the_channel_error() -> None:
     roles = RecordedRoles(failing_version=2)
     with pytest.raises(WeightChannelError, match=r"weight sync to version 2 failed: sender"):
         _run(roles, total=5)
-    assert roles.events[roles.events.index("start 2"):] == ["start 2", "checkpoint 2 version 2",
-                                                            "submit 2", "train 2", "clear 2", "wait 2"]
+    assert roles.events[roles.events.index("post 2"):] == [
+        "post 2", "checkpoint 2 version 2", "submit 2 publish 3", "submit 3 publish 4",
+        "train 2", "clear 2", "wait 2"]
 
 
 def test_training_starved_by_a_failed_broadcast_reports_the_channel_error() -> None:

@@ -223,3 +223,34 @@ def test_live_weights_are_snapshotted_and_bound_by_the_receiver_without_copies(r
         sync.close()
         ray.kill(trainer)
         ray.kill(engine)
+
+
+@pytest.mark.slow
+def test_a_broadcast_the_trainer_starts_itself_reaches_receivers_posted_afterwards(ray_cluster: None) -> None:
+    """The training loop's flow: the trainer starts each broadcast at the end of its step, and
+    the driver posts the receivers only when the step's result is back (`expect`)."""
+    from weights_harness import make_weights, tensor_bytes
+
+    from relax_hpc.weights.ray_sync import DistributedWeightSync
+
+    trainer_cls, engine_cls = _actor_classes()
+    trainer = ray.remote(trainer_cls).options(num_cpus=0).remote()
+    engine = ray.remote(engine_cls).options(num_cpus=0).remote()
+    sync = DistributedWeightSync(trainer, [engine], host="127.0.0.1", bucket_bytes=1024, timeout_s=30,
+                                 labels=["rollout 0"])
+    try:
+        sync.connect()
+        for version, seed in [(1, 11), (2, 22), (3, 33)]:
+            ray.get(trainer.set_seed.remote(seed))
+            started = trainer.start_send_weights.remote(version)  # as train_from_queue does
+            ray.get(started)  # the sender now waits for its receivers
+            pending = sync.expect(version)
+            pending.wait()
+            got_version, _, weights = ray.get(engine.snapshot.remote())
+            assert got_version == version
+            assert weights == {n: tensor_bytes(t)[2] for n, t in make_weights(seed)}
+        assert ray.get(trainer.finish_send_weights.remote()) == 3
+    finally:
+        sync.close()
+        ray.kill(trainer)
+        ray.kill(engine)
