@@ -15,7 +15,7 @@ import torch
 from relax_hpc.engines.base import Generation, SamplingParams
 from relax_hpc.engines.sampling import sample_next
 from relax_hpc.models.hf import load_causal_lm, load_tokenizer
-from relax_hpc.weights.flat import FlatWeights, bind_module
+from relax_hpc.weights.flat import FlatWeights, bind_module, copy_into_module
 
 
 class NativeEngine:
@@ -38,15 +38,7 @@ class NativeEngine:
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Copy new weights in place (called between batches, never during `generate`)."""
-        own = self.model.state_dict()
-        with torch.no_grad():
-            for name, tensor in named_tensors:
-                if name not in own:
-                    raise KeyError(
-                        f"weight update names '{name}', which the rollout model does not have; "
-                        "are the trainer and the engine loading the same architecture?"
-                    )
-                own[name].copy_(tensor.to(own[name].device, own[name].dtype))
+        copy_into_module(self.model, named_tensors, "rollout")
         self._version = version
 
     def bind_weights(self, flat: FlatWeights, version: int) -> bool:

@@ -30,7 +30,7 @@ from relax_hpc.roles.step_loop import StepLoopWorker
 from relax_hpc.transfer.queue import partition_name
 from relax_hpc.weights.base import required_weight_version
 from relax_hpc.weights.endpoints import WeightInbox, WeightReceiverEndpoint
-from relax_hpc.weights.flat import bind_module
+from relax_hpc.weights.flat import bind_module, copy_into_module
 
 ForwardKind = Literal["actor_fwd", "reference"]
 OUTPUT_FIELD: dict[str, str] = {"actor_fwd": "log_probs", "reference": "ref_log_probs"}
@@ -106,15 +106,10 @@ class ForwardWorker(StepLoopWorker, WeightReceiverEndpoint):
         return self._inbox
 
     def _apply_pending(self) -> None:
-        version = self._inbox.install(lambda flat, _v: bind_module(self.model, flat), self._copy_weights)
+        version = self._inbox.install(lambda flat, _v: bind_module(self.model, flat),
+                                      lambda named, _v: copy_into_module(self.model, named, self.cfg.kind))
         if version is not None:
             self._version = version
-
-    def _copy_weights(self, named_tensors: list[tuple[str, torch.Tensor]], version: int) -> None:
-        own = self.model.state_dict()
-        with torch.no_grad():
-            for name, tensor in named_tensors:
-                own[name].copy_(tensor.to(own[name].device, own[name].dtype))
 
     def _wait_for_version(self, version: int) -> bool:
         """Apply a complete update of at least `version` (waiting for it); False when asked to stop."""

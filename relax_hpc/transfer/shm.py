@@ -256,6 +256,14 @@ class ShmMaps:
                         "cleared during the get; get only from partitions that are not being cleared"
                     )
 
+    def read_blocks(self, descs: Any, frames: Sequence[Buffer]) -> list[dict[str, Value]]:
+        """Materialise a get reply whose array columns may reference payload files, then
+        :meth:`verify` that none was released meanwhile."""
+        with self._lock:
+            rows = materialize_blocks(descs, frames, self)
+            self.verify()
+            return rows
+
     def close(self) -> None:
         with self._lock:
             for mapping in self._maps.values():
@@ -283,10 +291,14 @@ class ShmMaps:
             if not stat.S_ISREG(info.st_mode):
                 raise WireError(f"shm payload {file!r} is not a regular file")
             key = (info.st_dev, info.st_ino)
-            stale = self._maps.pop(key, None)
-            if stale is not None:  # the same inode under a size it did not have: map it anew
-                self._bytes -= stale.size
-                stale.close()
+            known = self._maps.get(key)
+            if known is not None and known.size == info.st_size:  # renamed since the stat: same memory
+                self._maps.move_to_end(key)
+                return key, known
+            if known is not None:  # never done by producers (segments keep their size); map anew
+                del self._maps[key]
+                self._bytes -= known.size
+                known.close()
             memory = mmap.mmap(fd, info.st_size, prot=mmap.PROT_READ) if info.st_size else None
         finally:
             os.close(fd)
@@ -312,18 +324,14 @@ class _Mapping:
             self.memory.close()
 
 
-def read_blocks(directory: str, descs: Any, frames: Sequence[Buffer], maps: ShmMaps | None = None) -> list[dict[str, Value]]:
-    """Materialise a get reply whose array columns may reference shm files in ``directory``,
-    through ``maps`` (a client keeps one; None: map for this call only)."""
-    reader = ShmMaps(directory) if maps is None else maps
+def read_blocks(directory: str, descs: Any, frames: Sequence[Buffer]) -> list[dict[str, Value]]:
+    """Materialise one get reply that may reference payload files in ``directory``, mapping
+    them for this call only (a client keeps its :class:`ShmMaps` instead)."""
+    once = ShmMaps(directory)
     try:
-        with reader._lock:
-            rows = materialize_blocks(descs, frames, reader)
-            reader.verify()
-        return rows
+        return once.read_blocks(descs, frames)
     finally:
-        if maps is None:
-            reader.close()
+        once.close()
 
 
 def _inode(path: str) -> tuple[int, int] | None:

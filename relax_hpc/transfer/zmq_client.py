@@ -48,7 +48,6 @@ from relax_hpc.transfer.shm import (
     SegmentPool,
     ShmMaps,
     client_can_use,
-    read_blocks,
     same_host_endpoint,
     shm_enabled_by_env,
 )
@@ -369,10 +368,7 @@ class TransferQueueClient:
     def _batch(self, partition: str, reply: dict[str, Any], frames: list[Any]) -> Batch:
         try:
             blocks = reply.get("blocks")
-            if self.shm_dir is None:
-                rows = materialize_blocks(blocks, frames)
-            else:
-                rows = read_blocks(self.shm_dir, blocks, frames, self._maps)
+            rows = materialize_blocks(blocks, frames) if self._maps is None else self._maps.read_blocks(blocks, frames)
         except WireError as exc:
             raise TransferQueueError(f"transfer queue at {self.address} sent a malformed batch: {exc}") from None
         return Batch(partition, list(reply["idx"]), rows, bool(reply["end"]))

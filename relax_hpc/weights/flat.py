@@ -12,7 +12,7 @@ two trade places at the engine's batch boundary (`WeightInbox` in endpoints.py).
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import torch
 
@@ -108,3 +108,17 @@ def bind_module(module: torch.nn.Module, flat: FlatWeights) -> bool:
                 tensor.copy_(views[name])
     return True
 
+
+def copy_into_module(module: torch.nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]], who: str) -> None:
+    """Copy weights into `module`'s own tensors in place (cast to their dtype and device): the
+    fallback where `bind_module` cannot bind. `who` names the receiving model in the error for
+    a weight it does not have."""
+    own = module.state_dict()
+    with torch.no_grad():
+        for name, tensor in named_tensors:
+            if name not in own:
+                raise KeyError(
+                    f"weight update names '{name}', which the {who} model does not have; "
+                    "are the trainer and the engine loading the same architecture?"
+                )
+            own[name].copy_(tensor.to(own[name].device, own[name].dtype))

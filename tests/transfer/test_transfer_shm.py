@@ -49,6 +49,11 @@ def samples(n: int, start: int = 0) -> list[dict[str, Any]]:
     return [{"x": torch.full((SAMPLE,), float(start + i)), "uid": start + i} for i in range(n)]
 
 
+def one_sample_reply(name: str) -> list[dict[str, Any]]:
+    """A get reply's blocks naming one 64 KiB float32 sample at offset 0 of payload `name`."""
+    return [{"n": 1, "cols": {"x": ["s", "t", "float32", [[SAMPLE]], name, [0]]}}]
+
+
 def raw_put(server: TransferQueueServer, partition: str, desc: list[Any], req_id: int = 1) -> dict[str, Any]:
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -315,7 +320,7 @@ def test_reading_a_batch_whose_partition_is_cleared_meanwhile_fails_loudly(serve
     q = client(server)
     q.put("train_0", samples(1))
     (name,) = payload_files(server)
-    blocks = [{"n": 1, "cols": {"x": ["s", "t", "float32", [[SAMPLE]], name, [0]]}}]
+    blocks = one_sample_reply(name)
     assert torch.equal(shm.read_blocks(server.shm_dir or "", blocks, [])[0]["x"], torch.zeros(SAMPLE))  # type: ignore[arg-type]
     q.clear("train_0")
     with pytest.raises(WireError, match="partition was cleared"):
@@ -344,12 +349,12 @@ def test_a_cached_mapping_never_serves_a_name_that_was_released(server: Transfer
     q = client(server)
     q.put("train_0", samples(1))
     (name,) = payload_files(server)
-    blocks = [{"n": 1, "cols": {"x": ["s", "t", "float32", [[SAMPLE]], name, [0]]}}]
+    blocks = one_sample_reply(name)
     maps = shm.ShmMaps(server.shm_dir or "")
-    assert torch.equal(shm.read_blocks(server.shm_dir or "", blocks, [], maps)[0]["x"], torch.zeros(SAMPLE))  # type: ignore[arg-type]
+    assert torch.equal(maps.read_blocks(blocks, [])[0]["x"], torch.zeros(SAMPLE))  # type: ignore[arg-type]
     q.clear("train_0")  # the name goes; the memory is still mapped here
     with pytest.raises(WireError, match="partition was cleared"):
-        shm.read_blocks(server.shm_dir or "", blocks, [], maps)
+        maps.read_blocks(blocks, [])
     maps.close()
     q.close()
 
@@ -362,14 +367,14 @@ def test_mappings_are_bounded_oldest_first(server: TransferQueueServer) -> None:
         q.put(f"train_{step}", samples(1, start=step))
         names.append(next(n for n in payload_files(server) if n not in names))
     for step, name in enumerate(names):
-        blocks = [{"n": 1, "cols": {"x": ["s", "t", "float32", [[SAMPLE]], name, [0]]}}]
-        rows = shm.read_blocks(server.shm_dir or "", blocks, [], maps)
+        blocks = one_sample_reply(name)
+        rows = maps.read_blocks(blocks, [])
         assert float(rows[0]["x"][0]) == float(step)  # type: ignore[index]
     inodes = [os.stat(os.path.join(server.shm_dir or "", n)).st_ino for n in names]
     assert [key[1] for key in maps._maps] == inodes[1:]  # the first one was unmapped
     small = shm.ShmMaps(server.shm_dir or "", max_bytes=1)  # a mapping larger than the bound still serves
-    blocks = [{"n": 1, "cols": {"x": ["s", "t", "float32", [[SAMPLE]], names[2], [0]]}}]
-    assert float(shm.read_blocks(server.shm_dir or "", blocks, [], small)[0]["x"][0]) == 2.0  # type: ignore[index]
+    blocks = one_sample_reply(names[2])
+    assert float(small.read_blocks(blocks, [])[0]["x"][0]) == 2.0  # type: ignore[index]
     maps.close()
     small.close()
     q.close()

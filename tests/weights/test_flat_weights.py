@@ -9,7 +9,7 @@ import pytest
 import torch
 from weights_harness import make_weights
 
-from relax_hpc.weights.flat import FlatWeights, bind_module
+from relax_hpc.weights.flat import FlatWeights, bind_module, copy_into_module
 from relax_hpc.weights.layout import ALIGN, plan_buckets
 from test_weights_local import LocalChannel
 
@@ -126,3 +126,14 @@ def test_bind_module_refuses_a_buffer_that_does_not_cover_the_module() -> None:
     assert not bind_module(dst, half) and not bind_module(dst, missing)
     for name, tensor in dst.state_dict().items():
         assert torch.equal(tensor, before[name]), name
+
+
+def test_copy_into_module_casts_in_place_and_names_an_unknown_weight() -> None:
+    src, dst = _Tiny(), _Tiny()
+    ptrs = {n: t.data_ptr() for n, t in dst.state_dict().items()}
+    copy_into_module(dst, [(n, t.half()) for n, t in src.state_dict().items()], "rollout")
+    for name, tensor in dst.state_dict().items():
+        assert tensor.data_ptr() == ptrs[name] and tensor.dtype == torch.float32, name
+        assert torch.equal(tensor, src.state_dict()[name].half().float()), name
+    with pytest.raises(KeyError, match="'lm_head.bias', which the actor_fwd model does not have"):
+        copy_into_module(dst, [("lm_head.bias", torch.zeros(3))], "actor_fwd")
