@@ -43,6 +43,8 @@ class RewardSettings(Protocol):
     type_key: str | None
     concurrency: int
     timeout_s: float
+    worker_processes: int | None
+    worker_memory_mb: int
     remote_url: str | None
     remote_max_retries: int
     genrm_prompt: str | None
@@ -58,6 +60,8 @@ class RewardHub:
         type_key: str | None = None,
         concurrency: int = 16,
         timeout_s: float = 60.0,
+        worker_processes: int | None = None,
+        worker_memory_mb: int = 0,
         remote_url: str | None = None,
         remote_max_retries: int = 3,
         genrm_prompt: str | None = None,
@@ -71,7 +75,7 @@ class RewardHub:
         self._cache: dict[str, RewardFn] = {}
         self._cache_lock = threading.Lock()
         self.default_fn = self.build(function)  # a bad default fails here, at start-up
-        self.pool = RewardPool(concurrency, timeout_s)
+        self.pool = RewardPool(concurrency, timeout_s, worker_processes, worker_memory_mb)
 
     @classmethod
     def from_settings(
@@ -79,7 +83,8 @@ class RewardHub:
     ) -> RewardHub:
         return cls(
             settings.function, type_key=settings.type_key, concurrency=settings.concurrency,
-            timeout_s=settings.timeout_s, remote_url=settings.remote_url,
+            timeout_s=settings.timeout_s, worker_processes=settings.worker_processes,
+            worker_memory_mb=settings.worker_memory_mb, remote_url=settings.remote_url,
             remote_max_retries=settings.remote_max_retries, genrm_prompt=settings.genrm_prompt,
             genrm_engine=genrm_engine, genrm_tokenizer=genrm_tokenizer,
         )

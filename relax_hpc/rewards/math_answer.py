@@ -2,15 +2,19 @@
 
 Three rewards share one equivalence test (`math_equal`):
 - `math_reward`: last \\boxed{} (else the last "Answer:" line), 1 when equivalent, else 0;
-- `dapo_reward`: DAPO's rule (verl's math_dapo): the last "Answer:" line within the final 300
-  characters; 1.0 when correct, -1.0 otherwise (no answer included);
+- `dapo_reward`: DAPO's answer rule (veRL's math_dapo extraction): the last "Answer:" line
+  within the final 300 characters; 1.0 when correct, -1.0 otherwise (no answer, a timeout or
+  an error included). Equality is math-verify's, not math_dapo's string match;
 - `deepscaler_reward`: DeepScaleR's rule (slime's rm_hub): only the text after "</think>" (or
   "###Response") counts, the last \\boxed{} there; 1 when correct, 0 otherwise.
 
 Equivalence: a normalised string match first, then math-verify on both sides wrapped in
 \\boxed{} (fractions, decimals, \\dfrac, units like "5 cm", thousands separators, sets,
-intervals, symbolic expressions). math-verify's own timeouts use SIGALRM, which only works on
-the main thread, so they are off here: the reward pool's `timeout_s` bounds a slow call.
+intervals, symbolic expressions). Before either side reaches sympy, relax_hpc.rewards.guard
+refuses numbers too large to compute (power towers, huge factorials): such an answer is wrong
+unless it matches the label as a string. math-verify's own timeouts use SIGALRM, which only
+works on a main thread, so they are off here: these rewards run in the reward pool's worker
+processes, which are killed past `timeout_s`.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from typing import Any
 
 from relax_hpc.data.sample import Sample
 from relax_hpc.rewards.extract import after_thinking, answer_line, last_boxed, tail
+from relax_hpc.rewards.guard import too_large
+from relax_hpc.rewards.registry import scores_failure_as
 
 # DAPO looks at the last 300 characters only (verl's math_dapo.compute_score).
 DAPO_WINDOW_CHARS = 300
@@ -60,6 +66,8 @@ def math_equal(pred: str, gold: str) -> bool:
     gold = _strip_wrappers(gold)
     if normalize_answer(pred) == normalize_answer(gold):
         return True
+    if too_large(pred) is not None or too_large(gold) is not None:
+        return False
     mv = _math_verify()
     try:
         gold_parsed = mv.parse("\\boxed{" + gold + "}", parsing_timeout=None)
@@ -88,20 +96,27 @@ def extract_math_answer(response: str) -> str | None:
     return boxed if boxed is not None else answer_line(text)
 
 
+def _details(pred: str | None) -> dict[str, float]:
+    return {"has_answer": float(pred is not None), "too_large": float(pred is not None and too_large(pred) is not None)}
+
+
+@scores_failure_as(0.0)
 def math_reward(sample: Sample) -> dict[str, float]:
     pred = extract_math_answer(sample.response_text)
     correct = matches_any(pred, sample.label)
-    return {"score": float(correct), "has_answer": float(pred is not None)}
+    return {"score": float(correct), **_details(pred)}
 
 
+@scores_failure_as(-1.0)
 def dapo_reward(sample: Sample) -> dict[str, float]:
     pred = answer_line(sample.response_text, window=DAPO_WINDOW_CHARS)
     correct = matches_any(pred, sample.label)
-    return {"score": 1.0 if correct else -1.0, "acc": float(correct), "has_answer": float(pred is not None)}
+    return {"score": 1.0 if correct else -1.0, "acc": float(correct), **_details(pred)}
 
 
+@scores_failure_as(0.0)
 def deepscaler_reward(sample: Sample) -> dict[str, float]:
     solution = after_thinking(sample.response_text)
     pred = last_boxed(tail(solution)) if solution is not None else None
     correct = matches_any(pred, sample.label)
-    return {"score": float(correct), "has_answer": float(pred is not None)}
+    return {"score": float(correct), **_details(pred)}

@@ -1,16 +1,20 @@
-"""Concurrent reward scoring: async rewards on an event loop, sync ones on a thread pool.
+"""Concurrent reward scoring: async rewards on an event loop, plain ones in killable workers.
 
-Rewards marked `@inline_reward` (cheap, never blocking) skip both: they are called in the
-scoring thread, one sample after the other, with the same error handling but no timeout.
+Where each reward runs:
+- `@inline_reward` functions (cheap, cost bounded by the input length) in the scoring thread,
+  one sample after the other, with the same error handling but no timeout;
+- `async def` rewards (remote reward models, GenRM judges) on an event loop;
+- other plain functions in worker processes (relax_hpc.rewards.workers): a sample that takes
+  longer than `timeout_s` has its worker killed and replaced, and the step goes on. A plain
+  reward that cannot be sent to a process (a closure, a lambda) runs on a thread instead, as
+  do all plain rewards with `worker_processes = 0`; a thread cannot be killed, so a reward that
+  hangs there keeps its thread.
 
-Why: a GenRM judge or a remote reward model takes seconds per sample; scored one after the
-other they would stall rollout. `RewardPool.score` runs up to `concurrency` rewards at once,
-bounds each by `timeout_s`, and never raises for a reward's own failure: a reward that raises,
-times out or returns something unusable scores 0 and is counted in the sample's `reward_info`
-(`reward_error` / `reward_timeout`) and in the returned stats.
-
-A timed-out synchronous reward keeps its worker thread until it returns (Python cannot kill a
-thread); the pool has `concurrency` threads, so a reward that hangs forever shrinks the pool.
+`RewardPool.score` runs up to `concurrency` rewards at once and never raises for a reward's own
+failure: a reward that raises, times out or returns something unusable scores what that reward
+pays a wrong answer (`registry.failure_score`, 0 unless the reward declares otherwise: never
+more than being wrong), and is counted in the sample's `reward_info` (`reward_error` /
+`reward_timeout`) and in the returned stats (`reward/errors`, `reward/timeouts`).
 """
 
 from __future__ import annotations
@@ -19,13 +23,15 @@ import asyncio
 import inspect
 import logging
 import math
+import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 from relax_hpc.data.sample import Sample
-from relax_hpc.rewards.registry import RewardFn, RewardResult, is_inline_reward
+from relax_hpc.rewards.registry import RewardFn, RewardResult, failure_score, is_inline_reward
+from relax_hpc.rewards.workers import RewardWorkers, can_run_in_worker
 
 log = logging.getLogger(__name__)
 
@@ -79,19 +85,38 @@ class RewardStats:
 
 
 class RewardPool:
-    """Scores samples concurrently; reusable across steps. Call `close()` when done."""
+    """Scores samples concurrently; reusable across steps. Call `close()` when done.
 
-    def __init__(self, concurrency: int = 16, timeout_s: float = 60.0) -> None:
+    `worker_processes`: processes for plain rewards (None: one per CPU this process may use, at
+    most `concurrency`; 0: plain rewards run on threads). `worker_memory_mb`: each worker's
+    address-space cap (0: none).
+    """
+
+    def __init__(
+        self,
+        concurrency: int = 16,
+        timeout_s: float = 60.0,
+        worker_processes: int | None = None,
+        worker_memory_mb: int = 0,
+    ) -> None:
         if concurrency < 1:
             raise ValueError(f"[reward] concurrency = {concurrency}: must be >= 1")
         if not timeout_s > 0:
             raise ValueError(f"[reward] timeout_s = {timeout_s}: must be > 0")
+        if worker_processes is not None and worker_processes < 0:
+            raise ValueError(f"[reward] worker_processes = {worker_processes}: must be >= 0")
         self.concurrency, self.timeout_s = concurrency, timeout_s
         self._threads = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="reward")
+        if worker_processes is None:
+            worker_processes = min(concurrency, _usable_cpus())
+        self.workers = RewardWorkers(worker_processes, worker_memory_mb) if worker_processes > 0 else None
+        self._sendable: dict[int, tuple[RewardFn, bool]] = {}  # id(fn) -> (fn, can go to a worker)
 
     def close(self) -> None:
-        # Do not wait for hung rewards: their threads end on their own or with the process.
+        # Do not wait for rewards hung on threads: they end on their own or with the process.
         self._threads.shutdown(wait=False, cancel_futures=True)
+        if self.workers is not None:
+            self.workers.close()
 
     def __enter__(self) -> RewardPool:
         return self
@@ -121,7 +146,7 @@ class RewardPool:
         with the reward `pick` chose for them."""
         pooled: list[tuple[Sample, str, RewardFn]] = []
         for sample in samples:
-            name = "?"
+            name, fn = "?", None
             try:
                 name, fn = pick(sample)
                 if not is_inline_reward(fn):
@@ -132,7 +157,7 @@ class RewardPool:
             except Exception as e:  # a reward's failure must not end rollout; it is counted instead
                 stats.errors += 1
                 stats.note(f"reward {name}: {type(e).__name__}: {e}")
-                score, info = 0.0, {"reward_error": 1.0}
+                score, info = failure_score(fn), {"reward_error": 1.0}
             _set_score(sample, score, info, stats)
         return pooled
 
@@ -143,18 +168,35 @@ class RewardPool:
     def _report(self, stats: RewardStats, count: int) -> RewardStats:
         if stats.errors or stats.timeouts:
             log.warning(
-                "%d reward errors and %d timeouts among %d samples (scored 0); first ones: %s",
+                "%d reward errors and %d timeouts among %d samples (scored as wrong answers); first ones: %s",
                 stats.errors, stats.timeouts, count, " | ".join(stats.messages),
             )
         return stats
 
+    def _runs_in_worker(self, fn: RewardFn) -> bool:
+        if self.workers is None:
+            return False
+        known = self._sendable.get(id(fn))
+        if known is None or known[0] is not fn:
+            known = (fn, can_run_in_worker(fn))
+            self._sendable[id(fn)] = known
+            if not known[1]:
+                log.warning("reward %r cannot be sent to a worker process (it does not pickle); it runs on "
+                            "a thread, where a timeout cannot stop it", getattr(fn, "__qualname__", fn))
+        return known[1]
+
     async def _call(self, fn: RewardFn, sample: Sample) -> RewardResult:
         if is_async_reward(fn):
-            return await fn(sample)  # type: ignore[misc]
+            return await asyncio.wait_for(fn(sample), self.timeout_s)  # type: ignore[arg-type]
         loop = asyncio.get_running_loop()
-        result = await loop.run_in_executor(self._threads, fn, sample)
+        if self._runs_in_worker(fn):
+            # The worker enforces timeout_s from the moment it starts this sample (not while the
+            # sample waits for a free worker), and kills itself past it.
+            assert self.workers is not None
+            return await loop.run_in_executor(self._threads, self.workers.run, fn, sample, self.timeout_s)
+        result = await asyncio.wait_for(loop.run_in_executor(self._threads, fn, sample), self.timeout_s)
         if inspect.isawaitable(result):  # a plain function that returned a coroutine
-            result = await result
+            result = await asyncio.wait_for(result, self.timeout_s)
         return result  # type: ignore[return-value]
 
     async def _score_one(
@@ -163,17 +205,22 @@ class RewardPool:
         async with limit:
             try:
                 stats.by_type[name] = stats.by_type.get(name, 0) + 1
-                value = await asyncio.wait_for(self._call(fn, sample), self.timeout_s)
-                score, info = to_score(value, name)
-            except asyncio.TimeoutError:
+                score, info = to_score(await self._call(fn, sample), name)
+            except (asyncio.TimeoutError, TimeoutError):
                 stats.timeouts += 1
                 stats.note(f"reward {name} took longer than timeout_s={self.timeout_s}")
-                score, info = 0.0, {"reward_timeout": 1.0}
+                score, info = failure_score(fn), {"reward_timeout": 1.0}
             except Exception as e:  # a reward's failure must not end rollout; it is counted instead
                 stats.errors += 1
                 stats.note(f"reward {name}: {type(e).__name__}: {e}")
-                score, info = 0.0, {"reward_error": 1.0}
+                score, info = failure_score(fn), {"reward_error": 1.0}
         _set_score(sample, score, info, stats)
+
+
+def _usable_cpus() -> int:
+    """CPUs this process may run on (a Slurm step's allocation), not the whole node's."""
+    affinity = getattr(os, "sched_getaffinity", None)
+    return len(affinity(0)) if affinity is not None else (os.cpu_count() or 1)
 
 
 def _set_score(sample: Sample, score: float, info: dict[str, float], stats: RewardStats) -> None:

@@ -3,20 +3,23 @@
 `function` is either a built-in name (see BUILTIN_REWARDS) or "package.module:function". A reward
 function takes a `Sample` and returns a float or a dict with a "score" key (other keys are logged
 as reward details); it may be `async def`. A plain function marked `@inline_reward` (quick, no
-I/O, bounded work) is called in the scoring thread instead of the worker pool.
+I/O, bounded work) is called in the scoring thread instead of a worker process. A reward whose
+wrong answers score other than 0 says so with `@scores_failure_as(score)`: timeouts and errors
+are paid that.
 """
 
 from __future__ import annotations
 
-import asyncio
 import importlib
 import inspect
-from typing import Any, Awaitable, Callable, Union
+from typing import Any, Awaitable, Callable, TypeVar, Union
 
 from relax_hpc.data.sample import Sample
 
 RewardResult = Union[float, int, bool, dict[str, Any]]
 RewardFn = Callable[[Sample], Union[RewardResult, Awaitable[RewardResult]]]
+
+RewardFnT = TypeVar("RewardFnT")
 
 INLINE_ATTR = "relax_inline_reward"
 
@@ -38,6 +41,30 @@ def inline_reward(fn: Callable[[Sample], RewardResult]) -> Callable[[Sample], Re
 
 def is_inline_reward(fn: Any) -> bool:
     return bool(getattr(fn, INLINE_ATTR, False))
+
+
+FAILURE_SCORE_ATTR = "relax_failure_score"
+
+
+def scores_failure_as(score: float) -> Callable[[RewardFnT], RewardFnT]:
+    """Declare what a reward pays a wrong answer, so a failure to score is paid the same.
+
+    A timeout, an error or an unparseable answer must never score above a wrong answer: a
+    policy would learn to fail on purpose (under DAPO's 1 / -1 rule a timeout scoring 0 is a
+    reward for emitting expressions that time out). Rewards without the mark are taken to pay
+    0 for a wrong answer.
+    """
+
+    def mark(fn: RewardFnT) -> RewardFnT:
+        setattr(fn, FAILURE_SCORE_ATTR, float(score))
+        return fn
+
+    return mark
+
+
+def failure_score(fn: Any) -> float:
+    """What `fn` pays a wrong answer (see scores_failure_as); 0.0 when it does not say."""
+    return float(getattr(fn, FAILURE_SCORE_ATTR, 0.0))
 
 
 # name -> "module:function"; imported lazily so heavy reward dependencies load only when used.
@@ -77,28 +104,3 @@ def resolve_reward(function: str) -> RewardFn:
     if not callable(fn):
         raise ValueError(f"[reward] function = {function!r}: module '{module_name}' has no function '{attr}'")
     return fn
-
-
-def _as_score(value: RewardResult, function_name: str) -> tuple[float, dict[str, float]]:
-    if isinstance(value, dict):
-        if "score" not in value:
-            raise ValueError(f"reward function {function_name} returned a dict without a 'score' key")
-        info = {k: float(v) for k, v in value.items() if isinstance(v, (int, float, bool))}
-        return float(value["score"]), info
-    return float(value), {}
-
-
-def score_samples(fn: RewardFn, samples: list[Sample]) -> None:
-    """Score every sample in place (sets reward, raw_reward, reward_info); async functions run concurrently."""
-    name = getattr(fn, "__qualname__", repr(fn))
-    if inspect.iscoroutinefunction(fn):
-        async def run_all() -> list[Any]:
-            return await asyncio.gather(*(fn(s) for s in samples))
-
-        results = asyncio.run(run_all())
-    else:
-        results = [fn(s) for s in samples]
-    for sample, value in zip(samples, results):
-        score, info = _as_score(value, name)
-        sample.raw_reward = sample.reward = score
-        sample.reward_info = info

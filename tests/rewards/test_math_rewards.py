@@ -85,9 +85,9 @@ def test_huge_response_scores_without_stalling() -> None:
 
 def test_dapo_reward_is_plus_minus_one_on_the_answer_line() -> None:
     good = "Let me compute. 17 + 17 = 34.\nAnswer: 34"
-    assert dapo_reward(_sample(good, "34")) == {"score": 1.0, "acc": 1.0, "has_answer": 1.0}
+    assert dapo_reward(_sample(good, "34")) == {"score": 1.0, "acc": 1.0, "has_answer": 1.0, "too_large": 0.0}
     assert dapo_reward(_sample("Answer: 35", "34"))["score"] == -1.0
-    assert dapo_reward(_sample(r"\boxed{34}", "34")) == {"score": -1.0, "acc": 0.0, "has_answer": 0.0}
+    assert dapo_reward(_sample(r"\boxed{34}", "34")) == {"score": -1.0, "acc": 0.0, "has_answer": 0.0, "too_large": 0.0}
     # DAPO reads the last 300 characters only: an early answer followed by a long tail is lost.
     assert dapo_reward(_sample("Answer: 34\n" + "z" * 400, "34"))["score"] == -1.0
 

@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import asyncio
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
 
 from relax_hpc.data.sample import Sample
-from relax_hpc.rewards.registry import resolve_reward, score_samples
+from relax_hpc.rewards.registry import resolve_reward
 from relax_hpc.rewards.tiny import tiny_sum_reward
 
 
@@ -73,46 +71,3 @@ def test_resolve_errors_say_what_is_wrong(tmp_path: Path, monkeypatch: pytest.Mo
         resolve_reward("my_reward_mod2:VALUE")  # present but not callable
 
 
-def test_score_samples_sync() -> None:
-    samples = [_sample("7", "stop"), _sample("7"), _sample("3", "stop")]
-    score_samples(tiny_sum_reward, samples)
-    assert [s.reward for s in samples] == [1.0, 0.5, 0.0]
-    assert [s.raw_reward for s in samples] == [1.0, 0.5, 0.0]
-    assert samples[0].reward_info == {"score": 1.0, "exact": 1.0}
-
-
-def test_score_samples_plain_numbers() -> None:
-    samples = [_sample("a"), _sample("bb")]
-    score_samples(lambda s: len(s.response_text) == 2, samples)
-    assert [s.reward for s in samples] == [0.0, 1.0]
-    assert samples[1].reward_info == {}
-
-
-def test_score_samples_async_runs_concurrently() -> None:
-    active = 0
-    peak = 0
-
-    async def slow_reward(sample: Sample) -> dict[str, object]:
-        nonlocal active, peak
-        active += 1
-        peak = max(peak, active)
-        await asyncio.sleep(0.2)
-        active -= 1
-        return {"score": len(sample.response_text), "note": "not a number, not logged"}
-
-    samples = [_sample("x" * i) for i in range(5)]
-    start = time.monotonic()
-    score_samples(slow_reward, samples)
-    elapsed = time.monotonic() - start
-    assert peak == 5  # all five were in flight at once
-    assert elapsed < 0.8  # five sequential calls would take 1.0 s
-    assert [s.reward for s in samples] == [0.0, 1.0, 2.0, 3.0, 4.0]
-    assert samples[2].reward_info == {"score": 2.0}
-
-
-def test_dict_without_score_is_an_error() -> None:
-    def bad_reward(sample: Sample) -> dict[str, float]:
-        return {"accuracy": 1.0}
-
-    with pytest.raises(ValueError, match="bad_reward returned a dict without a 'score' key"):
-        score_samples(bad_reward, [_sample()])

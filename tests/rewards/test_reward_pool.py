@@ -37,11 +37,8 @@ def test_sync_rewards_run_on_threads_concurrently() -> None:
 
     samples = [_sample("x" * i) for i in range(6)]
     with RewardPool(concurrency=3, timeout_s=5) as pool:
-        start = time.monotonic()
         stats = pool.score(samples, lambda s: ("slow", slow))
-        elapsed = time.monotonic() - start
     assert peak == 3  # the limit holds, and three really ran at once
-    assert elapsed < 1.0  # 6 x 0.2 s one after the other would be 1.2 s
     assert [s.reward for s in samples] == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
     assert stats.as_metrics() == {"reward/errors": 0.0, "reward/timeouts": 0.0, "reward/count/slow": 6.0}
 
@@ -58,9 +55,7 @@ def test_failures_and_timeouts_score_zero_and_are_counted() -> None:
             "nodict": ("nodict", lambda s: {"acc": 1.0}), "ok": ("ok", lambda s: {"score": 0.5, "acc": 1})}
     samples = [_sample(k) for k in pick]
     with RewardPool(concurrency=8, timeout_s=0.3) as pool:
-        start = time.monotonic()
         stats = pool.score(samples, lambda s: pick[s.response_text])
-        assert time.monotonic() - start < 2.0
     assert [s.reward for s in samples] == [0.0, 0.0, 0.0, 0.0, 0.5]
     assert samples[0].reward_info == {"reward_timeout": 1.0}
     assert samples[1].reward_info == {"reward_error": 1.0}
