@@ -5,8 +5,10 @@ rewards) or the agent's run() (after turn discount) gave the sample."""
 from __future__ import annotations
 
 from relax_hpc.data.sample import Sample
+from relax_hpc.rewards.registry import inline_reward
 
 
+@inline_reward  # a dictionary look-up: not worth a trip to a reward worker process
 def env_reward(sample: Sample) -> float:
     if "env_reward" not in sample.metadata:
         raise ValueError(

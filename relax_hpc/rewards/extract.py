@@ -14,7 +14,6 @@ import re
 MAX_TAIL_CHARS = 4096
 
 _ANSWER_LINE = re.compile(r"(?i)answer\s*:\s*([^\n]+)")
-_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.S)
 
 
 def tail(text: str, chars: int = MAX_TAIL_CHARS) -> str:
@@ -25,31 +24,34 @@ def last_boxed(text: str) -> str | None:
     """Content of the last balanced \\boxed{...} (or \\fbox{...}); None when there is none."""
     # A Python "\b" inside a non-raw string is a backspace; put the marker back before searching.
     text = text.replace("\x08", "\\b")
+    closing = _matching_braces(text)
     for marker in ("\\boxed", "\\fbox"):
         start = text.rfind(marker)
         while start != -1:
-            found = _balanced_after(text, start + len(marker))
-            if found is not None:
-                return found.strip()
+            pos = start + len(marker)
+            while pos < len(text) and text[pos] == " ":
+                pos += 1
+            end = closing.get(pos)
+            if end is not None:
+                return text[pos + 1 : end].strip()
             start = text.rfind(marker, 0, start)
     return None
 
 
-def _balanced_after(text: str, pos: int) -> str | None:
-    """The brace group starting at text[pos] (after optional spaces), or None if unbalanced."""
-    while pos < len(text) and text[pos] == " ":
-        pos += 1
-    if pos >= len(text) or text[pos] != "{":
-        return None
-    depth = 0
-    for i in range(pos, len(text)):
-        if text[i] == "{":
-            depth += 1
-        elif text[i] == "}":
-            depth -= 1
-            if depth == 0:
-                return text[pos + 1 : i]
-    return None
+def _matching_braces(text: str) -> dict[int, int]:
+    """Index of each "{" -> index of the "}" that closes it, in one pass (unclosed ones absent).
+
+    One pass, not one scan per candidate: "\\boxed{" repeated 2,000 times took 120 ms when every
+    marker scanned to the end of the text.
+    """
+    closing: dict[int, int] = {}
+    opened: list[int] = []
+    for i, char in enumerate(text):
+        if char == "{":
+            opened.append(i)
+        elif char == "}" and opened:
+            closing[opened.pop()] = i
+    return closing
 
 
 def answer_line(text: str, window: int = MAX_TAIL_CHARS) -> str | None:
@@ -62,9 +64,20 @@ def answer_line(text: str, window: int = MAX_TAIL_CHARS) -> str | None:
 
 
 def answer_tag(text: str) -> str | None:
-    """Content of the last <answer>...</answer>; None when absent."""
-    found = _ANSWER_TAG.findall(text)
-    return found[-1].strip() if found else None
+    """Content of the last <answer>...</answer>; None when absent.
+
+    The tags pair as a lazy regex would pair them (each <answer> with the next </answer>, then on
+    after it), but in one pass: the regex took time quadratic in a run of unclosed tags.
+    """
+    found: tuple[int, int] | None = None
+    start = text.find("<answer>")
+    while start != -1:
+        end = text.find("</answer>", start + len("<answer>"))
+        if end == -1:
+            break
+        found = (start + len("<answer>"), end)
+        start = text.find("<answer>", end + len("</answer>"))
+    return text[found[0] : found[1]].strip() if found else None
 
 
 def after_thinking(text: str) -> str | None:

@@ -98,3 +98,22 @@ def test_deepscaler_needs_the_thinking_to_end() -> None:
     assert deepscaler_reward(_sample(r"###Response \boxed{3/4}", label))["score"] == 1.0
     assert deepscaler_reward(_sample(r"\boxed{0.75}", label))["score"] == 0.0  # no </think>
     assert deepscaler_reward(_sample(r"<think>\boxed{0.75}</think> none", label))["score"] == 0.0
+
+
+@pytest.mark.timeout(120)  # a hard guard only: the quadratic versions took minutes here
+def test_extractors_on_adversarial_responses_give_the_same_answers() -> None:
+    # Runs of unclosed markers, each of which used to be scanned to the end of the text.
+    assert last_boxed("\\boxed{" * 50_000) is None
+    assert last_boxed("\\boxed{" * 50_000 + "\\boxed{7}") == "7"
+    assert last_boxed("\\boxed{1}" + "{" * 100_000) == "1"
+    assert answer_tag("<answer>" * 50_000) is None
+    assert answer_tag("<answer>x <answer>y</answer>" + "<answer>" * 50_000) == "x <answer>y"  # as a lazy regex pairs them
+    assert answer_line(("answer" + " " * 40) * 5_000) is None
+
+
+@pytest.mark.timeout(120)
+def test_choice_phrase_on_long_blank_runs() -> None:
+    from relax_hpc.rewards.choice import choice_letter
+
+    assert choice_letter(("answer is" + " \t" * 100) * 40) is None
+    assert choice_letter("answer is" + " " * 3000 + "(B)") == "B"
