@@ -8,7 +8,7 @@ Three rewards share one equivalence test (`math_equal`):
 - `deepscaler_reward`: DeepScaleR's rule (slime's rm_hub): only the text after "</think>" (or
   "###Response") counts, the last \\boxed{} there; 1 when correct, 0 otherwise.
 
-Equivalence: a normalised string match first, then math-verify on both sides wrapped in
+Equivalence: trailing unit words dropped ("12 dollars" -> "12"), a normalised string match, then math-verify on both sides wrapped in
 \\boxed{} (fractions, decimals, \\dfrac, units like "5 cm", thousands separators, sets,
 intervals, symbolic expressions). Before either side reaches sympy, relax_hpc.rewards.guard
 refuses numbers too large to compute (power towers, huge factorials): such an answer is wrong
@@ -20,6 +20,7 @@ processes, which are killed past `timeout_s`.
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any
 
 from relax_hpc.data.sample import Sample
@@ -54,6 +55,17 @@ def normalize_answer(text: str) -> str:
     return out.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
 
 
+# "12 dollars", "30 degrees", "45 mph": a number followed by plain words of 3+ letters. Words are
+# separated by required blanks, so the pattern cannot backtrack over how to split a word.
+_NUMBER_THEN_WORDS = re.compile(r"\s*([-+]?\\?\$?[\d.,]+(?:/\d+)?)\s+[A-Za-z]{3,}(?:\s+[A-Za-z]{3,})*\.?\s*")
+
+
+def drop_unit_words(answer: str) -> str:
+    """The number of "12 dollars" (math-verify reads the word as a product of letters)."""
+    found = _NUMBER_THEN_WORDS.fullmatch(answer)
+    return found.group(1) if found else answer
+
+
 def _strip_wrappers(label: str) -> str:
     boxed = last_boxed(label)
     return boxed if boxed is not None else label.strip().strip("$")
@@ -63,7 +75,8 @@ def math_equal(pred: str, gold: str) -> bool:
     """True when `pred` and `gold` are the same mathematical answer. Never raises."""
     if not pred or len(pred) > MAX_ANSWER_CHARS:
         return False
-    gold = _strip_wrappers(gold)
+    gold = drop_unit_words(_strip_wrappers(gold))
+    pred = drop_unit_words(pred)
     if normalize_answer(pred) == normalize_answer(gold):
         return True
     if too_large(pred) is not None or too_large(gold) is not None:
