@@ -45,6 +45,7 @@ class RewardSettings(Protocol):
     timeout_s: float
     worker_processes: int | None
     worker_memory_mb: int
+    ifbench_keyword_match: str
     remote_url: str | None
     remote_max_retries: int
     genrm_prompt: str | None
@@ -62,6 +63,7 @@ class RewardHub:
         timeout_s: float = 60.0,
         worker_processes: int | None = None,
         worker_memory_mb: int = 0,
+        ifbench_keyword_match: str = "reference",
         remote_url: str | None = None,
         remote_max_retries: int = 3,
         genrm_prompt: str | None = None,
@@ -72,6 +74,7 @@ class RewardHub:
         self._remote_url, self._remote_retries, self._timeout_s = remote_url, remote_max_retries, timeout_s
         self._genrm_prompt = genrm_prompt or DEFAULT_GENRM_PROMPT
         self._genrm_engine, self._genrm_tokenizer = genrm_engine, genrm_tokenizer
+        self._ifbench_keyword_match = ifbench_keyword_match
         self._cache: dict[str, RewardFn] = {}
         self._cache_lock = threading.Lock()
         self.default_fn = self.build(function)  # a bad default fails here, at start-up
@@ -84,7 +87,8 @@ class RewardHub:
         return cls(
             settings.function, type_key=settings.type_key, concurrency=settings.concurrency,
             timeout_s=settings.timeout_s, worker_processes=settings.worker_processes,
-            worker_memory_mb=settings.worker_memory_mb, remote_url=settings.remote_url,
+            worker_memory_mb=settings.worker_memory_mb,
+            ifbench_keyword_match=settings.ifbench_keyword_match, remote_url=settings.remote_url,
             remote_max_retries=settings.remote_max_retries, genrm_prompt=settings.genrm_prompt,
             genrm_engine=genrm_engine, genrm_tokenizer=genrm_tokenizer,
         )
@@ -113,6 +117,10 @@ class RewardHub:
                     "genrm_tokenizer=...)); the rollout role builds them from the GenRM model"
                 )
             return GenRMJudge(self._genrm_engine, self._genrm_tokenizer, self._genrm_prompt)
+        if name == "ifbench":
+            from relax_hpc.rewards.ifbench import IfbenchReward
+
+            return IfbenchReward(self._ifbench_keyword_match)  # type: ignore[arg-type]
         return resolve_reward(name)
 
     def pick(self, sample: Sample) -> tuple[str, RewardFn]:

@@ -173,6 +173,7 @@ class RewardSpec:
     timeout_s: float = setting(60.0, greater_than(0))
     worker_processes: int | None = setting(None, at_least(0))  # plain rewards' processes; None: one per CPU
     worker_memory_mb: int = setting(4096, at_least(0))  # each worker's address-space cap; 0: none
+    ifbench_keyword_match: Literal["reference", "whole_word"] = setting("reference")  # IFEval keywords
     remote_url: str | None = setting(None, non_empty)
     remote_max_retries: int = setting(3, at_least(0))
     genrm_prompt: str | None = setting(None, non_empty)  # {question} {answer} {label}

@@ -1,4 +1,4 @@
-"""Multiple choice, GPQA, F1, IFBench-style checks and openr1mm on real-looking responses."""
+"""Multiple choice, GPQA, F1 and openr1mm on real-looking responses (ifbench: test_ifbench.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import pytest
 from relax_hpc.data.sample import Sample
 from relax_hpc.rewards.choice import choice_letter, gpqa_reward, multiple_choice_reward
 from relax_hpc.rewards.f1 import f1_reward, token_f1
-from relax_hpc.rewards.ifbench import ifbench_reward
 from relax_hpc.rewards.openr1mm import openr1mm_reward
 
 
@@ -65,48 +64,6 @@ def test_f1_reward_best_label_and_answer_extraction() -> None:
     squad = {"text": ["Santa Clara, California"], "answer_start": [403]}
     assert f1_reward(_sample("<answer>Santa Clara</answer>", squad))["score"] == pytest.approx(0.8)
     assert f1_reward(_sample("", "x"))["score"] == 0.0
-
-
-def _if(text: str, ids: list[str], kwargs: list[dict[str, Any]]) -> dict[str, float]:
-    return ifbench_reward(_sample(text, None, instruction_id_list=ids, kwargs=kwargs))
-
-
-@pytest.mark.parametrize(
-    ("instruction", "kwargs", "good", "bad"),
-    [
-        ("punctuation:no_comma", {}, "no commas here", "one, two"),
-        ("change_case:english_lowercase", {}, "all lower", "Not lower"),
-        ("detectable_format:json_format", {}, '```json\n{"a": 1}\n```', "{a: 1"),
-        ("detectable_format:number_bullet_lists", {"num_bullets": 2}, "* one\n* two", "* one\n* two\n- three"),
-        ("length_constraints:number_words", {"relation": "at least", "num_words": 3}, "one two three", "one two"),
-        ("length_constraints:number_words", {"relation": "less than", "num_words": 3}, "one two", "one two three"),
-        ("keywords:existence", {"keywords": ["Paris", "river"]}, "paris has a river", "Paris only"),
-        ("keywords:forbidden_words", {"forbidden_words": ["very"]}, "quite good", "Very good"),
-        ("startend:end_checker", {"end_phrase": "Any other questions?"}, "Done. Any other questions?", "Done."),
-        ("detectable_format:title", {}, "<<My Title>>\ntext", "My Title"),
-        ("startend:quotation", {}, '"quoted"', "plain"),
-    ],
-)
-def test_ifbench_checks(instruction: str, kwargs: dict[str, Any], good: str, bad: str) -> None:
-    assert _if(good, [instruction], [kwargs]) == {"score": 1.0, "followed_frac": 1.0}
-    assert _if(bad, [instruction], [kwargs]) == {"score": 0.0, "followed_frac": 0.0}
-
-
-def test_ifbench_all_must_hold_and_none_kwargs_from_parquet() -> None:
-    ids = ["punctuation:no_comma", "change_case:english_lowercase"]
-    # Parquet exports fill the kwargs other instructions use with None: they must be ignored.
-    kwargs = [{"num_words": None}, {"relation": None}]
-    assert _if("all lower, with a comma", ids, kwargs) == {"score": 0.0, "followed_frac": 0.5}
-    assert _if("all lower no comma", ids, kwargs)["score"] == 1.0
-    label = {"instruction_id_list": ["punctuation:no_comma"], "kwargs": [{}]}
-    assert ifbench_reward(_sample("fine", label))["score"] == 1.0  # instructions in a dict label
-
-
-def test_ifbench_bad_rows_raise_clearly() -> None:
-    with pytest.raises(ValueError, match="unknown instruction id 'nope:x'; supported: .*punctuation:no_comma"):
-        _if("x", ["nope:x"], [{}])
-    with pytest.raises(ValueError, match="no 'instruction_id_list'.*metadata_keys"):
-        ifbench_reward(_sample("x"))
 
 
 @pytest.mark.parametrize(
