@@ -6,7 +6,9 @@ gets the per-token policy loss, and then adds, in this order:
 1. TIS (``tis_cap`` set): the per-token loss is multiplied by the constant
    ``clamp(exp(old_logp - rollout_logp), 0, tis_cap)``, correcting for the
    rollout engine's probabilities differing from the trainer's.
-2. Aggregation over tokens with ``loss_agg`` (see ``aggregation.py``).
+2. Aggregation over tokens with ``loss_agg`` (see ``aggregation.py``), divided
+   by ``denominator`` when the caller gives one (the whole optimizer step's
+   token or sequence count, for gradient accumulation and data parallelism).
 3. KL loss (``kl_coef > 0``): ``+ kl_coef * aggregate(kl_penalty(logp, ref_logp))``.
 4. Entropy bonus (``entropy_coef > 0``): ``- entropy_coef * aggregate(entropy)``.
 
@@ -24,7 +26,7 @@ from typing import Final
 import torch
 from torch import Tensor
 
-from relax_hpc.algos.aggregation import LOSS_AGG_MODES, aggregate, masked_token_mean
+from relax_hpc.algos.aggregation import LOSS_AGG_MODES, aggregate, loss_denominator, masked_token_mean
 from relax_hpc.algos.gspo import gspo_loss
 from relax_hpc.algos.kl import KL_ESTIMATORS, kl_penalty
 from relax_hpc.algos.logprobs import token_logprobs_and_entropy
@@ -40,6 +42,7 @@ from relax_hpc.algos.sapo import sapo_loss
 
 __all__ = [
     "POLICY_LOSSES",
+    "STEP_SUM_STATS",
     "LossConfig",
     "LossInputs",
     "PolicyTerms",
@@ -47,6 +50,7 @@ __all__ = [
     "available_losses",
     "get_policy_loss",
     "loss_config_problems",
+    "loss_denominator",
     "policy_loss",
     "tis_weight",
     "token_logprobs_and_entropy",
@@ -60,6 +64,12 @@ POLICY_LOSSES: Final[dict[str, PolicyLossFn]] = {
     "gspo": gspo_loss,
     "sapo": sapo_loss,
 }
+
+
+# Stats of policy_loss that are aggregates: divided by `denominator` like the loss, so with the
+# step's denominator they add up over micro-batches and ranks to the whole step's value. The
+# other stats are token means over the micro-batch's own mask.
+STEP_SUM_STATS: Final[frozenset[str]] = frozenset({"loss/policy", "loss/kl", "entropy", "loss/total"})
 
 
 def available_losses() -> list[str]:
@@ -114,14 +124,24 @@ def tis_weight(old_logp: Tensor, rollout_logp: Tensor, cap: float) -> Tensor:
     return torch.clamp(torch.exp(log_w), 0.0, cap)
 
 
-def policy_loss(cfg: LossConfig, inputs: LossInputs) -> tuple[Tensor, dict[str, float]]:
+def policy_loss(
+    cfg: LossConfig, inputs: LossInputs, denominator: float | None = None
+) -> tuple[Tensor, dict[str, float]]:
     """Return ``(scalar loss to backpropagate, stats)`` for one micro-batch.
+
+    ``denominator`` (see ``aggregate``): ``None`` makes the loss this
+    micro-batch's own mean; the optimizer step's global count (trained tokens
+    for ``token_mean``, sequences for ``seq_mean_token_mean``, summed over all
+    micro-batches and ranks) makes it this micro-batch's share of the step's
+    loss, so that the shares and their gradients add up to the whole batch's.
 
     Stats: ``loss/policy`` (aggregated policy term, after TIS), ``loss/kl``
     (aggregated KL estimate, whenever ``ref_logp`` is given; it is added to the
     loss only when ``kl_coef > 0``), ``entropy`` (when given), ``clip_frac`` and
     ``ratio_mean`` (token means over the mask), ``tis/weight_mean`` and
-    ``tis/capped_frac`` (when TIS is on), and ``loss/total``.
+    ``tis/capped_frac`` (when TIS is on), and ``loss/total``. The aggregates
+    (:data:`STEP_SUM_STATS`) use ``denominator`` as the loss does; the rest are
+    token means over this micro-batch.
     """
     problems = loss_config_problems(cfg)
     if problems:
@@ -137,18 +157,19 @@ def policy_loss(cfg: LossConfig, inputs: LossInputs) -> tuple[Tensor, dict[str, 
         per_token = per_token * weight
         stats["tis/weight_mean"] = masked_token_mean(weight, mask)
         stats["tis/capped_frac"] = masked_token_mean((weight >= cfg.tis_cap).float(), mask)
-    policy_term = aggregate(per_token, mask, cfg.loss_agg)
+    policy_term = aggregate(per_token, mask, cfg.loss_agg, denominator)
     total = policy_term
     stats["loss/policy"] = float(policy_term.detach().item())
     stats["clip_frac"] = masked_token_mean(terms.clipped.float(), mask)
     stats["ratio_mean"] = masked_token_mean(terms.ratio, mask)
     if masked.ref_logp is not None:
-        kl = aggregate(kl_penalty(masked.logp, masked.ref_logp, cfg.kl_estimator), mask, cfg.loss_agg)
+        kl_per_token = kl_penalty(masked.logp, masked.ref_logp, cfg.kl_estimator)
+        kl = aggregate(kl_per_token, mask, cfg.loss_agg, denominator)
         stats["loss/kl"] = float(kl.detach().item())
         if cfg.kl_coef > 0.0:
             total = total + cfg.kl_coef * kl
     if masked.entropy is not None:
-        entropy = aggregate(masked.entropy, mask, cfg.loss_agg)
+        entropy = aggregate(masked.entropy, mask, cfg.loss_agg, denominator)
         stats["entropy"] = float(entropy.detach().item())
         if cfg.entropy_coef > 0.0:
             total = total - cfg.entropy_coef * entropy

@@ -2,7 +2,12 @@
 
 It is the embedded default. With several trainer processes it runs data parallel over
 torch.distributed (gloo on CPU, NCCL on GPU): each rank trains on its shard of the batch and
-gradients are averaged with all-reduce before the optimizer step.
+gradients are summed with all-reduce before the optimizer step.
+
+Every optimizer step takes the gradient of the loss of its whole batch, however the rows are
+split into micro-batches and ranks: the aggregation's denominator (trained tokens for
+`token_mean`, sequences for `seq_mean_token_mean`) is the count over all micro-batches and all
+ranks of the step, not each micro-batch's own (see `relax_hpc.algos.aggregation`).
 """
 
 from __future__ import annotations
@@ -11,7 +16,7 @@ import copy
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -23,6 +28,8 @@ from relax_hpc.algos import (
     policy_loss,
     token_logprobs_and_entropy,
 )
+from relax_hpc.algos.aggregation import loss_denominator
+from relax_hpc.algos.losses import STEP_SUM_STATS
 from relax_hpc.backends.batch import TrainBatch, pack_samples
 from relax_hpc.ckpt import CheckpointManager, ResumeState
 from relax_hpc.data.sample import Sample
@@ -37,6 +44,41 @@ class OptimConfig:
     grad_clip: float = 1.0  # 0 disables clipping
     micro_batch_size: int = 8
     mini_batches: int = 1  # optimizer steps per rollout batch
+
+
+class _StepStats:
+    """Stats of one optimizer step, summed over its micro-batches and then over ranks.
+
+    The aggregates (`STEP_SUM_STATS`: loss/policy, loss/kl, entropy, loss/total) are computed
+    with the step's denominator, so their sum is the whole step's value (after `rescale`, when
+    the micro-batches used a provisional denominator). The other stats are token means; each is
+    weighted by its micro-batch's trained tokens, which gives the step's token mean.
+    """
+
+    def __init__(self) -> None:
+        self.sums: dict[str, float] = {}
+        self.tokens = 0.0
+
+    def add(self, stats: dict[str, float], mask: torch.Tensor) -> None:
+        tokens = float(mask.to(torch.bool).sum().item())
+        self.tokens += tokens
+        for key, value in stats.items():
+            weight = 1.0 if key in STEP_SUM_STATS else tokens
+            self.sums[key] = self.sums.get(key, 0.0) + value * weight
+
+    def reduce(self, sum_over_ranks: Callable[[list[float]], list[float]],
+               rescale: float = 1.0) -> dict[str, float]:
+        """The step's stats, the aggregates multiplied by this rank's `rescale` first.
+
+        `sum_over_ranks` is a collective, so every rank must call this.
+        """
+        keys = sorted(self.sums)
+        local = [self.sums[k] * rescale if k in STEP_SUM_STATS else self.sums[k] for k in keys]
+        *sums, tokens = sum_over_ranks([*local, self.tokens])
+        return {
+            k: v if k in STEP_SUM_STATS else (v / tokens if tokens > 0 else 0.0)
+            for k, v in zip(keys, sums)
+        }
 
 
 class TorchBackend:
@@ -147,95 +189,106 @@ class TorchBackend:
         self, batch: TrainBatch, old_logp: torch.Tensor, ref_logp: torch.Tensor | None,
         start: int, stop: int,
     ) -> dict[str, float]:
+        """One optimizer step on rows start..stop of this rank's batch (and the other ranks' rows)."""
         self.optimizer.zero_grad(set_to_none=True)
-        total = stop - start
-        stats: dict[str, float] = {}
+        # The step's loss aggregates every rank's rows of this mini-batch at once, so each
+        # micro-batch's loss is divided by their global token (or sequence) count.
+        (count,) = self._sum_over_ranks([loss_denominator(batch.loss_mask[start:stop], self.loss_cfg.loss_agg)])
+        denominator = max(count, 1.0)  # no trained token at all: the loss is 0 whatever we divide by
+        stats = _StepStats()
         step = self.optim_cfg.micro_batch_size
         for i in range(start, stop, step):
             j = min(i + step, stop)
             micro = batch.slice(i, j)
-            logp, entropy = self._logprobs(self.model, micro)
-            inputs = LossInputs(
-                logp=logp, old_logp=old_logp[i:j], advantages=self._advantages(micro, logp),
-                mask=micro.loss_mask, ref_logp=None if ref_logp is None else ref_logp[i:j],
-                rollout_logp=micro.rollout_log_probs, entropy=entropy,
-            )
-            loss, micro_stats = policy_loss(self.loss_cfg, inputs)
-            # Each micro-batch's mean is weighted by its share of the mini-batch.
-            (loss * (j - i) / total).backward()
-            for k, v in micro_stats.items():
-                stats[k] = stats.get(k, 0.0) + v * (j - i) / total
+            micro_ref = None if ref_logp is None else ref_logp[i:j]
+            stats.add(self._backward_micro(micro, old_logp[i:j], micro_ref, denominator), micro.loss_mask)
         self._all_reduce_grads()
-        clip = self.optim_cfg.grad_clip
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
-        self.optimizer.step()
-        stats["grad_norm"] = float(norm)
-        return stats
+        reduced = stats.reduce(self._sum_over_ranks)
+        reduced["grad_norm"] = self._clip_and_step()
+        return reduced
 
     def train_stream(self, micro_batches: Iterable[TrainBatch]) -> dict[str, float]:
         """One optimizer step over packed micro-batches consumed as they arrive (the streaming loader).
 
-        The trainer packs queue rows with `pack_rows` (pad with `self.pad_id`) as they arrive;
-        each micro-batch's mean loss is back-propagated weighted by its row count; once the
-        stream ends, gradients are summed over ranks and divided by the total row count, so
-        the step equals one pass over the whole batch however the rows were split. The old
-        log-probs are the current policy's (one optimizer step per rollout batch).
+        The trainer packs queue rows with `pack_rows` (pad with `self.pad_id`) as they arrive.
+        The step's token (or sequence) count N is known only once the stream ends, so every
+        micro-batch of this rank divides by a provisional count p, the first micro-batch's own;
+        the gradients are then multiplied by p / N and summed over ranks, so the step equals
+        one pass over the whole batch however the rows were split. (p keeps the gradients at
+        the scale of a mean while they accumulate: a plain sum over many tokens could overflow
+        float16.) The old log-probs are the current policy's (one optimizer step per rollout
+        batch).
         """
         self.optimizer.zero_grad(set_to_none=True)
-        sums: dict[str, float] = {}
-        rows = 0
+        stats = _StepStats()
+        rows, count = 0, 0.0
+        provisional: float | None = None
         for packed in micro_batches:
             micro = packed.to(self.device)
-            logp, entropy = self._logprobs(self.model, micro)
             # Fields written by the ActorFwd / Reference roles are used when present; otherwise
             # the trainer computes them itself.
             ref_logp = micro.ref_log_probs
             if ref_logp is None and self.reference is not None:
                 with torch.no_grad():
                     ref_logp = self._logprobs(self.reference, micro)[0]
-            old_logp = micro.old_log_probs if micro.old_log_probs is not None else logp.detach()
-            inputs = LossInputs(
-                logp=logp, old_logp=old_logp, advantages=self._advantages(micro, logp),
-                mask=micro.loss_mask, ref_logp=ref_logp, rollout_logp=micro.rollout_log_probs,
-                entropy=entropy,
-            )
-            loss, micro_stats = policy_loss(self.loss_cfg, inputs)
-            (loss * len(micro)).backward()
+            micro_count = loss_denominator(micro.loss_mask, self.loss_cfg.loss_agg)
+            if provisional is None:
+                provisional = max(micro_count, 1.0)
+            stats.add(self._backward_micro(micro, micro.old_log_probs, ref_logp, provisional), micro.loss_mask)
             rows += len(micro)
-            for k, v in micro_stats.items():
-                sums[k] = sums.get(k, 0.0) + v * len(micro)
-        total = self._sum_over_ranks(float(rows))
-        if total == 0:
+            count += micro_count
+        total_rows, count = self._sum_over_ranks([float(rows), count])
+        if total_rows == 0:
             raise RuntimeError("the training step received no rows; is rollout producing?")
-        self._all_reduce_grads(average=False)
+        rescale = (provisional or 1.0) / max(count, 1.0)  # no trained token at all: the loss is 0
         for p in self.model.parameters():
             if p.grad is not None:
-                p.grad /= total
+                p.grad *= rescale
+        self._all_reduce_grads()
+        reduced = stats.reduce(self._sum_over_ranks, rescale)
+        reduced["grad_norm"] = self._clip_and_step()
+        return reduced
+
+    def _backward_micro(
+        self, micro: TrainBatch, old_logp: torch.Tensor | None, ref_logp: torch.Tensor | None,
+        denominator: float,
+    ) -> dict[str, float]:
+        """Back-propagate one micro-batch's loss divided by `denominator`; return its stats.
+
+        `old_logp` None means the current policy's (detached) log-probs.
+        """
+        logp, entropy = self._logprobs(self.model, micro)
+        inputs = LossInputs(
+            logp=logp, old_logp=logp.detach() if old_logp is None else old_logp,
+            advantages=self._advantages(micro, logp), mask=micro.loss_mask, ref_logp=ref_logp,
+            rollout_logp=micro.rollout_log_probs, entropy=entropy,
+        )
+        loss, stats = policy_loss(self.loss_cfg, inputs, denominator)
+        loss.backward()
+        return stats
+
+    def _clip_and_step(self) -> float:
         clip = self.optim_cfg.grad_clip
         params = [p for p in self.model.parameters() if p.grad is not None]
         norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
         self.optimizer.step()
-        stats = {k: self._sum_over_ranks(v) / total for k, v in sums.items()}
-        stats["grad_norm"] = float(norm)
-        return stats
+        return float(norm)
 
-    def _sum_over_ranks(self, value: float) -> float:
+    def _sum_over_ranks(self, values: list[float]) -> list[float]:
         if self.world_size == 1:
-            return value
-        t = torch.tensor([value], dtype=torch.float64)
+            return list(values)
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)  # NCCL needs a GPU tensor
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
-        return float(t.item())
+        return t.tolist()
 
-    def _all_reduce_grads(self, average: bool = True) -> None:
+    def _all_reduce_grads(self) -> None:
+        """Sum gradients over ranks; not averaged, as the loss was divided by the global count."""
         if self.world_size == 1:
             return
         for p in self.model.parameters():
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
-            if average:
-                p.grad /= self.world_size
 
     # -- weights and checkpoints ---------------------------------------------------------------
 

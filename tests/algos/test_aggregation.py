@@ -1,4 +1,5 @@
-"""Hand-worked checks of the two loss aggregation modes, including masked-out sequences."""
+"""Hand-worked checks of the two loss aggregation modes, including masked-out sequences and an
+explicit denominator (the count of a whole optimizer step split into micro-batches)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import math
 import pytest
 import torch
 
-from relax_hpc.algos.aggregation import aggregate
+from relax_hpc.algos.aggregation import aggregate, loss_denominator
 
 PER_TOKEN = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0], [9.0, 9.0, 9.0]])
 MASK = torch.tensor([[1, 1, 1], [1, 0, 0], [0, 0, 0]])
@@ -51,3 +52,54 @@ def test_unknown_mode_and_shape_mismatch_are_explained() -> None:
         aggregate(PER_TOKEN, MASK, "sum")
     with pytest.raises(ValueError, match=r"must be the same \[B, T\]"):
         aggregate(PER_TOKEN, MASK[:, :2], "token_mean")
+
+
+def test_loss_denominator_counts_tokens_or_sequences() -> None:
+    # token_mean: trained tokens 3 + 1 + 0 = 4; seq_mean_token_mean: B = 3 (the masked row counts)
+    assert loss_denominator(MASK, "token_mean") == 4.0
+    assert loss_denominator(MASK.float(), "seq_mean_token_mean") == 3.0
+    assert loss_denominator(torch.zeros(2, 3), "token_mean") == 0.0  # not clamped: counts add up
+
+
+def test_explicit_denominator_replaces_the_batch_count() -> None:
+    # token_mean: (1 + 2 + 3 + 4) / 8 = 1.25
+    assert aggregate(PER_TOKEN, MASK, "token_mean", denominator=8.0).item() == pytest.approx(1.25)
+    # seq_mean_token_mean: sequence means 2 + 4 + 0 = 6, / 4 = 1.5
+    assert aggregate(PER_TOKEN, MASK, "seq_mean_token_mean", denominator=4.0).item() == pytest.approx(1.5)
+    # None is the batch's own count: the same as passing loss_denominator
+    for mode in ("token_mean", "seq_mean_token_mean"):
+        own = aggregate(PER_TOKEN, MASK, mode, denominator=loss_denominator(MASK, mode))
+        assert own.item() == pytest.approx(aggregate(PER_TOKEN, MASK, mode).item())
+
+
+@pytest.mark.parametrize(
+    ("mode", "whole", "parts", "grad_row0", "grad_row1"),
+    [
+        # token_mean, denominator 4 tokens: row 0 gives (1+2+3)/4 = 1.5, rows 1-2 give 4/4 = 1.0;
+        # 1.5 + 1.0 = 2.5 = the whole batch's 10/4. Every trained token's gradient is 1/4.
+        ("token_mean", 2.5, (1.5, 1.0), [0.25, 0.25, 0.25], [0.25, 0.0, 0.0]),
+        # seq_mean_token_mean, denominator 3 sequences: row 0 gives 2/3, rows 1-2 give (4+0)/3;
+        # 2/3 + 4/3 = 2.0 = the whole batch's 6/3. Gradients 1/(3 tokens * 3) and 1/(1 token * 3).
+        ("seq_mean_token_mean", 2.0, (2 / 3, 4 / 3), [1 / 9, 1 / 9, 1 / 9], [1 / 3, 0.0, 0.0]),
+    ],
+)
+def test_micro_batches_with_the_step_denominator_add_up_to_the_whole_batch(
+    mode: str, whole: float, parts: tuple[float, float], grad_row0: list[float], grad_row1: list[float]
+) -> None:
+    values = PER_TOKEN.clone().requires_grad_(True)
+    denominator = loss_denominator(MASK[:1], mode) + loss_denominator(MASK[1:], mode)
+    first = aggregate(values[:1], MASK[:1], mode, denominator)
+    rest = aggregate(values[1:], MASK[1:], mode, denominator)
+    assert (first.item(), rest.item()) == (pytest.approx(parts[0]), pytest.approx(parts[1]))
+    assert (first + rest).item() == pytest.approx(whole)
+    assert aggregate(PER_TOKEN, MASK, mode).item() == pytest.approx(whole)
+    (first + rest).backward()
+    assert values.grad is not None
+    expected = torch.tensor([grad_row0, grad_row1, [0.0, 0.0, 0.0]])
+    torch.testing.assert_close(values.grad, expected)
+
+
+@pytest.mark.parametrize("bad", [0.0, -2.0, math.nan, math.inf])
+def test_denominator_must_be_a_positive_count(bad: float) -> None:
+    with pytest.raises(ValueError, match=r"denominator = .*finite count > 0"):
+        aggregate(PER_TOKEN, MASK, "token_mean", denominator=bad)

@@ -156,3 +156,24 @@ def test_shape_mismatch_names_the_field() -> None:
     inputs.old_logp = torch.zeros(1, 2)
     with pytest.raises(ValueError, match=r"LossInputs.old_logp has shape \(1, 2\); it must match logp's"):
         policy_loss(LossConfig(), inputs)
+
+
+def test_step_denominator_scales_the_aggregates_but_not_the_token_means() -> None:
+    inputs = on_policy(3, 1.0)  # per-token policy loss -A * ratio = -1
+    inputs.entropy = torch.tensor([[1.0, 2.0, 3.0]])
+    cfg = LossConfig(loss_agg="token_mean", entropy_coef=0.1)
+    loss, stats = policy_loss(cfg, inputs, denominator=6.0)
+    # a micro-batch of 3 tokens out of a step of 6: policy (-1 - 1 - 1) / 6 = -0.5,
+    # entropy (1 + 2 + 3) / 6 = 1.0, total = -0.5 - 0.1 * 1.0 = -0.6
+    assert loss.item() == pytest.approx(-0.6)
+    assert stats["loss/policy"] == pytest.approx(-0.5)
+    assert stats["entropy"] == pytest.approx(1.0)
+    assert stats["loss/total"] == pytest.approx(-0.6)
+    # token means over this micro-batch's own 3 tokens: ratio 1, nothing clipped
+    assert stats["ratio_mean"] == pytest.approx(1.0)
+    assert stats["clip_frac"] == 0.0
+    assert set(losses.STEP_SUM_STATS) == {"loss/policy", "loss/kl", "entropy", "loss/total"}
+    loss.backward()
+    # d total / d logp_t = -A * ratio / 6 = -1/6 on each token
+    assert inputs.logp.grad is not None
+    torch.testing.assert_close(inputs.logp.grad, torch.full((1, 3), -1 / 6))
