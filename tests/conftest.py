@@ -27,3 +27,11 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if not path.exists():
         write_tiny_model(path, seed=0)
     return path
+
+
+@pytest.fixture(scope="session")
+def wheel_venv(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, str]]:
+    """A fresh venv with the relax-hpc wheel installed: (its bin dir, the environment to run it in)."""
+    from wheel_venv import build_wheel_venv
+
+    return build_wheel_venv(tmp_path_factory.mktemp("wheel"))

@@ -9,6 +9,9 @@
     relax-hpc serve-engine DIR  serve a model over HTTP (SGLang's /generate subset); prints the URL
     relax-hpc render SPEC       print the heterogeneous sbatch script of a spec (no side effects)
     relax-hpc submit SPEC       submit it to Slurm; status | logs | cancel JOB; convert JOBDIR OUT
+
+SPEC is a TOML file, or the name of a spec shipped in the package (tiny_local, tiny_slurm),
+so an installed wheel runs `relax-hpc run tiny_local` from any directory (relax_hpc/jobspecs/).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import sys
 from pathlib import Path
 from typing import Callable
 
+from relax_hpc.jobspecs import resolve_spec_path, with_embedded_inputs
 from relax_hpc.launch import commands as slurm_commands
 from relax_hpc.launch.slurm_client import SlurmError
 from relax_hpc.spec import SpecError, load_spec, spec_to_toml
@@ -33,14 +37,15 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 
 
 def _cmd_show(args: argparse.Namespace) -> int:
-    print(spec_to_toml(load_spec(args.spec)), end="")
+    # An embedded spec shows its data path in the package: the output runs from anywhere.
+    print(spec_to_toml(with_embedded_inputs(load_spec(args.spec), args.spec)), end="")
     return 0
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from relax_hpc.driver.run import run_job
 
-    spec = load_spec(args.spec)
+    spec = with_embedded_inputs(load_spec(args.spec), args.spec)
     report = run_job(spec, in_process=args.in_process, ray_address=args.ray_address,
                      progress=not args.no_progress)
     print(report.summary_line())
@@ -120,7 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("run", help="train a job spec on this machine (resumes from its checkpoints)")
-    p.add_argument("spec", help="path to the TOML job spec, e.g. jobspecs/tiny_local.toml")
+    p.add_argument("spec", help="path to the TOML job spec, e.g. jobspecs/tiny_local.toml, or an "
+                                "embedded spec's name (tiny_local)")
     p.add_argument("--in-process", action="store_true",
                    help="run every role in this process instead of Ray actors (debugging)")
     p.add_argument("--ray-address", default=None,
@@ -168,6 +174,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if isinstance(getattr(args, "spec", None), str):
+        args.spec = resolve_spec_path(args.spec)
     try:
         return int(args.func(args))
     except SpecError as e:

@@ -30,6 +30,7 @@ from relax_hpc.ops.archive import archive_dir
 from relax_hpc.ops.heap import settle_heap
 from relax_hpc.ops.metrics import FanOut, JsonlSink, MetricsSink, TensorBoardSink, WandbSink
 from relax_hpc.ops.plot import plot_reward_curve
+from relax_hpc.ops.progress import make_progress
 from relax_hpc.roles.actor import ActorConfig
 from relax_hpc.roles.advantages import AdvantagesConfig
 from relax_hpc.roles.forward import OUTPUT_FIELD, ForwardConfig
@@ -195,8 +196,6 @@ def start_ray(address: str | None) -> None:
 def run_job(spec: JobSpec, in_process: bool = False, ray_address: str | None = None,
             progress: bool = True) -> RunReport:
     """Run a job spec to completion (or until a stop signal) on this machine."""
-    from tqdm import tqdm
-
     t_start = time.perf_counter()
     check_backends_available(spec)
     job_dir = prepare_job_dir(spec)
@@ -215,13 +214,12 @@ def run_job(spec: JobSpec, in_process: bool = False, ray_address: str | None = N
                     else RayRoles(rollout_cfg, actor_cfg, spec.train.num_processes, queue_roles, capacity))
     print(f"dataset: {roles.dataset_summary()}", file=sys.stderr)
     metrics = make_sinks(spec, job_dir)
-    bar = tqdm(total=spec.train.steps, desc=spec.job.name, unit="step", disable=not progress,
-               dynamic_ncols=True, file=sys.stderr)
+    # A bar on a terminal; in a Slurm log (not a terminal) one line every N seconds.
+    bar = make_progress(spec.train.steps, spec.job.name, enabled=progress)
 
     def on_step(step: int, m: dict[str, float]) -> None:
         settle_heap()  # once, after the first step; this process also hosts the queue server
-        bar.n = step
-        bar.set_postfix(reward=f"{m['reward/mean']:.3f}", s_per_step=f"{m['time/step_s']:.2f}")
+        bar.update(step, m["reward/mean"], m["time/step_s"])
 
     loop_cfg = LoopConfig(
         total_steps=spec.train.steps, max_staleness=staleness,

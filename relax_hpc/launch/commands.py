@@ -13,6 +13,7 @@ from pathlib import Path
 from relax_hpc.launch.jobs import SUBMIT_SPEC, component_names, find_job, job_status, submit_spec
 from relax_hpc.launch.render import render_sbatch
 from relax_hpc.launch.slurm_client import SlurmClient, SubprocessSlurmClient
+from relax_hpc.jobspecs import with_embedded_inputs
 from relax_hpc.spec import load_spec
 
 __all__ = ["cmd_cancel", "cmd_convert", "cmd_logs", "cmd_render", "cmd_status", "cmd_submit", "make_client"]
@@ -30,7 +31,7 @@ def cmd_render(args: argparse.Namespace) -> int:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
-    spec = load_spec(args.spec)
+    spec = with_embedded_inputs(load_spec(args.spec), args.spec)
     done = submit_spec(spec, Path(args.spec), make_client(), check_cluster=not args.no_preflight)
     print(f"submitted job {done.job_id}: {spec.job.name}, job dir {done.job_dir}")
     print(f"  relax-hpc status {done.job_id}      # Slurm state of each component, step, reward")

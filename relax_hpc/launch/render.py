@@ -3,7 +3,9 @@
     from relax_hpc.launch.render import render_sbatch
     text = render_sbatch(spec, job_dir="/shared/runs/x", spec_file="/shared/runs/x/spec.submit.toml")
 
-The text comes from the readable template ``sbatch/hetjob.sbatch.in``: ``{{name}}``
+The text comes from the readable template ``relax_hpc/launch/templates/hetjob.sbatch.in``
+(package data, so an installed wheel has it; sbatch/ in the checkout links to it, and
+``$RELAX_HPC_SBATCH_DIR`` names another folder to read it from). Its ``{{name}}``
 placeholders are filled in here and nothing else is generated, so someone who knows sbatch
 but not Python can read (and change) what every job runs. Same spec, same text: the golden
 files in tests/launch/golden/ pin it.
@@ -15,20 +17,26 @@ import os
 import re
 import shlex
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 
 from relax_hpc.launch.container import render_wrapper
 from relax_hpc.spec import ComponentSpec, JobSpec
 
-__all__ = ["Component", "components", "render_sbatch", "sbatch_headers", "template_dir"]
+__all__ = ["Component", "components", "read_template", "render_sbatch", "sbatch_headers"]
 
 _PLACEHOLDER = re.compile(r"\{\{([a-z_]+)\}\}")
+TEMPLATE = "hetjob.sbatch.in"
 
 
-def template_dir() -> Path:
-    """The sbatch/ template directory ($RELAX_HPC_SBATCH_DIR, else the project's sbatch/)."""
+def read_template() -> tuple[str, str]:
+    """(text, where it came from) of the hetjob template: $RELAX_HPC_SBATCH_DIR, else the package's."""
     override = os.environ.get("RELAX_HPC_SBATCH_DIR")
-    return Path(override) if override else Path(__file__).resolve().parents[2] / "sbatch"
+    if override:
+        path = Path(override) / TEMPLATE
+        return path.read_text(encoding="utf-8"), str(path)
+    packaged = resources.files("relax_hpc.launch") / "templates" / TEMPLATE
+    return packaged.read_text(encoding="utf-8"), str(packaged)
 
 
 @dataclass(frozen=True)
@@ -101,7 +109,7 @@ def _start_ray_lines(spec: JobSpec) -> list[str]:
     return lines
 
 
-def _fill(template: str, values: dict[str, str], source: Path) -> str:
+def _fill(template: str, values: dict[str, str], source: str) -> str:
     missing = sorted(set(_PLACEHOLDER.findall(template)) - set(values))
     if missing:
         raise ValueError(f"{source}: no value for placeholder(s) {missing}; known: {sorted(values)}")
@@ -110,7 +118,6 @@ def _fill(template: str, values: dict[str, str], source: Path) -> str:
 
 def render_sbatch(spec: JobSpec, job_dir: str, spec_file: str) -> str:
     """The sbatch script of ``spec``; ``job_dir`` and ``spec_file`` as the job will see them."""
-    source = template_dir() / "hetjob.sbatch.in"
     groups = components(spec)
     python = "python3" if spec.container.image is not None else '"${RELAX_HPC_PYTHON:-python3}"'
     values = {
@@ -125,4 +132,5 @@ def render_sbatch(spec: JobSpec, job_dir: str, spec_file: str) -> str:
         "wrappers": "\n".join(render_wrapper(g.name, spec.container, g.spec.gpus_per_node) for g in groups),
         "start_ray_lines": "\n".join(_start_ray_lines(spec)),
     }
-    return _fill(source.read_text(encoding="utf-8"), values, source)
+    template, source = read_template()
+    return _fill(template, values, source)

@@ -167,3 +167,22 @@ def test_job_whose_ray_worker_cannot_start_fails_with_the_reason_in_its_log(
     text = logs_of(job_dir, 0)
     assert "cannot start Ray" in text and "in use" in text, text
     assert "FAILED: the Ray cluster did not form" in text
+
+
+def test_a_wheel_install_submits_the_embedded_spec_from_any_directory(
+        dev_slurm: DevSlurm, tmp_path: Path, wheel_venv: tuple[Path, dict[str, str]]) -> None:
+    """`relax-hpc submit tiny_slurm` from a non-editable install, run away from the checkout."""
+    bin_dir, env = wheel_venv
+    env = {k: v for k, v in env.items() if k != "RELAX_HPC_SBATCH_DIR"}  # the template from the wheel
+    done = subprocess.run([str(bin_dir / "relax-hpc"), "submit", "tiny_slurm"], capture_output=True, text=True,
+                          cwd=tmp_path, timeout=300, env={**dev_slurm.env(), **env}, check=False)
+    assert done.returncode == 0, done.stderr
+    found = re.search(r"submitted job (\d+)", done.stdout)
+    assert found, done.stdout
+    job_id, job_dir = found.group(1), tmp_path / "runs" / "tiny_slurm"
+    try:
+        wait_for_step(job_dir, 2, timeout=240)  # it trains: the data came from the wheel
+    finally:
+        dev_slurm.slurm("scancel", job_id)
+    dev_slurm.wait_job_done(job_id, timeout=120)
+    assert str(bin_dir.parent) in (job_dir / "spec.toml").read_text()  # [data] path inside the wheel's install
