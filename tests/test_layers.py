@@ -1,0 +1,90 @@
+"""The layers of docs/architecture.md hold: no package of relax_hpc imports one listed above it.
+
+The table in docs/architecture.md is the source: its first column names the layers, top to
+bottom. Every import in relax_hpc/ counts, lazy ones inside functions too (they still make the
+lower layer depend on the higher one); only imports under `if TYPE_CHECKING:` are left out.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGE = REPO / "relax_hpc"
+
+
+def documented_layers() -> list[str]:
+    text = (REPO / "docs" / "architecture.md").read_text()
+    block = text.split("```", 2)[1]  # the first fenced block is the table
+    rows = re.findall(r"(?m)^(\w+)\s+relax_hpc/(\w+)\s", block)
+    assert rows and all(name == folder for name, folder in rows), rows
+    return [name for name, _ in rows]
+
+
+def _type_checking_only(node: ast.AST, parents: dict[ast.AST, ast.AST]) -> bool:
+    while node in parents:
+        node = parents[node]
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            return True
+    return False
+
+
+def imports_of(path: Path) -> list[tuple[int, str]]:
+    """(line, imported relax_hpc module) for every import in a file; relative ones resolved."""
+    tree = ast.parse(path.read_text())
+    parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+    package = ".".join(path.relative_to(REPO).with_suffix("").parts[:-1])
+    found = []
+    for node in ast.walk(tree):
+        if _type_checking_only(node, parents):
+            continue
+        if isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                module = ".".join([*base, module] if module else base)
+            found.append((node.lineno, module))
+        elif isinstance(node, ast.Import):
+            found.extend((node.lineno, alias.name) for alias in node.names)
+    return [(line, m) for line, m in found if m.split(".")[0] == "relax_hpc" and "." in m]
+
+
+def layer_of(path: Path) -> str:
+    return path.relative_to(PACKAGE).parts[0].removesuffix(".py")
+
+
+def test_every_package_has_a_row_in_the_table() -> None:
+    layers = documented_layers()
+    packages = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").is_file()}
+    assert packages <= set(layers), f"give these packages a row in docs/architecture.md: {sorted(packages - set(layers))}"
+    assert len(layers) == len(set(layers))
+
+
+def upward_imports(layers: list[str]) -> list[str]:
+    """Every import of a package listed above the importing one, as "file:line: ..." lines."""
+    rank = {name: i for i, name in enumerate(layers)}
+    upward = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        source = layer_of(path)
+        if source not in rank:  # relax_hpc/__init__.py
+            continue
+        for line, module in imports_of(path):
+            target = module.split(".")[1]
+            if target != source and target in rank and rank[target] < rank[source]:
+                upward.append(f"{path.relative_to(REPO)}:{line}: {source} imports {module} ({target} is above it)")
+    return upward
+
+
+def test_no_package_imports_a_layer_above_it() -> None:
+    upward = upward_imports(documented_layers())
+    assert not upward, "imports against docs/architecture.md's layers:\n" + "\n".join(upward)
+
+
+def test_the_check_can_fail() -> None:
+    # Turned upside down, the table is broken by every cross-package import, lazy ones included.
+    upward = upward_imports(documented_layers()[::-1])
+    assert any("relax_hpc/driver/run.py" in line and "imports relax_hpc.spec" in line for line in upward)
+    lazy = {m for _, m in imports_of(PACKAGE / "rewards" / "hub.py")}
+    assert "relax_hpc.rewards.ifbench" in lazy  # imported inside a method
