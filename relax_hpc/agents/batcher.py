@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-from relax_hpc.engines.base import Generation, RolloutEngine, SamplingParams
+from relax_hpc.engines.base import Generation, Generator, SamplingParams
 
 
 @dataclass
@@ -23,7 +23,7 @@ class _Request:
 
 
 class EngineBatcher:
-    """An async front of a `RolloutEngine`; create it, and use it, inside one event loop.
+    """An async front of an engine (a `Generator`); create it, and use it, inside one event loop.
 
     `live` is the number of callers that may still submit (set it with `begin(n)` and lower it
     with `finish_one()` as callers end); when all of them are waiting the batch goes at once.
@@ -31,7 +31,7 @@ class EngineBatcher:
     when the callers are (sync environments, a fixed `live`).
     """
 
-    def __init__(self, engine: RolloutEngine, max_wait_s: float = 0.05) -> None:
+    def __init__(self, engine: Generator, max_wait_s: float = 0.05) -> None:
         self.engine = engine
         self.max_wait_s = max_wait_s
         self.seed_base = 0

@@ -96,7 +96,7 @@ def role_configs(spec: JobSpec, job_dir: Path, device: str) -> tuple[RolloutConf
     rollout = RolloutConfig(
         model_path=spec.model.path, data=spec.data, reward=spec.reward, seed=spec.job.seed,
         prompts_per_step=r.prompts_per_step, n_samples_per_prompt=r.n_samples_per_prompt,
-        sampling=sampling, dtype=spec.model.dtype, device=device, num_threads=threads,
+        sampling=sampling, engine=r.engine, dtype=spec.model.dtype, device=device, num_threads=threads,
         normalize_std=a.normalize_std and normalizes_std(a.name),
         dynamic_sampling=r.dynamic_sampling, max_sampling_rounds=r.max_sampling_rounds,
         agentic=agentic_from_spec(r), advantages_role=spec.train.advantages_role,

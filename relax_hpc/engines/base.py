@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Iterable, Literal, Protocol
+from typing import Any, Iterable, Literal, Protocol
 
 import torch
 
@@ -56,13 +56,8 @@ class Generation:
     extra: dict = field(default_factory=dict)
 
 
-class RolloutEngine(Protocol):
-    """A generation backend. Implementations: `NativeEngine` (torch), the SGLang adapter.
-
-    An engine may also offer ``bind_weights(flat, version) -> bool``: run on the tensors of a
-    received `relax_hpc.weights.flat.FlatWeights` in place of its own, without a copy (False
-    when it cannot; the rollout role then copies through `update_weights`).
-    """
+class Generator(Protocol):
+    """The narrow interface a caller that only samples needs (a GenRM judge, an agent proxy)."""
 
     @property
     def weight_version(self) -> int: ...
@@ -71,6 +66,36 @@ class RolloutEngine(Protocol):
         self, prompts: list[list[int]], params: SamplingParams, seed: int | None = None
     ) -> list[Generation]: ...
 
+
+class RolloutEngine(Generator, Protocol):
+    """A rollout engine: what the rollout role drives. Implementations: `NativeEngine` (torch),
+    `ScriptedEngine` (in memory, for tests); the SGLang adapter is to follow.
+
+    Weights change only between `generate` calls: `update_weights` copies named tensors in and
+    sets the version every later generation reports. `pause` waits for the `generate` calls in
+    flight and holds new ones until `resume` (the rollout side of a weight update or of a
+    colocated training step). `release_memory` frees what the engine holds on its device
+    (weights and cache) and returns how many bytes; `resume_memory` takes them back, after
+    which `update_weights` may refill the weights. An engine may also offer
+    ``bind_weights(flat, version) -> bool``: run on the tensors of a received
+    `relax_hpc.weights.flat.FlatWeights` in place of its own, without a copy (False when it
+    cannot; the rollout role then copies through `update_weights`).
+    """
+
+    @property
+    def tokenizer(self) -> Any: ...
+
+    @property
+    def eos_id(self) -> int: ...
+
     def update_weights(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int
     ) -> None: ...
+
+    def pause(self) -> None: ...
+
+    def resume(self) -> None: ...
+
+    def release_memory(self) -> int: ...
+
+    def resume_memory(self) -> None: ...

@@ -7,6 +7,7 @@ keep decoding padding (their outputs are discarded) so the batch stays rectangul
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Iterable
 
@@ -31,6 +32,10 @@ class NativeEngine:
         self.pad_id = int(pad if pad is not None else self.tokenizer.eos_token_id)
         self.eos_id = int(self.tokenizer.eos_token_id)
         self._version = 0
+        self._gate = threading.Condition()
+        self._paused = False
+        self._released = False
+        self._in_flight = 0
 
     @property
     def weight_version(self) -> int:
@@ -49,8 +54,53 @@ class NativeEngine:
         self._version = version
         return True
 
+    def pause(self) -> None:
+        """Wait for the generate calls in flight; hold new ones until `resume`."""
+        with self._gate:
+            self._paused = True
+            self._gate.wait_for(lambda: self._in_flight == 0)
+
+    def resume(self) -> None:
+        with self._gate:
+            self._paused = False
+            self._gate.notify_all()
+
+    def release_memory(self) -> int:
+        """Move the weights off the accelerator (to host memory) and free its cache; returns the
+        bytes freed there. On a CPU engine the weights already are in host memory: 0."""
+        with self._gate:
+            if self._released or self.device.type == "cpu":
+                return 0
+            freed = sum(t.numel() * t.element_size() for t in [*self.model.parameters(), *self.model.buffers()])
+            self.model.to("cpu")
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            self._released = True
+            return freed
+
+    def resume_memory(self) -> None:
+        with self._gate:
+            if self._released:
+                self.model.to(self.device)
+                self._released = False
+
     def generate(
         self, prompts: list[list[int]], params: SamplingParams, seed: int | None = None
+    ) -> list[Generation]:
+        with self._gate:
+            self._gate.wait_for(lambda: not self._paused)
+            if self._released:
+                raise RuntimeError("the engine released its memory; call resume_memory() before generate()")
+            self._in_flight += 1
+        try:
+            return self._generate(prompts, params, seed)
+        finally:
+            with self._gate:
+                self._in_flight -= 1
+                self._gate.notify_all()
+
+    def _generate(
+        self, prompts: list[list[int]], params: SamplingParams, seed: int | None
     ) -> list[Generation]:
         if not prompts:
             return []

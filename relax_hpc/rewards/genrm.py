@@ -15,7 +15,7 @@ import threading
 from typing import Any
 
 from relax_hpc.data.sample import Sample
-from relax_hpc.engines.base import RolloutEngine, SamplingParams
+from relax_hpc.engines.base import Generator, SamplingParams
 
 DEFAULT_GENRM_PROMPT = (
     "You are grading an answer. Question:\n{question}\n\nReference answer:\n{label}\n\n"
@@ -48,7 +48,7 @@ class GenRMJudge:
 
     def __init__(
         self,
-        engine: RolloutEngine,
+        engine: Generator,
         tokenizer: Any,
         prompt_template: str = DEFAULT_GENRM_PROMPT,
         sampling: SamplingParams | None = None,

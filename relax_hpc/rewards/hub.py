@@ -18,7 +18,7 @@ import threading
 from typing import Any, Protocol
 
 from relax_hpc.data.sample import Sample
-from relax_hpc.engines.base import RolloutEngine
+from relax_hpc.engines.base import Generator
 from relax_hpc.rewards.genrm import DEFAULT_GENRM_PROMPT, GenRMJudge
 from relax_hpc.rewards.pool import RewardPool
 from relax_hpc.rewards.registry import BUILTIN_REWARDS, CONFIGURED_REWARDS, RewardFn, resolve_reward
@@ -67,7 +67,7 @@ class RewardHub:
         remote_url: str | None = None,
         remote_max_retries: int = 3,
         genrm_prompt: str | None = None,
-        genrm_engine: RolloutEngine | None = None,
+        genrm_engine: Generator | None = None,
         genrm_tokenizer: Any = None,
     ) -> None:
         self.default_name, self.type_key = function, type_key
@@ -82,7 +82,7 @@ class RewardHub:
 
     @classmethod
     def from_settings(
-        cls, settings: RewardSettings, genrm_engine: RolloutEngine | None = None, genrm_tokenizer: Any = None
+        cls, settings: RewardSettings, genrm_engine: Generator | None = None, genrm_tokenizer: Any = None
     ) -> RewardHub:
         return cls(
             settings.function, type_key=settings.type_key, concurrency=settings.concurrency,

@@ -23,9 +23,9 @@ from relax_hpc.algos.advantages import advantages_by_group
 from relax_hpc.data.dataset import DataCursor, DataSettings, load_dataset
 from relax_hpc.data.rows import sample_to_row
 from relax_hpc.data.sample import Sample
-from relax_hpc.engines.base import RolloutEngine, SamplingParams
+from relax_hpc.engines.base import Generator, RolloutEngine, SamplingParams
+from relax_hpc.engines.factory import make_engine
 from relax_hpc.engines.http_client import HttpEngine
-from relax_hpc.engines.native import NativeEngine
 from relax_hpc.models.hf import load_tokenizer
 from relax_hpc.ops.heap import settle_heap
 from relax_hpc.rewards.hub import RewardHub, RewardSettings
@@ -45,6 +45,7 @@ class RolloutConfig:
     prompts_per_step: int
     n_samples_per_prompt: int
     sampling: SamplingParams
+    engine: str  # [rollout] engine: which make_engine builds
     normalize_std: bool = True  # group advantages: False is Dr.GRPO
     dtype: str = "float32"
     device: str = "cpu"
@@ -59,7 +60,7 @@ class RolloutConfig:
     advantages_role: bool = False  # rows go out without `advantages`: the Advantages role adds them
 
 
-def build_genrm_judge(reward: RewardSettings, dtype: str, device: str) -> tuple[RolloutEngine | None, Any]:
+def build_genrm_judge(reward: RewardSettings, dtype: str, device: str) -> tuple[Generator | None, Any]:
     """The GenRM judge engine and its tokenizer from [reward], or (None, None) when none is set.
 
     genrm_url: an engine server (frozen weights), tokenizer from genrm_tokenizer_path (required:
@@ -80,7 +81,7 @@ def build_genrm_judge(reward: RewardSettings, dtype: str, device: str) -> tuple[
         engine = HttpEngine(url, timeout_s=per_attempt, retries=2, backoff_s=0.5)
         return engine, load_tokenizer(tokenizer_path)
     if model_path:
-        native = NativeEngine(model_path, dtype=dtype, device=device)
+        native = make_engine("native", model_path, dtype=dtype, device=device)
         return native, load_tokenizer(tokenizer_path) if tokenizer_path else native.tokenizer
     return None, None
 
@@ -90,11 +91,12 @@ def _cannot_bind(_flat: Any, _version: int) -> bool:
 
 
 class RolloutWorker(WeightReceiverEndpoint):
-    def __init__(self, cfg: RolloutConfig) -> None:
+    def __init__(self, cfg: RolloutConfig, engine: RolloutEngine | None = None) -> None:
+        """`engine`: the engine to drive; None builds the one `[rollout] engine` names, here."""
         if cfg.num_threads > 0:
             torch.set_num_threads(cfg.num_threads)
         self.cfg = cfg
-        self.engine = NativeEngine(cfg.model_path, dtype=cfg.dtype, device=cfg.device)
+        self.engine = engine if engine is not None else make_engine(cfg.engine, cfg.model_path, cfg.dtype, cfg.device)
         tok = self.engine.tokenizer
         stop_ids = tuple(cfg.sampling.stop_token_ids) + (self.engine.eos_id,)
         self.sampling = SamplingParams(**{**cfg.sampling.__dict__, "stop_token_ids": stop_ids})

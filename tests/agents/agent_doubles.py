@@ -1,16 +1,18 @@
-"""Test doubles for the agent tests: a scripted engine, an environment, a generate function and
-inline agents (the subprocess agent is in sync_agent.py, which imports no torch)."""
+"""Test doubles for the agent tests: an environment, a generate function and inline agents (the
+subprocess agent is in sync_agent.py, which imports no torch). The engine is the package's
+in-memory twin, relax_hpc.engines.memory.ScriptedEngine (re-exported here)."""
 
 from __future__ import annotations
 
 import asyncio
-import os
-from typing import Any, Iterable
+from typing import Any
 
-import torch
 
 from relax_hpc.agents.env import BaseInteractionEnv, StepResult
-from relax_hpc.engines.base import Generation, SamplingParams
+from relax_hpc.engines.base import SamplingParams
+from relax_hpc.engines.memory import ScriptedEngine
+
+__all__ = ["ScriptedEngine", "tiny_tokenizer"]
 from relax_hpc.models.tiny import build_tokenizer_json, CHAT_TEMPLATE, IM_END, PAD_TOKEN
 
 
@@ -22,45 +24,6 @@ def tiny_tokenizer() -> Any:
                                   eos_token=IM_END, pad_token=PAD_TOKEN, unk_token=PAD_TOKEN)
     tok.chat_template = CHAT_TEMPLATE
     return tok
-
-
-class ScriptedEngine:
-    """Answers each prompt with the next text of `script` (cycled) then EOS, unless the budget
-    cuts it; log-probs are distinct numbers so alignment errors show. Records every call."""
-
-    def __init__(self, tokenizer: Any, script: list[str], version: int = 3) -> None:
-        self.tok, self.script, self._version = tokenizer, script, version
-        self.eos = int(tokenizer.eos_token_id)
-        self.calls: list[tuple[list[list[int]], SamplingParams, int | None]] = []
-        self.produced: list[Generation] = []
-        self._next = 0
-        self._lp = 0.0
-
-    @property
-    def weight_version(self) -> int:
-        return self._version
-
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        self._version = version
-
-    def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int | None = None) -> list[Generation]:
-        self.calls.append(([list(p) for p in prompts], params, seed))
-        out = []
-        for p in prompts:
-            text = self.script[self._next % len(self.script)]
-            self._next += 1
-            ids = self.tok.encode(text, add_special_tokens=False) + [self.eos]
-            ids = ids[:params.max_new_tokens]
-            finish = "stop" if ids[-1] == self.eos else "length"
-            lps = []
-            for _ in ids:
-                self._lp -= 0.01
-                lps.append(round(self._lp, 4))
-            shown = ids[:-1] if finish == "stop" else ids
-            gen = Generation(list(p), ids, lps, finish, self._version, self.tok.decode(shown))
-            self.produced.append(gen)
-            out.append(gen)
-        return out
 
 
 class EchoEnv(BaseInteractionEnv):

@@ -29,7 +29,7 @@ def sample(prompt: str = "hi", label: str = "") -> Sample:
 
 def run(script: list[str], n: int = 1, max_turns: int = 4, budget: int = 200,
         params: SamplingParams = PARAMS) -> tuple[list[Sample], ScriptedEngine]:
-    engine = ScriptedEngine(TOK, script)
+    engine = ScriptedEngine(TOK, script, version=3)
     args = GenerateArgs(EngineBatcher(engine), TOK, EchoEnv, max_turns, budget, EOS)
     out = asyncio.run(run_generate(generate_with_env, args, [sample() for _ in range(n)], params, seed=7))
     return out, engine
@@ -110,7 +110,7 @@ class Row:
 
 
 def test_custom_generate_through_the_rollout_service() -> None:
-    engine = ScriptedEngine(TOK, ["7", "1"])
+    engine = ScriptedEngine(TOK, ["7", "1"], version=3)
     cfg = AgenticConfig(generate="agent_doubles:custom_generate")
     service = AgenticRollout(cfg, engine, TOK, PARAMS, EOS)
     try:

@@ -34,7 +34,7 @@ ROWS = [Row(0, [], "hi", "x", {}), Row(1, [], "yo", "y", {})]
 
 
 def service(agent: str, script: list[str], **kw: object) -> tuple[AgenticRollout, ScriptedEngine]:
-    engine = ScriptedEngine(TOK, script)
+    engine = ScriptedEngine(TOK, script, version=3)
     return AgenticRollout(AgenticConfig(agent=agent, **kw), engine, TOK, PARAMS, EOS, 256), engine  # type: ignore[arg-type]
 
 
@@ -67,7 +67,7 @@ def test_inline_sdk_chat_records_exactly_what_the_engine_produced() -> None:
 
 
 def test_inline_concat_export_and_discount() -> None:
-    engine = ScriptedEngine(TOK, ["ab"])
+    engine = ScriptedEngine(TOK, ["ab"], version=3)
     svc = AgenticRollout(AgenticConfig(agent="agent_doubles:ChatAgent", export_style="concat",
                                        turn_discount=0.5), engine, TOK, PARAMS, EOS)
     try:

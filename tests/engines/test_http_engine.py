@@ -12,14 +12,14 @@ import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterator
 
 import pytest
-import torch
 
-from relax_hpc.engines.base import Generation, SamplingParams
+from relax_hpc.engines.base import SamplingParams
 from relax_hpc.engines.http_client import EngineHttpError, HttpEngine, parse_generate_reply
 from relax_hpc.engines.http_server import EngineServer
+from relax_hpc.engines.memory import ScriptedEngine
 from relax_hpc.engines.native import NativeEngine
 
 PROMPT_TEXTS = ("7", "1+2=", "<|im_start|>user:5+4=<|im_end|><|im_start|>assistant:")
@@ -162,34 +162,18 @@ def test_unknown_routes_and_methods(server: EngineServer) -> None:
     assert _post(server.url + "/flush_cache", b"{}")[0] == 404
 
 
-class FlakyEngine:
-    """Fails its first `failures` calls, then answers one fixed token per prompt."""
-
-    weight_version = 0
-
-    def __init__(self, failures: int) -> None:
-        self.failures, self.calls = failures, 0
-
-    def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int | None = None) -> list[Generation]:
-        self.calls += 1
-        if self.calls <= self.failures:
-            raise RuntimeError("out of memory (simulated)")
-        return [Generation(p, [5], [-0.25], "length", 0, text="x") for p in prompts]
-
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        raise AssertionError("not used")
-
-
-def test_engine_failure_is_a_short_500_and_the_client_retries() -> None:
-    flaky = FlakyEngine(failures=1)
+def test_engine_failure_is_a_short_500_and_the_client_retries(engine: NativeEngine) -> None:
+    flaky = ScriptedEngine(engine.tokenizer, ["7"], fail_first=1)
     with EngineServer(flaky) as server:
         status, reply = _post(server.url + "/generate", b'{"input_ids": [1]}')
         assert status == 500
         assert reply["error"]["message"] == "engine failed: RuntimeError: out of memory (simulated)"
         assert "Traceback" not in json.dumps(reply)
-        flaky.failures = flaky.calls + 1  # the next call fails too, the one after succeeds
+        flaky.fail_first = len(flaky.calls) + 1  # the next call fails too, the one after succeeds
         gens = HttpEngine(server.url, retries=2, backoff_s=0.01).generate([[1, 2]], SamplingParams())
-        assert flaky.calls == 3 and gens[0].token_ids == [5] and gens[0].logprobs == [-0.25]
+        produced = flaky.produced[-1]
+        assert len(flaky.calls) == 3
+        assert (gens[0].token_ids, gens[0].logprobs) == (produced.token_ids, produced.logprobs)
 
 
 def test_client_gives_up_with_the_servers_message_on_4xx(server: EngineServer) -> None:

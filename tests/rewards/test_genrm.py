@@ -8,7 +8,8 @@ from typing import Any
 import pytest
 
 from relax_hpc.data.sample import Sample
-from relax_hpc.engines.base import Generation, SamplingParams
+from relax_hpc.engines.base import SamplingParams
+from relax_hpc.engines.memory import ScriptedEngine
 from relax_hpc.rewards.genrm import GenRMJudge, parse_verdict, render_prompt
 from relax_hpc.rewards.hub import RewardHub
 
@@ -22,21 +23,11 @@ class FakeTokenizer:
     def __call__(self, text: str, add_special_tokens: bool = False) -> dict[str, list[int]]:
         return {"input_ids": [ord(c) for c in text]}
 
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [ord(c) for c in text]
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return "".join(chr(i) for i in ids)
-
-
-class FakeEngine:
-    """Replies with fixed text and records the prompts it was given."""
-
-    weight_version = 0
-
-    def __init__(self, reply: str) -> None:
-        self.reply, self.prompts = reply, []
-
-    def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int | None = None) -> list[Generation]:
-        self.prompts.extend(prompts)
-        return [Generation(p, [1], [0.0], "stop", 0, text=self.reply) for p in prompts]
 
 
 def _sample(answer: str = "42") -> Sample:
@@ -59,19 +50,19 @@ def test_render_prompt_keeps_other_braces() -> None:
 
 @pytest.mark.parametrize(("reply", "score", "unparsed"), [("1", 1.0, 0.0), (" 0", 0.0, 0.0), ("maybe", 0.0, 1.0)])
 def test_fake_engine_judge(reply: str, score: float, unparsed: float) -> None:
-    engine = FakeEngine(reply)
+    engine = ScriptedEngine(FakeTokenizer(), [reply])
     judge = GenRMJudge(engine, FakeTokenizer(), TEMPLATE)  # type: ignore[arg-type]
     assert judge.judge(_sample()) == {"score": score, "genrm_unparsed": unparsed}
-    assert FakeTokenizer().decode(engine.prompts[0]) == render_prompt(TEMPLATE, _sample())
+    assert FakeTokenizer().decode(engine.calls[0][0][0]) == render_prompt(TEMPLATE, _sample())
 
 
 def test_template_must_show_the_answer() -> None:
     with pytest.raises(ValueError, match=r"genrm_prompt must contain the \{answer\} placeholder"):
-        GenRMJudge(FakeEngine("1"), FakeTokenizer(), "Q: {question}")  # type: ignore[arg-type]
+        GenRMJudge(ScriptedEngine(FakeTokenizer(), ["1"]), FakeTokenizer(), "Q: {question}")  # type: ignore[arg-type]
 
 
 def test_genrm_through_the_hub() -> None:
-    hub = RewardHub("genrm", genrm_prompt=TEMPLATE, genrm_engine=FakeEngine("1"),  # type: ignore[arg-type]
+    hub = RewardHub("genrm", genrm_prompt=TEMPLATE, genrm_engine=ScriptedEngine(FakeTokenizer(), ["1"]),  # type: ignore[arg-type]
                     genrm_tokenizer=FakeTokenizer(), concurrency=4)
     samples = [_sample(str(i)) for i in range(6)]
     metrics = hub.score(samples)

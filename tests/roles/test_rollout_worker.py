@@ -40,7 +40,7 @@ def _worker(model_dir: Path, dynamic: bool = False, rounds: int = 1, prompts: in
     cfg = RolloutConfig(
         model_path=str(model_dir), data=spec.data, reward=spec.reward, seed=3,
         prompts_per_step=prompts, n_samples_per_prompt=8,
-        sampling=SamplingParams(max_new_tokens=3), dynamic_sampling=dynamic, max_sampling_rounds=rounds,
+        sampling=SamplingParams(max_new_tokens=3), engine="native", dynamic_sampling=dynamic, max_sampling_rounds=rounds,
         weights_timeout_s=weights_timeout_s,
     )
     return RolloutWorker(cfg)
