@@ -1,8 +1,10 @@
 """The torch training backend: an HF causal LM trained with AdamW, micro-batches and grad clipping.
 
 It is the embedded default. With several trainer processes it runs data parallel over
-torch.distributed (gloo on CPU, NCCL on GPU): each rank trains on its shard of the batch and
-gradients are summed with all-reduce before the optimizer step.
+torch.distributed (gloo on CPU, NCCL on GPU): each rank trains on its shard of the batch. With
+`strategy = "ddp"` every rank holds the whole model and gradients are summed with all-reduce
+before the optimizer step; with `"fsdp2"` parameters, gradients and optimizer state are sharded
+over the ranks (`relax_hpc.backends.parallel`) and FSDP2 sums the gradients with reduce-scatter.
 
 Every optimizer step takes the gradient of the loss of its whole batch, however the rows are
 split into micro-batches and ranks: the aggregation's denominator (trained tokens for
@@ -16,7 +18,7 @@ import copy
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -31,9 +33,12 @@ from relax_hpc.algos import (
 from relax_hpc.algos.aggregation import loss_denominator
 from relax_hpc.algos.losses import STEP_SUM_STATS
 from relax_hpc.backends.batch import TrainBatch, pack_samples
+from relax_hpc.backends.parallel import STRATEGIES, Strategy, full_weights, shard_model
 from relax_hpc.ckpt import CheckpointManager, ResumeState
 from relax_hpc.data.sample import Sample
 from relax_hpc.models.hf import load_causal_lm, load_tokenizer
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -67,13 +72,15 @@ class _StepStats:
             self.sums[key] = self.sums.get(key, 0.0) + value * weight
 
     def reduce(self, sum_over_ranks: Callable[[list[float]], list[float]],
-               rescale: float = 1.0) -> dict[str, float]:
+               rescale: float = 1.0, names: Iterable[str] | None = None) -> dict[str, float]:
         """The step's stats, the aggregates multiplied by this rank's `rescale` first.
 
-        `sum_over_ranks` is a collective, so every rank must call this.
+        `sum_over_ranks` is a collective, so every rank must call this with the same `names`
+        (every rank's stat names: a rank that got no rows has none of its own).
         """
-        keys = sorted(self.sums)
-        local = [self.sums[k] * rescale if k in STEP_SUM_STATS else self.sums[k] for k in keys]
+        keys = sorted(self.sums if names is None else names)
+        local = [self.sums.get(k, 0.0) * rescale if k in STEP_SUM_STATS else self.sums.get(k, 0.0)
+                 for k in keys]
         *sums, tokens = sum_over_ranks([*local, self.tokens])
         return {
             k: v if k in STEP_SUM_STATS else (v / tokens if tokens > 0 else 0.0)
@@ -96,7 +103,10 @@ class TorchBackend:
         teacher_path: str | Path | None = None,
         opd_coef: float = 1.0,
         keep_reference: bool = True,
+        strategy: Strategy = "ddp",
     ) -> None:
+        if strategy not in STRATEGIES:
+            raise ValueError(f"strategy={strategy!r}: use one of {', '.join(STRATEGIES)} ([train] strategy)")
         self.device = torch.device(device)
         self.model = load_causal_lm(model_path, dtype=dtype, device=device)
         self.model.train()
@@ -110,10 +120,7 @@ class TorchBackend:
         pad = tokenizer.pad_token_id
         self.pad_id = int(pad if pad is not None else tokenizer.eos_token_id)
         self.optim_cfg, self.loss_cfg, self.temperature = optim, loss, temperature
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=optim.lr, betas=optim.adam_betas,
-            weight_decay=optim.weight_decay,
-        )
+        # The frozen reference and teacher are whole copies on every rank (inference only).
         self.reference: torch.nn.Module | None = None
         if loss.kl_coef > 0 and keep_reference:  # else a Reference role supplies ref_log_probs
             self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
@@ -123,6 +130,15 @@ class TorchBackend:
             self.teacher = load_causal_lm(teacher_path, dtype=dtype, device=device).eval().requires_grad_(False)
         self.opd_coef = opd_coef
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
+        # One process has nothing to shard: fsdp2 then trains the whole model, as ddp does.
+        self.sharded = strategy == "fsdp2" and self.world_size > 1
+        if self.sharded:
+            shard_model(self.model, self.device)
+        # After sharding: FSDP2 replaces the parameters with sharded ones.
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=optim.lr, betas=optim.adam_betas,
+            weight_decay=optim.weight_decay,
+        )
 
     # -- log-probs -----------------------------------------------------------------------------
 
@@ -146,7 +162,10 @@ class TorchBackend:
             raise RuntimeError("no reference model: set [algorithm] kl_coef > 0 to keep one")
         out: list[list[float]] = []
         step = self.optim_cfg.micro_batch_size
-        for start in range(0, len(samples), step):
+        for start in self._in_lockstep(range(0, len(samples), step), model):
+            if start is None:
+                self._empty_pass(backward=False)
+                continue
             chunk = samples[start : start + step]
             batch = pack_samples(chunk, self.pad_id).to(self.device)
             logp, _ = self._logprobs(model, batch)
@@ -182,7 +201,12 @@ class TorchBackend:
 
     def _full_logprobs(self, model: torch.nn.Module, batch: TrainBatch) -> torch.Tensor:
         step = self.optim_cfg.micro_batch_size
-        parts = [self._logprobs(model, batch.slice(i, i + step))[0] for i in range(0, len(batch), step)]
+        parts = []
+        for i in self._in_lockstep(range(0, len(batch), step), model):
+            if i is None:
+                self._empty_pass(backward=False)
+            else:
+                parts.append(self._logprobs(model, batch.slice(i, i + step))[0])
         return torch.cat(parts)
 
     def _optimizer_step(
@@ -197,13 +221,16 @@ class TorchBackend:
         denominator = max(count, 1.0)  # no trained token at all: the loss is 0 whatever we divide by
         stats = _StepStats()
         step = self.optim_cfg.micro_batch_size
-        for i in range(start, stop, step):
+        for i in self._in_lockstep(range(start, stop, step), self.model):
+            if i is None:
+                self._empty_pass(backward=True)
+                continue
             j = min(i + step, stop)
             micro = batch.slice(i, j)
             micro_ref = None if ref_logp is None else ref_logp[i:j]
             stats.add(self._backward_micro(micro, old_logp[i:j], micro_ref, denominator), micro.loss_mask)
         self._all_reduce_grads()
-        reduced = stats.reduce(self._sum_over_ranks)
+        reduced = stats.reduce(self._sum_over_ranks, names=self._names_over_ranks(stats.sums))
         reduced["grad_norm"] = self._clip_and_step()
         return reduced
 
@@ -216,14 +243,20 @@ class TorchBackend:
         the gradients are then multiplied by p / N and summed over ranks, so the step equals
         one pass over the whole batch however the rows were split. (p keeps the gradients at
         the scale of a mean while they accumulate: a plain sum over many tokens could overflow
-        float16.) The old log-probs are the current policy's (one optimizer step per rollout
-        batch).
+        float16.) Sharded (fsdp2), gradients are summed over ranks at every backward, so all
+        ranks share one p: the sum of their first micro-batches' counts. The old log-probs are
+        the current policy's (one optimizer step per rollout batch).
         """
         self.optimizer.zero_grad(set_to_none=True)
         stats = _StepStats()
         rows, count = 0, 0.0
         provisional: float | None = None
-        for packed in micro_batches:
+        for packed in self._in_lockstep(micro_batches, self.model):
+            if packed is None:
+                if provisional is None:
+                    provisional = self._provisional_count(0.0)
+                self._empty_pass(backward=True)
+                continue
             micro = packed.to(self.device)
             # Fields written by the ActorFwd / Reference roles are used when present; otherwise
             # the trainer computes them itself.
@@ -233,7 +266,7 @@ class TorchBackend:
                     ref_logp = self._logprobs(self.reference, micro)[0]
             micro_count = loss_denominator(micro.loss_mask, self.loss_cfg.loss_agg)
             if provisional is None:
-                provisional = max(micro_count, 1.0)
+                provisional = self._provisional_count(micro_count)
             stats.add(self._backward_micro(micro, micro.old_log_probs, ref_logp, provisional), micro.loss_mask)
             rows += len(micro)
             count += micro_count
@@ -245,7 +278,7 @@ class TorchBackend:
             if p.grad is not None:
                 p.grad *= rescale
         self._all_reduce_grads()
-        reduced = stats.reduce(self._sum_over_ranks, rescale)
+        reduced = stats.reduce(self._sum_over_ranks, rescale, self._names_over_ranks(stats.sums))
         reduced["grad_norm"] = self._clip_and_step()
         return reduced
 
@@ -267,10 +300,46 @@ class TorchBackend:
         loss.backward()
         return stats
 
+    def _provisional_count(self, first_count: float) -> float:
+        """The denominator of a stream's micro-batches: this rank's first count; sharded, every rank's."""
+        if self.sharded:
+            (first_count,) = self._sum_over_ranks([first_count])
+        return max(first_count, 1.0)
+
+    def _in_lockstep(self, items: Iterable[T], model: torch.nn.Module) -> Iterator[T | None]:
+        """This rank's items, then None until every rank is through its own.
+
+        With sharded parameters every forward and backward of `model` is collective, so every
+        rank must run as many; None asks for an empty pass (`_empty_pass`). The reference and
+        teacher are not sharded: for them, and without sharding, only the items.
+        """
+        if not (self.sharded and model is self.model):
+            yield from items
+            return
+        remaining = iter(items)
+        while True:
+            item = next(remaining, None)
+            (busy,) = self._sum_over_ranks([0.0 if item is None else 1.0])
+            if busy == 0:
+                return
+            yield item
+
+    def _empty_pass(self, backward: bool) -> None:
+        """A forward (and backward) of one pad token with a zero loss: the collectives of a pass
+        for a rank with no rows left, adding nothing to any gradient."""
+        ids = torch.full((1, 1), self.pad_id, dtype=torch.long, device=self.device)
+        with torch.set_grad_enabled(backward):
+            logits = self.model(input_ids=ids).logits
+            if backward:
+                (logits.sum() * 0.0).backward()
+
     def _clip_and_step(self) -> float:
         clip = self.optim_cfg.grad_clip
         params = [p for p in self.model.parameters() if p.grad is not None]
+        # Over sharded (DTensor) gradients the norm is a DTensor; full_tensor() reduces it.
         norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
         self.optimizer.step()
         return float(norm)
 
@@ -281,9 +350,19 @@ class TorchBackend:
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
         return t.tolist()
 
-    def _all_reduce_grads(self) -> None:
-        """Sum gradients over ranks; not averaged, as the loss was divided by the global count."""
+    def _names_over_ranks(self, names: Iterable[str]) -> list[str]:
+        """Every rank's stat names: a rank whose share of the step had no rows has none."""
         if self.world_size == 1:
+            return sorted(names)
+        every: list[list[str] | None] = [None] * self.world_size
+        dist.all_gather_object(every, sorted(names))
+        return sorted(set().union(*(n or [] for n in every)))
+
+    def _all_reduce_grads(self) -> None:
+        """Sum gradients over ranks; not averaged, as the loss was divided by the global count.
+
+        Sharded, FSDP2 has summed them already (reduce-scatter at each backward)."""
+        if self.world_size == 1 or self.sharded:
             return
         for p in self.model.parameters():
             if p.grad is None:
@@ -293,6 +372,11 @@ class TorchBackend:
     # -- weights and checkpoints ---------------------------------------------------------------
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The weights with HF names: the live tensors, or sharded (fsdp2) full CPU copies
+        gathered collectively: every rank must call it, and only rank 0 gets any."""
+        if self.sharded:
+            yield from full_weights(self.model)
+            return
         for name, tensor in self.model.state_dict().items():
             yield name, tensor.detach()
 

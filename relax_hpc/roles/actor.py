@@ -2,13 +2,19 @@
 
 With `world_size > 1` each process joins a torch.distributed group (gloo on CPU, NCCL on GPU)
 through a TCP store on rank 0's host, trains on its shard of every batch, and checkpoints
-collectively. A plain class; the driver places one Ray actor per rank.
+collectively. Each rank picks its own device (`rank_device`: Ray's GPU ids, LOCAL_RANK, or its
+position among the trainer ranks on its node). With `strategy = "fsdp2"` the weights are sharded
+over the ranks: every rank gathers them after each published step (and at start and after a
+resume), and rank 0 keeps that full copy for the weight channel. A plain class; the driver
+places one Ray actor per rank.
 """
 
 from __future__ import annotations
 
+import socket
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -17,6 +23,7 @@ import torch.distributed as dist
 
 from relax_hpc.algos import LossConfig
 from relax_hpc.backends.batch import pack_rows
+from relax_hpc.backends.parallel import Strategy, rank_device, ray_gpu_ids
 from relax_hpc.backends.torch_backend import OptimConfig, TorchBackend
 from relax_hpc.ckpt import CheckpointManager, ResumeState
 from relax_hpc.data.rows import TRAIN_FIELDS, row_to_sample
@@ -44,12 +51,11 @@ class ActorConfig:
     opd_coef: float = 1.0
     archive_dir: str | None = None  # JOBDIR/trajectories when [metrics] trajectory_archive is on
     role_fields: tuple[str, ...] = ()  # fields the ActorFwd / Reference roles write: wait for them
+    strategy: Strategy = "ddp"  # [train] strategy: "fsdp2" shards the model over the ranks
 
 
 def rendezvous_address() -> str:
     """host:port on this node for the trainer group's TCP store (rank 0 calls it on its own node)."""
-    import socket
-
     with socket.socket() as s:
         s.bind(("", 0))
         port = s.getsockname()[1]
@@ -62,6 +68,16 @@ def rendezvous_address() -> str:
     return f"{host}:{port}"
 
 
+def local_rank_on_node(store: dist.Store, rank: int) -> int:
+    """How many lower trainer ranks run on this host: this rank's device index there.
+
+    Every rank publishes its host name in the group's store; rank r reads ranks 0..r-1 (waiting
+    until they have written)."""
+    host = socket.gethostname()
+    store.set(f"relax_hpc/trainer_host/{rank}", host)
+    return sum(store.get(f"relax_hpc/trainer_host/{r}").decode() == host for r in range(rank))
+
+
 class ActorWorker(WeightSenderEndpoint):
     """Rank `rank` of the trainer. With several ranks, rank 0's node hosts the group's TCP store:
     the placement code picks `rendezvous_address()` on a trainer node, pins rank 0 there and passes
@@ -70,19 +86,32 @@ class ActorWorker(WeightSenderEndpoint):
     def __init__(self, cfg: ActorConfig, rank: int = 0, world_size: int = 1, master: str = "") -> None:
         if cfg.num_threads > 0:
             torch.set_num_threads(cfg.num_threads)
+        store: dist.TCPStore | None = None
+        local_rank = 0
         if world_size > 1:
             if not master:
                 raise ValueError("a trainer with several ranks needs the rendezvous address of rank 0")
-            backend = "nccl" if cfg.device.startswith("cuda") else "gloo"
-            dist.init_process_group(backend, init_method=f"tcp://{master}", rank=rank, world_size=world_size)
+            host, port = master.rsplit(":", 1)
+            store = dist.TCPStore(host, int(port), world_size, is_master=rank == 0,
+                                  timeout=timedelta(minutes=10))
+            local_rank = local_rank_on_node(store, rank)
+        self.device = rank_device(cfg.device, local_rank, ray_gpu_ids=ray_gpu_ids())
+        if self.device.startswith("cuda"):
+            torch.cuda.set_device(self.device)  # NCCL and the weight channel use the current device
+        if store is not None:
+            backend = "nccl" if self.device.startswith("cuda") else "gloo"
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
         torch.manual_seed(cfg.seed + rank)
         self.rank, self.world_size = rank, world_size
         self.cfg_micro_batch, self.mini_batches = cfg.optim.micro_batch_size, cfg.optim.mini_batches
         self.backend = TorchBackend(
-            cfg.model_path, cfg.optim, cfg.loss, dtype=cfg.dtype, device=cfg.device,
+            cfg.model_path, cfg.optim, cfg.loss, dtype=cfg.dtype, device=self.device,
             temperature=cfg.temperature, teacher_path=cfg.teacher_path, opd_coef=cfg.opd_coef,
-            keep_reference="ref_log_probs" not in cfg.role_fields,
+            keep_reference="ref_log_probs" not in cfg.role_fields, strategy=cfg.strategy,
         )
+        # fsdp2: the whole weights as of the last collective gather (rank 0 only), for the channel.
+        self._gathered: list[tuple[str, torch.Tensor]] | None = None
+        self._gather_weights()
         self.role_fields = cfg.role_fields
         self.checkpoints = CheckpointManager(Path(cfg.checkpoint_dir), keep_last=cfg.keep_last)
         self._queue: TransferQueue | None = None
@@ -90,7 +119,9 @@ class ActorWorker(WeightSenderEndpoint):
             HDF5TrajectoryArchive(Path(cfg.archive_dir), rank, world_size) if cfg.archive_dir else None)
 
     def train(self, samples: list[Sample]) -> dict[str, float]:
-        return self.backend.train(samples)
+        stats = self.backend.train(samples)
+        self._gather_weights()
+        return stats
 
     def train_from_queue(self, target: Any, step: int, timeout_s: float,
                          prefetch_step: int | None = None,
@@ -146,19 +177,40 @@ class ActorWorker(WeightSenderEndpoint):
         if self.archive is not None:  # after the optimizer step: only trained samples are archived
             self.archive.append(step, trained)
         t_trained = time.perf_counter()
-        if publish_version is not None and self.rank == 0:
-            self.start_send_weights(publish_version)
+        if publish_version is not None:
+            self._gather_weights()  # sharded: every rank takes part, rank 0 keeps the result
+            if self.rank == 0:
+                self.start_send_weights(publish_version)
+        else:
+            self._gathered = None  # the weights moved: no stale copy may be sent
         t_published = time.perf_counter()
         settle_heap()  # once, after the first step: start-up is over
         return {**stats, "rows": float(len(received)), "reward_sum": float(sum(rewards)),
                 "queue_wait_s": waited[0], "train_s": t_trained - t_start, "sync_s": t_published - t_trained}
 
     def export_weights(self) -> list[tuple[str, torch.Tensor]]:
-        return [(n, t.clone()) for n, t in self.backend.named_weights()]
+        return [(n, t.clone()) for n, t in self.live_weights()]
 
     def live_weights(self) -> list[tuple[str, torch.Tensor]]:
-        """The weights themselves: the weight channel snapshots them into its flat buffer."""
-        return list(self.backend.named_weights())
+        """The weights themselves: the weight channel snapshots them into its flat buffer.
+
+        Sharded (fsdp2), rank 0's copy gathered at the last published step, start or resume:
+        gathering is collective, so it cannot happen here, on rank 0 alone."""
+        if not self.backend.sharded:
+            return list(self.backend.named_weights())
+        if self._gathered is None:
+            raise RuntimeError(
+                f"trainer rank {self.rank} holds no gathered copy of its sharded weights: with "
+                "[train] strategy = \"fsdp2\" they are gathered only at start, after load_checkpoint "
+                "and after a train_from_queue step with a publish_version (only rank 0 keeps them)"
+            )
+        return self._gathered
+
+    def _gather_weights(self) -> None:
+        """Sharded: gather the whole weights now (collective: every rank calls it); rank 0 keeps them."""
+        if self.backend.sharded:
+            weights = list(self.backend.named_weights())
+            self._gathered = weights if self.rank == 0 else None
 
     def compute_log_probs(self, samples: list[Sample]) -> list[list[float]]:
         return self.backend.compute_log_probs(samples)
@@ -167,7 +219,9 @@ class ActorWorker(WeightSenderEndpoint):
         return str(self.backend.save_checkpoint(self.checkpoints, state))
 
     def load_checkpoint(self) -> ResumeState | None:
-        return self.backend.load_checkpoint(self.checkpoints)
+        state = self.backend.load_checkpoint(self.checkpoints)
+        self._gather_weights()  # every rank loads, so every rank gathers: the restored weights
+        return state
 
     def shutdown(self) -> None:
         self.close_weight_channel()

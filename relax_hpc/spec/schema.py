@@ -197,6 +197,7 @@ class TrainSpec:
     micro_batch_size: int = setting(8, at_least(1))
     mini_batches: int = setting(1, at_least(1))  # optimizer steps per rollout batch
     num_processes: int = setting(1, at_least(1))  # data-parallel trainer processes
+    strategy: Literal["ddp", "fsdp2"] = setting("ddp")  # replicated, or sharded over the ranks
     actor_fwd_role: bool = setting(False)  # old log-probs from a separate ActorFwd role
     reference_role: bool = setting(False)  # reference log-probs from a separate Reference role
     advantages_role: bool = setting(False)  # group advantages from a separate Advantages role

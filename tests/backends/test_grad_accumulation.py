@@ -1,7 +1,8 @@
 """The gradient of an optimizer step is the whole batch's, however the batch is split.
 
 For every `[algorithm] loss_agg` mode, the gradient TorchBackend accumulates over micro-batches
-of 8 (on one rank, and over 2 gloo ranks with unequal shards) must equal the gradient of the
+of 8 (on one rank, and over 2 gloo ranks with unequal shards, both with `strategy = "ddp"` and
+with `"fsdp2"`, where each rank holds a shard of every gradient) must equal the gradient of the
 loss computed on the whole batch in one micro-batch, to 1e-6. The batch has 40 samples with
 response lengths from 1 to 20, partial and fully masked loss masks, clipped ratios, TIS, a KL
 loss and an entropy bonus, so that every aggregated term is exercised. The 2-rank case runs in
@@ -22,6 +23,7 @@ import torch.multiprocessing as mp
 
 from relax_hpc.algos import LOSS_AGG_MODES, LossConfig
 from relax_hpc.backends.batch import pack_rows
+from relax_hpc.backends.parallel import STRATEGIES, Strategy
 from relax_hpc.backends.torch_backend import OptimConfig, TorchBackend
 from relax_hpc.data.rows import sample_to_row
 from relax_hpc.data.sample import Sample
@@ -39,11 +41,12 @@ def _loss(mode: str) -> LossConfig:
                       dual_clip_c=3.0, tis_cap=1.5)
 
 
-def _backend(model_dir: Path, mode: str, micro: int, mini_batches: int = 1) -> TorchBackend:
+def _backend(model_dir: Path, mode: str, micro: int, mini_batches: int = 1,
+             strategy: Strategy = "ddp") -> TorchBackend:
     # lr = 0: parameters never move, so every optimizer step's gradient is taken at the same
     # point and a later mini-batch's gradient can be compared with a single-batch one.
     optim = OptimConfig(lr=0.0, grad_clip=0.0, micro_batch_size=micro, mini_batches=mini_batches)
-    return TorchBackend(model_dir, optim, _loss(mode), keep_reference=False)
+    return TorchBackend(model_dir, optim, _loss(mode), keep_reference=False, strategy=strategy)
 
 
 def _samples(model_dir: Path) -> list[Sample]:
@@ -89,20 +92,25 @@ def _rows(samples: list[Sample]) -> list[dict]:
 
 
 def _grads(backend: TorchBackend) -> Grads:
-    return {n: p.grad.detach().clone() for n, p in backend.model.named_parameters() if p.grad is not None}
+    """Every gradient whole; a sharded (DTensor) one is gathered from all ranks."""
+    def whole(grad: torch.Tensor) -> torch.Tensor:
+        return grad.full_tensor() if hasattr(grad, "full_tensor") else grad
+
+    return {n: whole(p.grad.detach()).clone()
+            for n, p in backend.model.named_parameters() if p.grad is not None}
 
 
 def _run_train(model_dir: Path, mode: str, samples: list[Sample], micro: int,
-               mini_batches: int = 1) -> tuple[Grads, dict[str, float]]:
-    backend = _backend(model_dir, mode, micro, mini_batches)
+               mini_batches: int = 1, strategy: Strategy = "ddp") -> tuple[Grads, dict[str, float]]:
+    backend = _backend(model_dir, mode, micro, mini_batches, strategy)
     stats = backend.train(samples)
     return _grads(backend), stats
 
 
 def _run_stream(model_dir: Path, mode: str, samples: list[Sample],
-                splits: list[int]) -> tuple[Grads, dict[str, float]]:
+                splits: list[int], strategy: Strategy = "ddp") -> tuple[Grads, dict[str, float]]:
     """`train_stream` on the samples' rows cut at `splits` (each part packed to its own length)."""
-    backend = _backend(model_dir, mode, MICRO)
+    backend = _backend(model_dir, mode, MICRO, strategy=strategy)
     rows = _rows(samples)
     bounds = [0, *splits, len(rows)]
     parts = [rows[a:b] for a, b in zip(bounds, bounds[1:])]
@@ -186,14 +194,17 @@ def _rank_worker(rank: int, port: int, model_dir: str, samples: list[Sample], ou
     try:
         start, stop = RANK_SHARDS[rank]
         shard = samples[start:stop]
-        results = {}
-        for mode in LOSS_AGG_MODES:
-            results[mode] = {
-                "train": _run_train(Path(model_dir), mode, shard, micro=MICRO),
-                "stream": _run_stream(Path(model_dir), mode, shard, list(range(MICRO, len(shard), MICRO))),
-                # Two optimizer steps: the second one's gradient is left in .grad.
-                "mini_batches": _run_train(Path(model_dir), mode, shard, micro=MICRO // 2, mini_batches=2),
-            }
+        results: dict[str, dict] = {}
+        for strategy in STRATEGIES:
+            for mode in LOSS_AGG_MODES:
+                results.setdefault(strategy, {})[mode] = {
+                    "train": _run_train(Path(model_dir), mode, shard, micro=MICRO, strategy=strategy),
+                    "stream": _run_stream(Path(model_dir), mode, shard, list(range(MICRO, len(shard), MICRO)),
+                                          strategy=strategy),
+                    # Two optimizer steps: the second one's gradient is left in .grad.
+                    "mini_batches": _run_train(Path(model_dir), mode, shard, micro=MICRO // 2, mini_batches=2,
+                                               strategy=strategy),
+                }
         torch.save(results, Path(out) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -209,28 +220,31 @@ def two_rank_results(tiny_model_dir: Path, samples: list[Sample], tmp_path_facto
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("path", ["train", "stream"])
 @pytest.mark.parametrize("mode", LOSS_AGG_MODES)
 def test_micro_batches_over_two_gloo_ranks_give_the_whole_batch_gradient(
-    two_rank_results: list, whole_batch: dict, mode: str, path: str
+    two_rank_results: list, whole_batch: dict, mode: str, path: str, strategy: str
 ) -> None:
+    # Rank 0 has 3 micro-batches and rank 1 two: with fsdp2 rank 1 also runs an empty pass.
     want_grads, want_stats = whole_batch[mode]
     for rank, results in enumerate(two_rank_results):
-        grads, stats = results[mode][path]
+        grads, stats = results[strategy][mode][path]
         assert _max_abs_diff(grads, want_grads) <= TOLERANCE, rank
         _assert_same_stats(stats, want_stats)  # every rank reports the step's global stats
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("mode", LOSS_AGG_MODES)
 def test_each_mini_batch_over_two_ranks_is_divided_by_its_own_step_count(
-    tiny_model_dir: Path, samples: list[Sample], two_rank_results: list, mode: str
+    tiny_model_dir: Path, samples: list[Sample], two_rank_results: list, mode: str, strategy: str
 ) -> None:
     # mini_batches = 2 splits each rank's shard in halves: rank 0 rows 0-11 | 12-23, rank 1 rows
     # 24-31 | 32-39. The second optimizer step is the whole-batch step on rows 12-23 and 32-39.
     second = samples[12:24] + samples[32:40]
     want_grads, _ = _run_train(tiny_model_dir, mode, second, micro=len(second))
     for rank, results in enumerate(two_rank_results):
-        grads, _ = results[mode]["mini_batches"]
+        grads, _ = results[strategy][mode]["mini_batches"]
         assert _max_abs_diff(grads, want_grads) <= TOLERANCE, rank

@@ -1,0 +1,76 @@
+"""`relax-hpc run` of the embedded tiny spec with `[train] strategy = "fsdp2"` over 2 trainer
+processes (gloo, CPU): the reward rises as with the default strategy, the checkpoint that two
+sharded ranks wrote loads into one process, and the same command resumes from it (the restored
+shards are gathered and pushed to the engine before training goes on)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from e2e_helpers import DATA, REPO
+
+from relax_hpc.ckpt import CheckpointManager, read_resume_file
+from relax_hpc.models.hf import load_causal_lm
+from relax_hpc.ops.metrics import read_metrics
+
+pytestmark = pytest.mark.slow
+
+STEPS = 150
+
+
+def _fsdp2_spec(model_dir: Path, job_dir: Path, steps: int = STEPS) -> str:
+    """jobspecs/tiny_local.toml with this test's model, data and job directory, fewer steps and
+    the sharded trainer."""
+    text = (REPO / "jobspecs" / "tiny_local.toml").read_text()
+    replacements = {
+        r'(?m)^name = "tiny_local"$': f'name = "tiny_fsdp2"\noutput_dir = "{job_dir}"',
+        r'(?m)^path = "runs/models/tiny-qwen3"$': f'path = "{model_dir}"',
+        r'(?m)^path = "jobspecs/data/tiny_sum.jsonl"$': f'path = "{DATA}"',
+        r"(?m)^steps = \d+$": f'steps = {steps}\nstrategy = "fsdp2"\nnum_processes = 2',
+        r"(?m)^save_interval = \d+$": f"save_interval = {STEPS}",
+    }
+    for pattern, new in replacements.items():
+        text, count = re.subn(pattern, new, text)
+        assert count == 1, f"jobspecs/tiny_local.toml changed: {pattern} no longer matches once"
+    return text
+
+
+@pytest.mark.timeout(900)
+def test_fsdp2_over_two_processes_trains_the_tiny_spec(tiny_model_dir: Path, tmp_path: Path) -> None:
+    job = tmp_path / "job"
+    spec_path = tmp_path / "spec.toml"
+    spec_path.write_text(_fsdp2_spec(tiny_model_dir, job))
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false"}
+    cmd = [sys.executable, "-m", "relax_hpc.cli.main", "run", str(spec_path), "--no-progress"]
+    done = subprocess.run(cmd, check=False, cwd=REPO, env=env, capture_output=True, text=True, timeout=850)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert f"finished step {STEPS} (from 0)" in done.stdout
+
+    rewards = [r["reward/mean"] for r in read_metrics(job / "metrics.jsonl")]
+    assert len(rewards) == STEPS
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-10:]) / 10
+    # As the default strategy's end-to-end test: a random policy answers ~1-2% right.
+    assert first < 0.05
+    assert last > 3 * first and last > 0.08, (first, last)
+
+    # Two sharded ranks wrote the checkpoint; one unsharded process reads it back whole.
+    checkpoint = job / "checkpoints" / f"step_{STEPS}"
+    assert read_resume_file(checkpoint).world_size == 2
+    before, after = load_causal_lm(tiny_model_dir), load_causal_lm(tiny_model_dir)
+    state = CheckpointManager(job / "checkpoints").load_latest(after, torch.optim.AdamW(after.parameters()))
+    assert state is not None and state.step == STEPS
+    unchanged = [n for (n, p), (_, q) in zip(before.named_parameters(), after.named_parameters())
+                 if torch.equal(p, q)]
+    assert unchanged == [], f"parameters not trained: {unchanged}"
+
+    spec_path.write_text(_fsdp2_spec(tiny_model_dir, job, steps=STEPS + 2))
+    again = subprocess.run(cmd, check=False, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-4000:]
+    assert f"finished step {STEPS + 2} (from {STEPS})" in again.stdout
+    assert [int(r["step"]) for r in read_metrics(job / "metrics.jsonl")] == list(range(1, STEPS + 3))
