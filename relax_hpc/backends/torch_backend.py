@@ -183,15 +183,18 @@ class TorchBackend:
     def train_batch(self, batch: TrainBatch) -> dict[str, float]:
         """`train` on an already packed batch (`pack_samples` or `pack_rows`, on any device)."""
         batch = batch.to(self.device)
+        mini = self.optim_cfg.mini_batches
         with torch.no_grad():  # fields from the ActorFwd / Reference roles win when present
             old_logp = batch.old_log_probs
-            if old_logp is None:
+            # With one optimizer step the "old" policy is the one being trained, and each
+            # micro-batch's own log-probs, detached, are it: no separate forward of the batch
+            # (it was a third of a step's time). Later mini-batches need the step's start.
+            if old_logp is None and mini > 1:
                 old_logp = self._full_logprobs(self.model, batch)
             ref_logp = batch.ref_log_probs
             if ref_logp is None and self.reference is not None:
                 ref_logp = self._full_logprobs(self.reference, batch)
         stats: dict[str, list[float]] = {}
-        mini = self.optim_cfg.mini_batches
         size = math.ceil(len(batch) / mini)
         for start in range(0, len(batch), size):
             stop = min(start + size, len(batch))
@@ -210,7 +213,7 @@ class TorchBackend:
         return torch.cat(parts)
 
     def _optimizer_step(
-        self, batch: TrainBatch, old_logp: torch.Tensor, ref_logp: torch.Tensor | None,
+        self, batch: TrainBatch, old_logp: torch.Tensor | None, ref_logp: torch.Tensor | None,
         start: int, stop: int,
     ) -> dict[str, float]:
         """One optimizer step on rows start..stop of this rank's batch (and the other ranks' rows)."""
@@ -228,7 +231,8 @@ class TorchBackend:
             j = min(i + step, stop)
             micro = batch.slice(i, j)
             micro_ref = None if ref_logp is None else ref_logp[i:j]
-            stats.add(self._backward_micro(micro, old_logp[i:j], micro_ref, denominator), micro.loss_mask)
+            micro_old = None if old_logp is None else old_logp[i:j]
+            stats.add(self._backward_micro(micro, micro_old, micro_ref, denominator), micro.loss_mask)
         self._all_reduce_grads()
         reduced = stats.reduce(self._sum_over_ranks, names=self._names_over_ranks(stats.sums))
         reduced["grad_norm"] = self._clip_and_step()

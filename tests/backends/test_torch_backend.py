@@ -163,3 +163,22 @@ def test_named_weights_cover_the_state_dict(tiny_model_dir: Path) -> None:
     names = [n for n, _ in backend.named_weights()]
     assert names == list(backend.model.state_dict())
     assert all(not t.requires_grad for _, t in backend.named_weights())
+
+
+@pytest.mark.parametrize(("mini_batches", "forwards"), [(1, 2), (2, 4)])
+def test_one_optimizer_step_needs_no_separate_old_log_prob_forward(
+        tiny_model_dir: Path, mini_batches: int, forwards: int) -> None:
+    # 4 samples in micro-batches of 2: one step takes 2 forwards (with grad); two mini-batches
+    # also need the old log-probs of the step's start, from 2 more forwards without grad.
+    backend = _backend(tiny_model_dir, micro_batch_size=2, mini_batches=mini_batches)
+    samples = _samples(backend, [1.0, -1.0, 0.5, -0.5])
+    calls = []
+    handle = backend.model.register_forward_hook(lambda *_: calls.append(torch.is_grad_enabled()))
+    try:
+        stats = backend.train(samples)
+    finally:
+        handle.remove()
+    assert len(calls) == forwards
+    assert calls.count(True) == 2  # the training passes: two micro-batches of 2 in either case
+    if mini_batches == 1:
+        assert stats["ratio_mean"] == pytest.approx(1.0, abs=1e-6)  # on-policy: old == current
