@@ -6,18 +6,19 @@ from dataclasses import dataclass
 from typing import Any
 
 from relax_hpc.agents.dotted import load_dotted
+from relax_hpc.spec.schema import RolloutSpec
 
 
 @dataclass(frozen=True)
 class AgenticConfig:
     """Multi-turn / agent settings of the rollout role (docs/spec.md's [rollout] rows)."""
 
-    env: str | None = None  # "module:Class", a BaseInteractionEnv
-    generate: str | None = None  # "module:function", async def generate(args, sample, params)
-    agent: str | None = None  # "module:Class" with async def run(self, data, **kwargs)
-    max_turns: int = 4
-    max_total_tokens: int = 256
-    agent_mode: str = "inline"
+    env: str | None = RolloutSpec.env  # "module:Class", a BaseInteractionEnv
+    generate: str | None = RolloutSpec.generate  # "module:function", async def generate(args, sample, params)
+    agent: str | None = RolloutSpec.agent  # "module:Class" with async def run(self, data, **kwargs)
+    max_turns: int = RolloutSpec.max_turns
+    max_total_tokens: int = RolloutSpec.max_total_tokens
+    agent_mode: str = RolloutSpec.agent_mode
     turn_discount: float = 1.0
     export_style: str = "individual"
     subproc_max_workers: int = 4

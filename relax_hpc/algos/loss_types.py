@@ -15,6 +15,8 @@ from typing import Callable, Final
 import torch
 from torch import Tensor
 
+from relax_hpc.spec.schema import AlgorithmSpec
+
 # exp(20) ~ 4.9e8: far outside any clip range, yet finite in float32 and
 # bfloat16, so a wildly off-policy token cannot turn the loss into inf/NaN.
 LOG_RATIO_LIMIT: Final[float] = 20.0
@@ -24,17 +26,17 @@ LOG_RATIO_LIMIT: Final[float] = 20.0
 class LossConfig:
     """Knobs of the policy loss; field names match the keys of the TOML ``[algorithm]`` table."""
 
-    name: str = "grpo"
-    clip_eps_low: float = 0.2
-    clip_eps_high: float = 0.2
-    kl_coef: float = 0.0
-    kl_estimator: str = "low_var_kl"
-    loss_agg: str = "seq_mean_token_mean"
-    entropy_coef: float = 0.0
-    dual_clip_c: float | None = None
-    tis_cap: float | None = None
-    sapo_tau_pos: float = 1.0
-    sapo_tau_neg: float = 1.05
+    name: str = AlgorithmSpec.name
+    clip_eps_low: float = AlgorithmSpec.clip_eps_low
+    clip_eps_high: float = AlgorithmSpec.clip_eps_high
+    kl_coef: float = AlgorithmSpec.kl_coef
+    kl_estimator: str = AlgorithmSpec.kl_estimator
+    loss_agg: str = AlgorithmSpec.loss_agg
+    entropy_coef: float = AlgorithmSpec.entropy_coef
+    dual_clip_c: float | None = AlgorithmSpec.dual_clip_c
+    tis_cap: float | None = AlgorithmSpec.tis_cap
+    sapo_tau_pos: float = AlgorithmSpec.sapo_tau_pos
+    sapo_tau_neg: float = AlgorithmSpec.sapo_tau_neg
 
 
 @dataclass

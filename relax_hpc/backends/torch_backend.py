@@ -37,18 +37,19 @@ from relax_hpc.backends.parallel import STRATEGIES, Strategy, full_weights, shar
 from relax_hpc.ckpt import CheckpointManager, ResumeState
 from relax_hpc.data.sample import Sample
 from relax_hpc.models.hf import load_causal_lm, load_tokenizer
+from relax_hpc.spec.schema import TrainSpec
 
 T = TypeVar("T")
 
 
 @dataclass(frozen=True)
 class OptimConfig:
-    lr: float = 1e-6
-    weight_decay: float = 0.0
-    adam_betas: tuple[float, float] = (0.9, 0.999)
-    grad_clip: float = 1.0  # 0 disables clipping
-    micro_batch_size: int = 8
-    mini_batches: int = 1  # optimizer steps per rollout batch
+    lr: float = TrainSpec.lr
+    weight_decay: float = TrainSpec.weight_decay
+    adam_betas: tuple[float, float] = (0.9, 0.999)  # TrainSpec.adam_betas (a list: built per spec)
+    grad_clip: float = TrainSpec.grad_clip  # 0 disables clipping
+    micro_batch_size: int = TrainSpec.micro_batch_size
+    mini_batches: int = TrainSpec.mini_batches  # optimizer steps per rollout batch
 
 
 class _StepStats:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Protocol, Sequence
 
 from relax_hpc.data.records import get_dotted, has_dotted, iter_records
+from relax_hpc.spec.schema import DataSpec
 
 MEDIA_KINDS = ("images", "audios", "videos")
 
@@ -49,15 +50,15 @@ class LoadReport:
 class PromptFormat:
     """How a row becomes prompt text and metadata (the [data] keys other than path and limits)."""
 
-    prompt_key: str = "prompt"
-    label_key: str = "label"
+    prompt_key: str = DataSpec.prompt_key
+    label_key: str = DataSpec.label_key
     metadata_keys: Sequence[str] = ()  # empty: every other top-level field
-    prompt_template: str | None = None
-    apply_chat_template: bool = False
-    system_prompt: str | None = None
-    image_key: str | None = None
-    audio_key: str | None = None
-    video_key: str | None = None
+    prompt_template: str | None = DataSpec.prompt_template
+    apply_chat_template: bool = DataSpec.apply_chat_template
+    system_prompt: str | None = DataSpec.system_prompt
+    image_key: str | None = DataSpec.image_key
+    audio_key: str | None = DataSpec.audio_key
+    video_key: str | None = DataSpec.video_key
 
     def media_keys(self) -> dict[str, str]:
         keys = {"images": self.image_key, "audios": self.audio_key, "videos": self.video_key}

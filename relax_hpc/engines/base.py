@@ -12,15 +12,17 @@ from typing import Any, Iterable, Literal, Protocol
 
 import torch
 
+from relax_hpc.spec.schema import RolloutSpec
+
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How to sample. `top_k = 0` and `top_p = 1.0` disable those filters."""
 
-    max_new_tokens: int = 64
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
+    max_new_tokens: int = RolloutSpec.max_new_tokens
+    temperature: float = RolloutSpec.temperature
+    top_p: float = RolloutSpec.top_p
+    top_k: int = RolloutSpec.top_k
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
 

@@ -30,6 +30,7 @@ from relax_hpc.data.rows import TRAIN_FIELDS, row_to_sample
 from relax_hpc.data.sample import Sample
 from relax_hpc.ops.archive import HDF5TrajectoryArchive, TrajectoryArchive
 from relax_hpc.ops.heap import settle_heap
+from relax_hpc.spec.schema import AlgorithmSpec, ModelSpec, RolloutSpec, TrainSpec
 from relax_hpc.transfer.connect import connect_queue
 from relax_hpc.transfer.queue import TransferQueue, partition_name
 from relax_hpc.weights.endpoints import WeightSenderEndpoint
@@ -43,15 +44,15 @@ class ActorConfig:
     checkpoint_dir: str
     keep_last: int
     seed: int
-    dtype: str = "float32"
+    dtype: str = ModelSpec.dtype
     device: str = "cpu"
-    temperature: float = 1.0
+    temperature: float = RolloutSpec.temperature
     num_threads: int = 0
     teacher_path: str | None = None  # on-policy distillation
-    opd_coef: float = 1.0
+    opd_coef: float = AlgorithmSpec.opd_coef
     archive_dir: str | None = None  # JOBDIR/trajectories when [metrics] trajectory_archive is on
     role_fields: tuple[str, ...] = ()  # fields the ActorFwd / Reference roles write: wait for them
-    strategy: Strategy = "ddp"  # [train] strategy: "fsdp2" shards the model over the ranks
+    strategy: Strategy = TrainSpec.strategy  # [train] strategy: "fsdp2" shards the model over the ranks
 
 
 def rendezvous_address() -> str:

@@ -20,6 +20,7 @@ from typing import Any
 
 from relax_hpc.algos.advantages import advantages_by_group
 from relax_hpc.roles.step_loop import StepLoopWorker
+from relax_hpc.spec.schema import AlgorithmSpec
 from relax_hpc.transfer.queue import partition_name
 
 INPUT_FIELDS = ("rewards", "group_id")
@@ -30,7 +31,7 @@ WHOLE_STEP = 1 << 30
 
 @dataclass(frozen=True)
 class AdvantagesConfig:
-    normalize_std: bool = True  # False for Dr.GRPO
+    normalize_std: bool = AlgorithmSpec.normalize_std  # False for Dr.GRPO
     kind: str = "advantages"  # the queue task name, and how the role handles tell it apart
 
 

@@ -27,6 +27,7 @@ from relax_hpc.backends.batch import pack_samples
 from relax_hpc.data.sample import Sample
 from relax_hpc.models.hf import load_causal_lm, load_tokenizer
 from relax_hpc.roles.step_loop import StepLoopWorker
+from relax_hpc.spec.schema import ModelSpec, RolloutSpec, TrainSpec
 from relax_hpc.transfer.queue import partition_name
 from relax_hpc.weights.base import required_weight_version
 from relax_hpc.weights.endpoints import WeightInbox, WeightReceiverEndpoint
@@ -41,9 +42,9 @@ INPUT_FIELDS = ("tokens", "prompt_length")
 class ForwardConfig:
     kind: ForwardKind
     model_path: str
-    micro_batch_size: int = 64
-    temperature: float = 1.0
-    dtype: str = "float32"
+    micro_batch_size: int = TrainSpec.micro_batch_size
+    temperature: float = RolloutSpec.temperature
+    dtype: str = ModelSpec.dtype
     device: str = "cpu"
     num_threads: int = 0
     timeout_s: float = 3600.0

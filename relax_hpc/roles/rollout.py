@@ -29,6 +29,7 @@ from relax_hpc.engines.http_client import HttpEngine
 from relax_hpc.models.hf import load_tokenizer
 from relax_hpc.ops.heap import settle_heap
 from relax_hpc.rewards.hub import RewardHub, RewardSettings
+from relax_hpc.spec.schema import AlgorithmSpec, ModelSpec, RolloutSpec, TrainSpec
 from relax_hpc.transfer.connect import connect_queue
 from relax_hpc.transfer.memory import InMemoryTransferQueue
 from relax_hpc.transfer.queue import partition_name
@@ -46,18 +47,18 @@ class RolloutConfig:
     n_samples_per_prompt: int
     sampling: SamplingParams
     engine: str  # [rollout] engine: which make_engine builds
-    normalize_std: bool = True  # group advantages: False is Dr.GRPO
-    dtype: str = "float32"
+    normalize_std: bool = AlgorithmSpec.normalize_std  # group advantages: False is Dr.GRPO
+    dtype: str = ModelSpec.dtype
     device: str = "cpu"
     num_threads: int = 0  # 0: leave torch's default
     queue_timeout_s: float = 3600.0  # how long the producer waits for the trainer to clear a step
     # How long the producer waits for the weights a step needs. The broadcast has started when the
     # wait begins, and the channel's own deadline (600 s) reports a stuck one first and better.
     weights_timeout_s: float = 1800.0
-    dynamic_sampling: bool = False
-    max_sampling_rounds: int = 1
+    dynamic_sampling: bool = RolloutSpec.dynamic_sampling
+    max_sampling_rounds: int = RolloutSpec.max_sampling_rounds
     agentic: AgenticConfig | None = None  # multi-turn env / custom generate / agent (docs/agents.md)
-    advantages_role: bool = False  # rows go out without `advantages`: the Advantages role adds them
+    advantages_role: bool = TrainSpec.advantages_role  # rows go out without `advantages`
 
 
 def build_genrm_judge(reward: RewardSettings, dtype: str, device: str) -> tuple[Generator | None, Any]:
