@@ -385,6 +385,29 @@ class TorchBackend:
         for name, tensor in self.model.state_dict().items():
             yield name, tensor.detach()
 
+    # -- colocation --------------------------------------------------------------------------
+
+    def offload(self) -> int:
+        """Move the optimizer state to host memory; returns the bytes freed on the device (0 on
+        CPU, where it already is)."""
+        return self._move_optimizer_state(torch.device("cpu"))
+
+    def onload(self) -> None:
+        """Bring the optimizer state back to the training device before the next step."""
+        self._move_optimizer_state(self.device)
+
+    def _move_optimizer_state(self, target: torch.device) -> int:
+        moved = 0
+        for state in self.optimizer.state.values():
+            for key, value in state.items():
+                # AdamW keeps its step counter on the CPU unless capturable: leave it there.
+                if key == "step" or not isinstance(value, torch.Tensor) or value.device == target:
+                    continue
+                if value.device.type != "cpu":
+                    moved += value.numel() * value.element_size()
+                state[key] = value.to(target)
+        return moved
+
     def save_checkpoint(self, manager: CheckpointManager, state: ResumeState) -> Path:
         return manager.save(state.step, self.model, self.optimizer, state)
 

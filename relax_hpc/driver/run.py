@@ -120,7 +120,7 @@ def role_configs(spec: JobSpec, job_dir: Path, device: str) -> tuple[RolloutConf
         archive_dir=str(archive_dir(job_dir)) if spec.metrics.trajectory_archive else None,
         role_fields=tuple(OUTPUT_FIELD[f.kind] for f in queue_role_configs(spec, device)
                           if isinstance(f, ForwardConfig)),
-        strategy=t.strategy,
+        strategy=t.strategy, backend=t.backend,
     )
     return rollout, actor
 

@@ -22,9 +22,10 @@ import torch
 import torch.distributed as dist
 
 from relax_hpc.algos import LossConfig
+from relax_hpc.backends.base import TrainBackend, make_backend
 from relax_hpc.backends.batch import pack_rows
 from relax_hpc.backends.parallel import Strategy, rank_device, ray_gpu_ids
-from relax_hpc.backends.torch_backend import OptimConfig, TorchBackend
+from relax_hpc.backends.torch_backend import OptimConfig
 from relax_hpc.ckpt import CheckpointManager, ResumeState
 from relax_hpc.data.rows import TRAIN_FIELDS, row_to_sample
 from relax_hpc.data.sample import Sample
@@ -53,6 +54,7 @@ class ActorConfig:
     archive_dir: str | None = None  # JOBDIR/trajectories when [metrics] trajectory_archive is on
     role_fields: tuple[str, ...] = ()  # fields the ActorFwd / Reference roles write: wait for them
     strategy: Strategy = TrainSpec.strategy  # [train] strategy: "fsdp2" shards the model over the ranks
+    backend: str = TrainSpec.backend  # [train] backend: which make_backend builds
 
 
 def rendezvous_address() -> str:
@@ -105,8 +107,8 @@ class ActorWorker(WeightSenderEndpoint):
         torch.manual_seed(cfg.seed + rank)
         self.rank, self.world_size = rank, world_size
         self.cfg_micro_batch, self.mini_batches = cfg.optim.micro_batch_size, cfg.optim.mini_batches
-        self.backend = TorchBackend(
-            cfg.model_path, cfg.optim, cfg.loss, dtype=cfg.dtype, device=self.device,
+        self.backend: TrainBackend = make_backend(
+            cfg.backend, cfg.model_path, cfg.optim, cfg.loss, dtype=cfg.dtype, device=self.device,
             temperature=cfg.temperature, teacher_path=cfg.teacher_path, opd_coef=cfg.opd_coef,
             keep_reference="ref_log_probs" not in cfg.role_fields, strategy=cfg.strategy,
         )
