@@ -57,20 +57,25 @@ class TrainBackend(Protocol):
     def onload(self) -> None: ...
 
 
-def make_backend(
-    backend: str, model_path: str, optim: OptimConfig, loss: LossConfig, *, dtype: str, device: str,
-    temperature: float, teacher_path: str | None, opd_coef: float, keep_reference: bool, strategy: Strategy,
-) -> TrainBackend:
-    """The backend `[train] backend` names; ValueError naming the allowed values otherwise."""
-    if backend == "torch":
-        from relax_hpc.backends.torch_backend import TorchBackend
-
-        return TorchBackend(model_path, optim, loss, dtype=dtype, device=device, temperature=temperature,
-                            teacher_path=teacher_path, opd_coef=opd_coef, keep_reference=keep_reference,
-                            strategy=strategy)
+def require_backend(backend: str) -> None:
+    """ValueError saying what to set when this version cannot run `[train] backend = backend`."""
     if backend == "megatron":
         raise ValueError(
             'train.backend = "megatron" is not available in this version of relax-hpc (only the torch '
             'backend is); set [train] backend = "torch"'
         )
-    raise ValueError(f"train.backend = {backend!r}: allowed values are {', '.join(BACKENDS)}")
+    if backend != "torch":
+        raise ValueError(f"train.backend = {backend!r}: allowed values are {', '.join(BACKENDS)}")
+
+
+def make_backend(
+    backend: str, model_path: str, optim: OptimConfig, loss: LossConfig, *, dtype: str, device: str,
+    temperature: float, teacher_path: str | None, opd_coef: float, keep_reference: bool, strategy: Strategy,
+) -> TrainBackend:
+    """The backend `[train] backend` names; ValueError naming the allowed values otherwise."""
+    require_backend(backend)
+    from relax_hpc.backends.torch_backend import TorchBackend
+
+    return TorchBackend(model_path, optim, loss, dtype=dtype, device=device, temperature=temperature,
+                        teacher_path=teacher_path, opd_coef=opd_coef, keep_reference=keep_reference,
+                        strategy=strategy)

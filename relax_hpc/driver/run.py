@@ -23,12 +23,20 @@ from typing import Any
 
 from relax_hpc.agents.config import agentic_from_spec
 from relax_hpc.algos import LossConfig, normalizes_std
+from relax_hpc.backends.base import require_backend
 from relax_hpc.backends.torch_backend import OptimConfig
 from relax_hpc.driver.loop import LoopConfig, LoopResult, StopFlag, run_loop
 from relax_hpc.engines.base import SamplingParams
+from relax_hpc.engines.factory import require_engine
 from relax_hpc.ops.archive import archive_dir
 from relax_hpc.ops.heap import settle_heap
-from relax_hpc.ops.metrics import FanOut, JsonlSink, MetricsSink, TensorBoardSink, WandbSink
+from relax_hpc.ops.metrics import (
+    FanOut,
+    JsonlSink,
+    MetricsSink,
+    TensorBoardSink,
+    WandbSink,
+)
 from relax_hpc.ops.plot import plot_reward_curve
 from relax_hpc.ops.progress import make_progress
 from relax_hpc.roles.actor import ActorConfig
@@ -71,17 +79,10 @@ def resolve_device(requested: str) -> str:
 
 
 def check_backends_available(spec: JobSpec) -> None:
-    """The spec may name the cluster backends; refuse clearly where this build cannot run them."""
-    if spec.rollout.engine != "native":
-        raise ValueError(
-            f'rollout.engine = "{spec.rollout.engine}" is not available in this version of relax-hpc '
-            '(only the native torch engine is); set [rollout] engine = "native"'
-        )
-    if spec.train.backend != "torch":
-        raise ValueError(
-            f'train.backend = "{spec.train.backend}" is not available in this version of relax-hpc '
-            '(only the torch backend is); set [train] backend = "torch"'
-        )
+    """The spec may name the cluster backends; refuse clearly, before Ray starts, where this
+    build cannot run them (the factories the roles call say the same)."""
+    require_engine(spec.rollout.engine)
+    require_backend(spec.train.backend)
 
 
 def role_configs(spec: JobSpec, job_dir: Path, device: str) -> tuple[RolloutConfig, ActorConfig]:
