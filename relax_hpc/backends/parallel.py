@@ -18,14 +18,16 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from typing import Literal
+from typing import get_args
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-Strategy = Literal["ddp", "fsdp2"]
-STRATEGIES: tuple[Strategy, ...] = ("ddp", "fsdp2")
+from relax_hpc.spec.schema import TrainStrategy
+
+Strategy = TrainStrategy
+STRATEGIES: tuple[Strategy, ...] = get_args(TrainStrategy)
 
 
 def rank_device(requested: str, local_rank: int | None, env: Mapping[str, str] | None = None,

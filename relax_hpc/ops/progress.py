@@ -1,7 +1,7 @@
 """Progress of a run: a tqdm bar on a terminal, a plain line every N seconds in a log file.
 
     progress = make_progress(total=400, desc="tiny_local")
-    progress.update(step, reward)        # after every step
+    progress.update(step, reward, step_s)   # after every step
     progress.close()
 
 A job log (Slurm's output file, or any stderr that is not a terminal) gets lines like

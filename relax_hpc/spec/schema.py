@@ -57,6 +57,8 @@ CHECKS = "checks"
 # algorithm.name) follow from this one line.
 AlgorithmName = Literal["grpo", "dr_grpo", "gspo", "sapo", "opd"]
 ALGORITHMS: tuple[str, ...] = get_args(AlgorithmName)
+# How trainer ranks hold the model ([train] strategy; relax_hpc/backends/parallel.py).
+TrainStrategy = Literal["ddp", "fsdp2"]
 # Algorithms whose advantage compares samples of the same prompt, so a group needs >= 2.
 GROUP_NORMALISED_ALGORITHMS: tuple[str, ...] = ALGORITHMS
 
@@ -197,7 +199,7 @@ class TrainSpec:
     micro_batch_size: int = setting(8, at_least(1))
     mini_batches: int = setting(1, at_least(1))  # optimizer steps per rollout batch
     num_processes: int = setting(1, at_least(1))  # data-parallel trainer processes
-    strategy: Literal["ddp", "fsdp2"] = setting("ddp")  # replicated, or sharded over the ranks
+    strategy: TrainStrategy = setting("ddp")  # replicated, or sharded over the ranks
     actor_fwd_role: bool = setting(False)  # old log-probs from a separate ActorFwd role
     reference_role: bool = setting(False)  # reference log-probs from a separate Reference role
     advantages_role: bool = setting(False)  # group advantages from a separate Advantages role
