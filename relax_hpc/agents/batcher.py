@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
+from typing import Hashable
 
 from relax_hpc.engines.base import Generation, Generator, SamplingParams
+from relax_hpc.engines.router import EngineRouter
 
 
 @dataclass
@@ -20,6 +22,7 @@ class _Request:
     prompt_ids: list[int]
     params: SamplingParams
     future: asyncio.Future[Generation]
+    session: Hashable | None = None
 
 
 class EngineBatcher:
@@ -53,13 +56,15 @@ class EngineBatcher:
         self._live = max(0, self._live - 1)
         self._poke()
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
-        """Generate one response; resolves when the batch it joined has been decoded."""
+    async def generate(self, prompt_ids: list[int], params: SamplingParams,
+                       session: Hashable | None = None) -> Generation:
+        """Generate one response; resolves when the batch it joined has been decoded. Calls with
+        the same `session` key go to the same engine when the engine is a router over several."""
         loop = asyncio.get_running_loop()
         if self._runner is None or self._runner.done():
             self._changed = asyncio.Event()
             self._runner = loop.create_task(self._run())
-        request = _Request(list(prompt_ids), params, loop.create_future())
+        request = _Request(list(prompt_ids), params, loop.create_future(), session)
         self._pending.append(request)
         self._poke()
         return await request.future
@@ -100,9 +105,12 @@ class EngineBatcher:
             self.calls += 1
             self.batch_sizes.append(len(requests))
             try:
-                gens = await asyncio.to_thread(
-                    self.engine.generate, [r.prompt_ids for r in requests], params, seed
-                )
+                prompts = [r.prompt_ids for r in requests]
+                if isinstance(self.engine, EngineRouter) and any(r.session is not None for r in requests):
+                    sessions = [r.session if r.session is not None else id(r) for r in requests]
+                    gens = await asyncio.to_thread(self.engine.generate, prompts, params, seed, sessions=sessions)
+                else:
+                    gens = await asyncio.to_thread(self.engine.generate, prompts, params, seed)
             except Exception as e:  # every waiter sees the engine's error
                 for r in requests:
                     if not r.future.done():

@@ -88,7 +88,7 @@ async def generate_with_env(args: GenerateArgs, sample: Sample, sampling_params:
         params = sampling_params
         if room < params.max_new_tokens:
             params = SamplingParams(**{**params.__dict__, "max_new_tokens": room})
-        gen = await args.engine.generate(prompt + ids, params)
+        gen = await args.engine.generate(prompt + ids, params, session=id(sample))  # one engine per episode
         version = gen.weight_version
         ids += gen.token_ids
         logps += gen.logprobs

@@ -187,7 +187,7 @@ class AgentProxy:
                 except (ValueError, UnicodeDecodeError) as e:
                     raise RequestError(400, f"the request body is not valid JSON ({e})") from e
                 req = parse_chat_request(body)
-                record = await self._complete(req)
+                record = await self._complete(req, session=id(session))
             except RequestError as e:
                 return error(e.status, e.message)
             try:
@@ -199,7 +199,7 @@ class AgentProxy:
 
         return app
 
-    async def _complete(self, req: ChatRequest) -> CompletionRecord:
+    async def _complete(self, req: ChatRequest, session: int | None = None) -> CompletionRecord:
         try:
             text = self.tokenizer.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=False)
         except Exception as e:  # a template may reject a role order; that is the caller's to fix
@@ -212,7 +212,7 @@ class AgentProxy:
                                     f"model's context of {self.max_context_tokens} tokens")
         params = SamplingParams(**{**self.sampling.__dict__, "max_new_tokens": max_new,
                                    "stop": tuple(self.sampling.stop) + req.stop})
-        gen = await self.batcher.generate(prompt_ids, params)
+        gen = await self.batcher.generate(prompt_ids, params, session=session)  # one engine per session
         return CompletionRecord(f"chatcmpl-{uuid.uuid4().hex}", prompt_ids, list(gen.token_ids),
                                 list(gen.logprobs), gen.finish_reason, gen.weight_version, gen.text)
 

@@ -97,7 +97,8 @@ def role_configs(spec: JobSpec, job_dir: Path, device: str) -> tuple[RolloutConf
     rollout = RolloutConfig(
         model_path=spec.model.path, data=spec.data, reward=spec.reward, seed=spec.job.seed,
         prompts_per_step=r.prompts_per_step, n_samples_per_prompt=r.n_samples_per_prompt,
-        sampling=sampling, engine=r.engine, dtype=spec.model.dtype, device=device, num_threads=threads,
+        sampling=sampling, engine=r.engine, num_engines=r.num_engines, dtype=spec.model.dtype,
+        device=device, num_threads=threads,
         normalize_std=a.normalize_std and normalizes_std(a.name),
         dynamic_sampling=r.dynamic_sampling, max_sampling_rounds=r.max_sampling_rounds,
         agentic=agentic_from_spec(r), advantages_role=spec.train.advantages_role,
@@ -227,8 +228,10 @@ def run_job(spec: JobSpec, in_process: bool = False, ray_address: str | None = N
         total_steps=spec.train.steps, max_staleness=staleness,
         save_interval=spec.checkpoint.save_interval, resume=spec.checkpoint.resume,
     )
+    engines: list[dict[str, Any]] = []
     try:
         result = run_loop(loop_cfg, roles, metrics, stop, on_step)
+        engines = roles.engine_report()
     finally:
         bar.close()
         metrics.close()
@@ -243,7 +246,8 @@ def run_job(spec: JobSpec, in_process: bool = False, ray_address: str | None = N
     report = RunReport(job_dir, result, time.perf_counter() - t_start, curve)
     summary = {"summary": report.summary_line(), "start_step": result.start_step,
                "end_step": result.end_step, "samples_trained": result.samples_trained,
-               "stopped_early": result.stopped_early, "last_checkpoint": result.last_checkpoint}
+               "stopped_early": result.stopped_early, "last_checkpoint": result.last_checkpoint,
+               "rollout_engines": engines}
     (job_dir / "summary.json.tmp").write_text(json.dumps(summary, indent=2))
     (job_dir / "summary.json.tmp").replace(job_dir / "summary.json")
     return report

@@ -15,6 +15,7 @@ from relax_hpc.ckpt import ResumeState
 from relax_hpc.data.sample import Sample
 from relax_hpc.roles.actor import ActorConfig, ActorWorker, rendezvous_address
 from relax_hpc.roles.advantages import AdvantagesConfig, AdvantagesWorker
+from relax_hpc.roles.engine_host import EngineHost
 from relax_hpc.roles.forward import ForwardConfig, ForwardWorker
 from relax_hpc.roles.rollout import RolloutConfig, RolloutWorker
 from relax_hpc.transfer.memory import InMemoryTransferQueue
@@ -61,6 +62,7 @@ class Roles(Protocol):
     def load_checkpoint(self) -> ResumeState | None: ...
     def restore_cursor(self, state: dict) -> None: ...
     def dataset_summary(self) -> str: ...
+    def engine_report(self) -> list[dict[str, Any]]: ...
     def shutdown(self) -> None: ...
 
 
@@ -114,6 +116,9 @@ class LocalRoles:
 
     def dataset_summary(self) -> str:
         return self.rollout.dataset_summary()
+
+    def engine_report(self) -> list[dict[str, Any]]:
+        return self.rollout.engine_report()
 
     def shutdown(self) -> None:
         self.rollout.stop_producer()
@@ -211,9 +216,16 @@ class RayRoles:
         self.timeout_s = timeout_s
         self._ticket: _RayTicket | None = None  # the last submitted training step
         self._total_steps = 0  # set by start_rollout: the trainer prefetches up to the last step
+        # N > 1 engines run in actors of their own (a GPU each on GPUs), behind rollout's router.
+        self._engines = [
+            ray.remote(EngineHost).options(**self._placement("rollout"), **_gpus(rollout.device)).remote(
+                rollout.engine, rollout.model_path, rollout.dtype, rollout.device, rollout.num_threads)
+            for _ in range(rollout.num_engines if rollout.num_engines > 1 else 0)
+        ]
         # max_concurrency: new weights and status calls must reach rollout while it produces.
         self._rollout = ray.remote(RolloutWorker).options(
-            max_concurrency=4, **self._placement("rollout")).remote(rollout)
+            max_concurrency=4, **self._placement("rollout"),
+            **({} if self._engines else _gpus(rollout.device))).remote(rollout, engine_hosts=self._engines or None)
         # Rank 0's node hosts the TCP store of the trainer's process group: a task on a trainer
         # node picks the address, and rank 0 is pinned to that node.
         placement = self._placement("trainer")
@@ -224,7 +236,7 @@ class RayRoles:
             node_id, master = ray.get(ray.remote(_node_and_rendezvous).options(**placement).remote())
             rank0 = {**placement, "scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=False)}
         self._actors = [
-            ray.remote(ActorWorker).options(**(rank0 if rank == 0 else placement)).remote(
+            ray.remote(ActorWorker).options(**(rank0 if rank == 0 else placement), **_gpus(actor.device)).remote(
                 actor, rank, num_processes, master)
             for rank in range(num_processes)
         ]
@@ -308,6 +320,15 @@ class RayRoles:
     def dataset_summary(self) -> str:
         return self._rollout_call("dataset_summary")
 
+    def engine_report(self) -> list[dict[str, Any]]:
+        return self._rollout_call("engine_report")
+
+    def engine_pids(self) -> list[int]:
+        """The process ids of the engine actors (tests kill one to check nothing is lost)."""
+        import ray
+
+        return ray.get([e.pid.remote() for e in self._engines])
+
     def shutdown(self) -> None:
         import ray
 
@@ -322,10 +343,15 @@ class RayRoles:
         except Exception as e:  # noqa: BLE001 - a role that already died; the loop's own error matters
             log.warning("roles did not shut down cleanly (%s: %s); killing them", type(e).__name__, e)
         finally:
-            for a in [*self._actors, self._rollout, *self._queue_roles]:
+            for a in [*self._actors, self._rollout, *self._engines, *self._queue_roles]:
                 ray.kill(a)
             self._queue.close()
             self._server.stop()
+
+
+def _gpus(device: str) -> dict[str, float]:
+    """One GPU for an actor whose role runs on CUDA (Ray then sets its CUDA_VISIBLE_DEVICES)."""
+    return {"num_gpus": 1} if device.startswith("cuda") else {}
 
 
 def _merge_rank_stats(per_rank: list[dict[str, float]]) -> dict[str, float]:

@@ -26,6 +26,7 @@ from relax_hpc.data.sample import Sample
 from relax_hpc.engines.base import Generator, RolloutEngine, SamplingParams
 from relax_hpc.engines.factory import make_engine
 from relax_hpc.engines.http_client import HttpEngine
+from relax_hpc.engines.router import EngineRouter, LocalEngineClient
 from relax_hpc.models.hf import load_tokenizer
 from relax_hpc.ops.heap import settle_heap
 from relax_hpc.rewards.hub import RewardHub, RewardSettings
@@ -47,6 +48,7 @@ class RolloutConfig:
     n_samples_per_prompt: int
     sampling: SamplingParams
     engine: str  # [rollout] engine: which make_engine builds
+    num_engines: int = RolloutSpec.num_engines  # engines behind the router (built here when in process)
     normalize_std: bool = AlgorithmSpec.normalize_std  # group advantages: False is Dr.GRPO
     dtype: str = ModelSpec.dtype
     device: str = "cpu"
@@ -87,17 +89,44 @@ def build_genrm_judge(reward: RewardSettings, dtype: str, device: str) -> tuple[
     return None, None
 
 
-def _cannot_bind(_flat: Any, _version: int) -> bool:
-    return False
+def build_router(cfg: RolloutConfig, engines: list[RolloutEngine] | None = None,
+                 engine_hosts: list[Any] | None = None) -> EngineRouter:
+    """The router over the engines rollout drives: `engines` given (tests), `EngineHost` actors
+    (`engine_hosts`, started by the driver), or else `cfg.num_engines` engines built here."""
+    if engine_hosts:
+        import ray
+
+        from relax_hpc.roles.engine_host import RayEngineClient
+
+        clients = [RayEngineClient(f"engine-{i}", h) for i, h in enumerate(engine_hosts)]
+        eos_id = ray.get(engine_hosts[0].eos_id.remote())
+        return EngineRouter(clients, load_tokenizer(cfg.model_path), eos_id)
+    if not engines:
+        engines = [make_engine(cfg.engine, cfg.model_path, cfg.dtype, cfg.device) for _ in range(cfg.num_engines)]
+    clients_local = [LocalEngineClient(f"engine-{i}", e) for i, e in enumerate(engines)]
+    return EngineRouter(clients_local, engines[0].tokenizer, engines[0].eos_id, local_engine=engines[0])
+
+
+def _max_context(engine: EngineRouter, model_path: str) -> int | None:
+    """The model's context length, from the engine in this process or the model's config."""
+    config = getattr(engine.model, "config", None)
+    if config is None:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(model_path)
+    return getattr(config, "max_position_embeddings", None)
 
 
 class RolloutWorker(WeightReceiverEndpoint):
-    def __init__(self, cfg: RolloutConfig, engine: RolloutEngine | None = None) -> None:
-        """`engine`: the engine to drive; None builds the one `[rollout] engine` names, here."""
+    def __init__(self, cfg: RolloutConfig, engine: RolloutEngine | list[RolloutEngine] | None = None,
+                 engine_hosts: list[Any] | None = None) -> None:
+        """`engine`: the engine (or engines) to drive; `engine_hosts`: `EngineHost` actors to
+        drive; neither: build `cfg.num_engines` of the engine `[rollout] engine` names, here."""
         if cfg.num_threads > 0:
             torch.set_num_threads(cfg.num_threads)
         self.cfg = cfg
-        self.engine = engine if engine is not None else make_engine(cfg.engine, cfg.model_path, cfg.dtype, cfg.device)
+        engines = [engine] if engine is not None and not isinstance(engine, list) else engine
+        self.engine = build_router(cfg, engines, engine_hosts)
         tok = self.engine.tokenizer
         stop_ids = tuple(cfg.sampling.stop_token_ids) + (self.engine.eos_id,)
         self.sampling = SamplingParams(**{**cfg.sampling.__dict__, "stop_token_ids": stop_ids})
@@ -109,10 +138,8 @@ class RolloutWorker(WeightReceiverEndpoint):
         if cfg.agentic is not None:
             from relax_hpc.agents.service import AgenticRollout
 
-            model_config = getattr(getattr(self.engine, "model", None), "config", None)
-            max_ctx = getattr(model_config, "max_position_embeddings", None)
             self.agentic = AgenticRollout(cfg.agentic, self.engine, tok, self.sampling,
-                                          self.engine.eos_id, max_ctx)
+                                          self.engine.eos_id, _max_context(self.engine, cfg.model_path))
         # Producer state: new weights wait in the inbox until the next batch boundary.
         self._lock = threading.Lock()
         self._inbox = WeightInbox()
@@ -164,7 +191,7 @@ class RolloutWorker(WeightReceiverEndpoint):
         current = self.engine.weight_version
         if not self._inbox.wait_for(required, current, self._stop, self.cfg.weights_timeout_s, "rollout"):
             return False
-        self._inbox.install(getattr(self.engine, "bind_weights", _cannot_bind), self.engine.update_weights)
+        self._inbox.install(self.engine.bind_weights, self.engine.update_weights)
         return True
 
     # -- the producer: rollout's own loop, paced by the staleness rule --------------------------
@@ -191,6 +218,11 @@ class RolloutWorker(WeightReceiverEndpoint):
         self.rewards.close()
         if self.agentic is not None:
             self.agentic.close()
+        self.engine.close()
+
+    def engine_report(self) -> list[dict[str, Any]]:
+        """Per rollout engine: its id, the samples it produced, whether it still serves."""
+        return self.engine.report()
 
     def producer_error(self) -> str | None:
         return self._error
@@ -288,6 +320,7 @@ class RolloutWorker(WeightReceiverEndpoint):
             "time/rollout_s": time.perf_counter() - t0,
             "rollout/response_len": sum(s.response_length for s in samples) / len(samples),
             "rollout/truncated_frac": sum(s.finish_reason == "length" for s in samples) / len(samples),
+            "rollout/engines": float(self.engine.serving()),
         })
         if self.cfg.dynamic_sampling:
             stats["rollout/dropped_groups"] = float(dropped)
@@ -307,7 +340,7 @@ class RolloutWorker(WeightReceiverEndpoint):
             reward_stats = self.rewards.score([s for g in groups for s in g])
             return groups, {**extra, **reward_stats, "time/generate_s": t1 - t0,
                             "time/reward_s": time.perf_counter() - t1}
-        gens = self.engine.generate(flat, self.sampling, seed=seed)
+        gens = self.engine.generate(flat, self.sampling, seed=seed, group_size=n)
         groups: list[list[Sample]] = []
         for k, gen in enumerate(gens):
             row = picked[k // n]

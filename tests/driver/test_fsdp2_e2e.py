@@ -1,10 +1,12 @@
 """`relax-hpc run` of the embedded tiny spec with `[train] strategy = "fsdp2"` over 2 trainer
-processes (gloo, CPU): the reward rises as with the default strategy, the checkpoint that two
-sharded ranks wrote loads into one process, and the same command resumes from it (the restored
-shards are gathered and pushed to the engine before training goes on)."""
+processes (gloo, CPU) and `[rollout] num_engines = 2`: the reward rises as with the default
+strategy and the single engine, both engines served, the checkpoint that two sharded ranks
+wrote loads into one process, and the same command resumes from it (the restored shards are
+gathered and pushed to the engines before training goes on)."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -34,6 +36,7 @@ def _fsdp2_spec(model_dir: Path, job_dir: Path, steps: int = STEPS) -> str:
         r'(?m)^path = "jobspecs/data/tiny_sum.jsonl"$': f'path = "{DATA}"',
         r"(?m)^steps = \d+$": f'steps = {steps}\nstrategy = "fsdp2"\nnum_processes = 2',
         r"(?m)^save_interval = \d+$": f"save_interval = {STEPS}",
+        r"(?m)^temperature = 1.0$": "temperature = 1.0\nnum_engines = 2",
     }
     for pattern, new in replacements.items():
         text, count = re.subn(pattern, new, text)
@@ -42,7 +45,7 @@ def _fsdp2_spec(model_dir: Path, job_dir: Path, steps: int = STEPS) -> str:
 
 
 @pytest.mark.timeout(900)
-def test_fsdp2_over_two_processes_trains_the_tiny_spec(tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_fsdp2_over_two_processes_with_two_engines_trains_the_tiny_spec(tiny_model_dir: Path, tmp_path: Path) -> None:
     job = tmp_path / "job"
     spec_path = tmp_path / "spec.toml"
     spec_path.write_text(_fsdp2_spec(tiny_model_dir, job))
@@ -58,6 +61,10 @@ def test_fsdp2_over_two_processes_trains_the_tiny_spec(tiny_model_dir: Path, tmp
     # As the default strategy's end-to-end test: a random policy answers ~1-2% right.
     assert first < 0.05
     assert last > 3 * first and last > 0.08, (first, last)
+    engines = json.loads((job / "summary.json").read_text())["rollout_engines"]
+    assert [e["id"] for e in engines] == ["engine-0", "engine-1"]
+    assert all(e["alive"] and e["samples"] > 0 for e in engines), engines
+    assert sum(e["samples"] for e in engines) == STEPS * 8 * 32  # the embedded spec's 8 x 32 per step
 
     # Two sharded ranks wrote the checkpoint; one unsharded process reads it back whole.
     checkpoint = job / "checkpoints" / f"step_{STEPS}"

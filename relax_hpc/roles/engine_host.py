@@ -1,0 +1,79 @@
+"""Rollout engines in processes of their own: `EngineHost` (the Ray actor) and its router client.
+
+With `[rollout] num_engines = N > 1` the driver starts N `EngineHost` actors (one GPU each where
+the engines run on GPUs) and hands their handles to the rollout role, whose `EngineRouter`
+reaches them through `RayEngineClient`. The rollout role stays the one receiver of the
+trainer's weight broadcast and passes each version on to the engines through Ray's object
+store (one shared copy per update), so an engine that dies or joins never breaks the trainer's
+channel.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Iterable
+
+import torch
+
+from relax_hpc.engines.base import Generation, RolloutEngine, SamplingParams
+from relax_hpc.engines.factory import make_engine
+from relax_hpc.engines.router import Future
+
+
+class EngineHost:
+    """One rollout engine in this process; a Ray actor (see the module docstring)."""
+
+    def __init__(self, engine: str, model_path: str, dtype: str, device: str, num_threads: int = 0) -> None:
+        if num_threads > 0:
+            torch.set_num_threads(num_threads)
+        self.engine: RolloutEngine = make_engine(engine, model_path, dtype, device)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def eos_id(self) -> int:
+        return self.engine.eos_id
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int | None) -> list[Generation]:
+        return self.engine.generate(prompts, params, seed)
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> int:
+        self.engine.update_weights(named_tensors, version)
+        return version
+
+    def weight_version(self) -> int:
+        return self.engine.weight_version
+
+    def call(self, method: str) -> Any:
+        if method not in ("pause", "resume", "release_memory", "resume_memory"):
+            raise ValueError(f"EngineHost.call: {method!r} is not an engine control method")
+        return getattr(self.engine, method)()
+
+
+class RayEngineClient:
+    """`EngineClient` for an `EngineHost` actor."""
+
+    def __init__(self, id: str, handle: Any) -> None:
+        self.id, self.handle = id, handle
+
+    def submit(self, prompts: list[list[int]], params: SamplingParams, seed: int | None) -> Future:
+        return self.handle.generate.remote(prompts, params, seed).future()
+
+    def share(self, named_tensors: list[tuple[str, torch.Tensor]]) -> Any:
+        import ray
+
+        return ray.put([(name, t.detach().cpu()) for name, t in named_tensors])
+
+    def load_weights(self, shared: Any, version: int) -> Future:
+        return self.handle.load_weights.remote(shared, version).future()
+
+    def call(self, method: str) -> Future:
+        return self.handle.call.remote(method).future()
+
+    def died(self, error: BaseException) -> bool:
+        from ray.exceptions import RayActorError
+
+        return isinstance(error, RayActorError)
+
+    def close(self) -> None:
+        pass  # the driver kills the actors
