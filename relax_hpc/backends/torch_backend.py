@@ -181,52 +181,66 @@ class TorchBackend:
         """One rollout batch: `mini_batches` optimizer steps over this rank's samples."""
         return self.train_batch(pack_samples(samples, self.pad_id))
 
-    def train_batch(self, batch: TrainBatch) -> dict[str, float]:
-        """`train` on an already packed batch (`pack_samples` or `pack_rows`, on any device)."""
-        batch = batch.to(self.device)
+    def train_batch(self, batch: TrainBatch | None) -> dict[str, float]:
+        """`train` on an already packed batch (`pack_samples` or `pack_rows`, on any device).
+
+        Every rank takes `mini_batches` optimizer steps, each over its own share of this rank's
+        rows (shares differ by at most one row), so the ranks' collectives pair up whatever
+        their row counts; None: this rank received no rows this step and still takes part.
+        A mini-batch without a row on any rank is skipped (no optimizer step)."""
+        batch = None if batch is None else batch.to(self.device)
+        rows = 0 if batch is None else len(batch)
         mini = self.optim_cfg.mini_batches
         with torch.no_grad():  # fields from the ActorFwd / Reference roles win when present
-            old_logp = batch.old_log_probs
+            old_logp = None if batch is None else batch.old_log_probs
             # With one optimizer step the "old" policy is the one being trained, and each
             # micro-batch's own log-probs, detached, are it: no separate forward of the batch
             # (it was a third of a step's time). Later mini-batches need the step's start.
             if old_logp is None and mini > 1:
                 old_logp = self._full_logprobs(self.model, batch)
-            ref_logp = batch.ref_log_probs
-            if ref_logp is None and self.reference is not None:
+            ref_logp = None if batch is None else batch.ref_log_probs
+            if ref_logp is None and self.reference is not None and batch is not None:
                 ref_logp = self._full_logprobs(self.reference, batch)
         stats: dict[str, list[float]] = {}
-        size = math.ceil(len(batch) / mini)
-        for start in range(0, len(batch), size):
-            stop = min(start + size, len(batch))
-            for k, v in self._optimizer_step(batch, old_logp, ref_logp, start, stop).items():
-                stats.setdefault(k, []).append(v)
+        for k in range(mini):
+            step_stats = self._optimizer_step(batch, old_logp, ref_logp, k * rows // mini, (k + 1) * rows // mini)
+            for key, v in (step_stats or {}).items():
+                stats.setdefault(key, []).append(v)
+        if not stats:
+            raise RuntimeError("the training step received no rows; is rollout producing?")
         return {k: sum(v) / len(v) for k, v in stats.items()}
 
-    def _full_logprobs(self, model: torch.nn.Module, batch: TrainBatch) -> torch.Tensor:
+    def _full_logprobs(self, model: torch.nn.Module, batch: TrainBatch | None) -> torch.Tensor | None:
+        """Log-probs of the whole batch in micro-batches; None for a rank without rows (which
+        still runs the empty passes a sharded model's collectives need)."""
         step = self.optim_cfg.micro_batch_size
         parts = []
-        for i in self._in_lockstep(range(0, len(batch), step), model):
-            if i is None:
+        for i in self._in_lockstep(range(0, 0 if batch is None else len(batch), step), model):
+            if i is None or batch is None:
                 self._empty_pass(backward=False)
             else:
                 parts.append(self._logprobs(model, batch.slice(i, i + step))[0])
-        return torch.cat(parts)
+        return torch.cat(parts) if parts else None
 
     def _optimizer_step(
-        self, batch: TrainBatch, old_logp: torch.Tensor | None, ref_logp: torch.Tensor | None,
+        self, batch: TrainBatch | None, old_logp: torch.Tensor | None, ref_logp: torch.Tensor | None,
         start: int, stop: int,
-    ) -> dict[str, float]:
-        """One optimizer step on rows start..stop of this rank's batch (and the other ranks' rows)."""
+    ) -> dict[str, float] | None:
+        """One optimizer step on rows start..stop of this rank's batch (and the other ranks' rows);
+        None, and no step, when no rank has a row in it."""
         self.optimizer.zero_grad(set_to_none=True)
         # The step's loss aggregates every rank's rows of this mini-batch at once, so each
         # micro-batch's loss is divided by their global token (or sequence) count.
-        (count,) = self._sum_over_ranks([loss_denominator(batch.loss_mask[start:stop], self.loss_cfg.loss_agg)])
+        local = 0.0 if batch is None or stop <= start else loss_denominator(
+            batch.loss_mask[start:stop], self.loss_cfg.loss_agg)
+        count, rows = self._sum_over_ranks([local, float(stop - start)])
+        if rows == 0:  # the same answer on every rank: all skip together
+            return None
         denominator = max(count, 1.0)  # no trained token at all: the loss is 0 whatever we divide by
         stats = _StepStats()
         step = self.optim_cfg.micro_batch_size
         for i in self._in_lockstep(range(start, stop, step), self.model):
-            if i is None:
+            if i is None or batch is None:
                 self._empty_pass(backward=True)
                 continue
             j = min(i + step, stop)

@@ -173,7 +173,8 @@ class ActorWorker(WeightSenderEndpoint):
             queue.prefetch(partition_name(prefetch_step), "actor", fields, self.cfg_micro_batch, timeout_s)
         pad_id = self.backend.pad_id
         if self.mini_batches > 1:  # several optimizer steps need the whole batch first
-            stats = self.backend.train_batch(pack_rows([r for rows in row_batches() for r in rows], pad_id))
+            every = [r for rows in row_batches() for r in rows]  # a rank may get none of them
+            stats = self.backend.train_batch(pack_rows(every, pad_id) if every else None)
         else:
             stats = self.backend.train_stream(pack_rows(rows, pad_id) for rows in row_batches())
         queue.ack(partition, "actor", received)

@@ -248,3 +248,54 @@ def test_each_mini_batch_over_two_ranks_is_divided_by_its_own_step_count(
     for rank, results in enumerate(two_rank_results):
         grads, _ = results[strategy][mode]["mini_batches"]
         assert _max_abs_diff(grads, want_grads) <= TOLERANCE, rank
+
+
+# mini_batches = 4 over ranks holding 7 and 2 rows, and mini_batches = 2 over ranks holding 6
+# and 0 rows: every rank takes 4 (2) optimizer steps over shares that differ by at most a row,
+# so their collectives pair up. The old log-probs are left out, so the trainer computes them
+# itself in a full pass first (the pass a rank without rows joins with empty passes when sharded).
+UNEVEN = {"uneven": (((0, 7), (7, 9)), 4), "empty": (((0, 6), (6, 6)), 2)}
+
+
+def _uneven_worker(rank: int, port: int, model_dir: str, samples: list[Sample], out: str) -> None:
+    import dataclasses
+
+    from relax_hpc.backends.batch import pack_samples
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=120))
+    try:
+        results: dict[str, dict] = {}
+        for strategy in STRATEGIES:
+            for case, (shards, mini) in UNEVEN.items():
+                start, stop = shards[rank]
+                shard = [dataclasses.replace(s, old_log_probs=None) for s in samples[start:stop]]
+                backend = _backend(Path(model_dir), "token_mean", 2, mini, strategy)
+                stats = backend.train_batch(pack_samples(shard, backend.pad_id) if shard else None)
+                results.setdefault(strategy, {})[case] = (_grads(backend), stats)
+        torch.save(results, Path(out) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_mini_batches_over_ranks_with_unequal_or_no_rows_pair_up_and_give_each_steps_gradient(
+    tiny_model_dir: Path, samples: list[Sample], tmp_path: Path
+) -> None:
+    import dataclasses
+
+    mp.spawn(_uneven_worker, args=(_free_port(), str(tiny_model_dir), samples, str(tmp_path)), nprocs=2, join=True)
+    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    plain = [dataclasses.replace(s, old_log_probs=None) for s in samples]
+    # The last optimizer step's rows: rank 0's last share and rank 1's.
+    last_step = {"uneven": plain[5:7] + plain[8:9], "empty": plain[3:6]}
+    for case, rows in last_step.items():
+        want, _ = _run_train(tiny_model_dir, "token_mean", rows, micro=len(rows))
+        for strategy in STRATEGIES:
+            for rank in range(2):
+                grads, stats = results[rank][strategy][case]
+                assert _max_abs_diff(grads, want) <= TOLERANCE, (case, strategy, rank)
+                assert stats["grad_norm"] > 0, (case, strategy, rank)
