@@ -64,6 +64,10 @@ class LocalEngineClient:
         self.id, self.engine = id, engine
         self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=id)
 
+    @property
+    def weight_version(self) -> int:
+        return self.engine.weight_version
+
     def submit(self, prompts: list[list[int]], params: SamplingParams, seed: int | None) -> Future:
         return self._thread.submit(self.engine.generate, prompts, params, seed)
 
@@ -111,7 +115,8 @@ class EngineRouter:
                  chunks_per_engine: int = 2, local_engine: RolloutEngine | None = None) -> None:
         if not clients:
             raise ValueError("EngineRouter needs at least one engine client")
-        self.engines = [EngineState(c) for c in clients]
+        # A fresh engine actor starts at version 0; an engine handed over may hold a later one.
+        self.engines = [EngineState(c, version=getattr(c, "weight_version", 0)) for c in clients]
         self.tokenizer, self.eos_id = tokenizer, int(eos_id)
         self.chunks_per_engine = chunks_per_engine
         # With one in-process engine the router lends it out: zero-copy weight binding, its model.

@@ -184,3 +184,11 @@ def test_new_weights_reach_every_live_engine_and_a_dead_one_is_dropped(tokenizer
     assert [e.updates for e in engines] == [[4], [], [4]]
     assert router.weight_version == 4 and router.serving() == 2
     assert [r["alive"] for r in router.report()] == [True, False, True]
+
+
+def test_the_router_reports_the_version_the_engines_it_was_given_hold(tokenizer: Any) -> None:
+    engines = [ScriptedEngine(tokenizer, ["1"], version=3), ScriptedEngine(tokenizer, ["2"], version=5)]
+    router = _router(tokenizer, engines)
+    assert router.weight_version == 3  # the oldest live engine's
+    router.update_weights([], version=6)
+    assert router.weight_version == 6 and [e.weight_version for e in engines] == [6, 6]
