@@ -107,7 +107,8 @@ def _cmd_node(args: argparse.Namespace) -> int:
               f"Ray: ports {busy[:8]} on {ip} are in use (another job or process); see docs/slurm.md "
               "'Ports'", file=sys.stderr)
         return EXIT_FAILED
-    resources = {args.component: float(args.resource)}
+    # A colocated component's roles find these nodes by its resource too (same amount).
+    resources = {name: float(args.resource) for name in [args.component, *args.also_resource]}
     head = None if args.head else args.address
     cmd = ray_start_command(_ray_executable(), ports, temp_dir, ip, head_address=head,
                             num_cpus=args.num_cpus, num_gpus=args.num_gpus, resources=resources)
@@ -231,6 +232,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--first-slot", type=int, required=True, help="slot of this step's node 0")
     p.add_argument("--component", required=True, choices=["trainer", "rollout", "forward"])
     p.add_argument("--resource", type=float, default=1.0, help="amount of the component resource")
+    p.add_argument("--also-resource", action="append", default=[], choices=["trainer", "rollout", "forward"],
+                   help="advertise this component's resource too (its roles run here: [cluster] colocate)")
     p.add_argument("--num-cpus", type=int, required=True)
     p.add_argument("--num-gpus", type=int, default=0)
     group = p.add_mutually_exclusive_group(required=True)

@@ -41,22 +41,34 @@ def read_template() -> tuple[str, str]:
 
 @dataclass(frozen=True)
 class Component:
-    """One hetjob group: its index, name, spec and the Ray slot of its first node."""
+    """One hetjob group: its index, name, spec and the Ray slot of its first node.
+
+    ``also_hosts``: other components' Ray resources its nodes advertise too, because their roles
+    run here (``[cluster] colocate``: the trainer's nodes host the rollout engines).
+    """
 
     group: int
     name: str
     spec: ComponentSpec
     first_slot: int
+    also_hosts: tuple[str, ...] = ()
 
 
 def components(spec: JobSpec) -> list[Component]:
-    """The hetjob groups in order: trainer (0), rollout (1), forward (2) when present."""
-    named = [("trainer", spec.cluster.trainer), ("rollout", spec.cluster.rollout)]
+    """The hetjob groups in order: trainer (0), rollout, forward when present.
+
+    With ``[cluster] colocate = true`` there is no rollout group (the engines share the
+    trainer's nodes), so forward, when present, is group 1.
+    """
+    colocate = spec.cluster.colocate
+    named = [("trainer", spec.cluster.trainer, ("rollout",) if colocate else ())]
+    if not colocate:
+        named.append(("rollout", spec.cluster.rollout, ()))
     if spec.cluster.forward is not None:
-        named.append(("forward", spec.cluster.forward))
+        named.append(("forward", spec.cluster.forward, ()))
     out, slot = [], 0
-    for group, (name, component) in enumerate(named):
-        out.append(Component(group, name, component, slot))
+    for group, (name, component, also_hosts) in enumerate(named):
+        out.append(Component(group, name, component, slot, also_hosts))
         slot += component.nodes
     return out
 
@@ -99,13 +111,16 @@ def _start_ray_lines(spec: JobSpec) -> list[str]:
         resource = c.gpus_per_node if c.gpus_per_node > 0 else 1
         common = f"{c.cpus_per_node} {c.gpus_per_node} {resource}"
         name, group, slot = component.name, component.group, component.first_slot
+        # start_ray passes its last argument on unquoted, so extra flags of `incluster node` ride along.
+        also = "".join(f" --also-resource={other}" for other in component.also_hosts)
         if group == 0:
-            lines.append(f'start_ray ray-head 0 trainer 1 0 {common} --nodelist="$HEAD_NODE" --head')
+            head = f'"--head{also}"' if also else "--head"
+            lines.append(f'start_ray ray-head 0 trainer 1 0 {common} --nodelist="$HEAD_NODE" {head}')
             if c.nodes > 1:
                 lines.append(f'start_ray ray-trainer 0 trainer {c.nodes - 1} 1 {common} '
-                             f'--exclude="$HEAD_NODE" "--address=$HEAD"')
+                             f'--exclude="$HEAD_NODE" "--address=$HEAD{also}"')
         else:
-            lines.append(f'start_ray ray-{name} {group} {name} {c.nodes} {slot} {common} - "--address=$HEAD"')
+            lines.append(f'start_ray ray-{name} {group} {name} {c.nodes} {slot} {common} - "--address=$HEAD{also}"')
     return lines
 
 

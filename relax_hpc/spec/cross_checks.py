@@ -85,7 +85,7 @@ def _groups_have_two_samples(spec: Resolved) -> list[SpecProblem]:
     return [SpecProblem(key="rollout.n_samples_per_prompt", value=show_value(got[1]), message=message)]
 
 
-def _fits_on_gpus(spec: Resolved, count_key: str, component: str, what: str) -> list[SpecProblem]:
+def _fits_on_gpus(spec: Resolved, count_key: str, component: str, reason: str) -> list[SpecProblem]:
     got = spec.get(count_key, f"cluster.{component}.nodes", f"cluster.{component}.gpus_per_node")
     if got is None:
         return []
@@ -94,18 +94,36 @@ def _fits_on_gpus(spec: Resolved, count_key: str, component: str, what: str) -> 
         return []
     product = f"cluster.{component}.nodes * cluster.{component}.gpus_per_node = {nodes} * {gpus} = {nodes * gpus}"
     message = (
-        f"must be <= {product} ({what} each need a GPU); "
+        f"must be <= {product} ({reason}); "
         f"lower it or raise nodes / gpus_per_node in [cluster.{component}]"
     )
     return [SpecProblem(key=count_key, value=show_value(count), message=message)]
 
 
 def _trainer_processes_fit(spec: Resolved) -> list[SpecProblem]:
-    return _fits_on_gpus(spec, "train.num_processes", "trainer", "trainer processes")
+    return _fits_on_gpus(spec, "train.num_processes", "trainer", "trainer processes each need a GPU")
 
 
 def _rollout_engines_fit(spec: Resolved) -> list[SpecProblem]:
-    return _fits_on_gpus(spec, "rollout.num_engines", "rollout", "rollout engines")
+    got = spec.get("cluster.colocate")
+    if got is None:
+        return []
+    if got[0]:
+        # Colocated engines have no component of their own: they take turns with the trainer on its GPUs.
+        reason = "with cluster.colocate = true the rollout engines run on the trainer's GPUs, each needing one"
+        return _fits_on_gpus(spec, "rollout.num_engines", "trainer", reason)
+    return _fits_on_gpus(spec, "rollout.num_engines", "rollout", "rollout engines each need a GPU")
+
+
+def _shared_gpus_take_turns(spec: Resolved) -> list[SpecProblem]:
+    got = spec.get("cluster.colocate", "job.mode")
+    if got is None or not got[0] or got[1] == "colocate":
+        return []
+    message = (
+        f'needs job.mode = "colocate", not "{got[1]}": rollout engines that share the trainer\'s GPUs must '
+        'take turns with training; set mode = "colocate" in [job] or colocate = false'
+    )
+    return [SpecProblem(key="cluster.colocate", value="true", message=message)]
 
 
 def _cuda_needs_gpus(spec: Resolved) -> list[SpecProblem]:
@@ -185,6 +203,7 @@ CROSS_CHECKS: tuple[Callable[[Resolved], list[SpecProblem]], ...] = (
     _samples_split_into_mini_batches,
     _groups_have_two_samples,
     _trainer_processes_fit,
+    _shared_gpus_take_turns,
     _rollout_engines_fit,
     _cuda_needs_gpus,
     _grace_fits_time_limit,

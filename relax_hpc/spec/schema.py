@@ -249,6 +249,8 @@ class ClusterSpec:
     trainer: ComponentSpec = setting_from(ComponentSpec)
     rollout: ComponentSpec = setting_from(ComponentSpec)
     forward: ComponentSpec | None = setting(None)
+    # Rollout engines run on the trainer's nodes and GPUs ([cluster.rollout] unused); needs job.mode = "colocate".
+    colocate: bool = setting(False)
     # Slurm sends USR1 this long before the time limit; the driver checkpoints and the job requeues.
     signal_grace_s: int = setting(120, at_least(10))
     # How long the batch script waits for every node's Ray worker to join before failing the job.

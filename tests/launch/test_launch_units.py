@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import stat
 from pathlib import Path
 
 import pytest
 
+from relax_hpc.launch import incluster
 from relax_hpc.launch.container import container_prefix
 from relax_hpc.launch.incluster import ray_start_command, write_cluster_json
 from relax_hpc.launch.jobs import PreflightError, find_job, job_status, pin_paths, submit_spec
@@ -54,6 +56,18 @@ def test_ray_start_command_head_and_worker() -> None:
     worker = ray_start_command("ray", ray_ports(7, 1), "/tmp/relax-7-1", "10.0.0.2",
                                head_address="10.0.0.1:1", num_cpus=2, num_gpus=0, resources={"rollout": 1.0})
     assert "--address=10.0.0.1:1" in worker and "--head" not in worker
+
+
+def test_node_advertises_the_resources_of_colocated_components(monkeypatch: pytest.MonkeyPatch) -> None:
+    started: list[list[str]] = []
+    monkeypatch.setattr(incluster, "node_address", lambda node: "10.0.0.1")
+    monkeypatch.setattr(incluster, "_busy_ports", lambda ip, ports: [])
+    monkeypatch.setattr(incluster, "_run_until_stopped", lambda cmd, temp_dir: started.append(cmd) or 0)
+    args = ["node", "--job-id", "7", "--first-slot", "0", "--component", "trainer", "--resource", "4",
+            "--num-cpus", "16", "--num-gpus", "4", "--head"]
+    assert incluster.main(args) == 0 and incluster.main([*args, "--also-resource=rollout"]) == 0
+    assert '--resources={"trainer": 4.0}' in started[0]
+    assert '--resources={"rollout": 4.0, "trainer": 4.0}' in started[1]
 
 
 def test_cluster_json_is_owner_only(tmp_path: Path) -> None:
@@ -112,6 +126,15 @@ def test_preflight_accepts_a_fitting_spec_and_names_each_impossible_request() ->
     assert any("need 2 distinct nodes" in p for p in problems), problems
     missing = preflight_problems(spec, NODES[2:])
     assert missing[0].startswith("cluster.trainer.partition = 'gpu': no such partition; known: cpu")
+
+
+def test_preflight_of_a_colocated_spec_needs_no_rollout_nodes() -> None:
+    spec = load_spec(TINY)
+    assert any("need 2 distinct nodes" in p for p in preflight_problems(spec, NODES[2:]))
+    # cluster.rollout is not used when colocated: neither its partition nor a node of its own.
+    rollout = dataclasses.replace(spec.cluster.rollout, partition="nowhere")
+    colocated = dataclasses.replace(spec, cluster=dataclasses.replace(spec.cluster, colocate=True, rollout=rollout))
+    assert preflight_problems(colocated, NODES[2:]) == []
 
 
 def test_submit_writes_job_dir_and_refuses_before_sbatch(tmp_path: Path) -> None:

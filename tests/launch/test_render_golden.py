@@ -22,6 +22,7 @@ GOLDEN = Path(__file__).parent / "golden"
 SPECS = {
     "tiny_slurm": REPO / "jobspecs" / "tiny_slurm.toml",
     "gpu_1node": Path(__file__).parent / "specs" / "gpu_1node.toml",
+    "colocate_1node": Path(__file__).parent / "specs" / "colocate_1node.toml",
     "qwen3_omni": REPO / "jobspecs" / "qwen3_omni.toml",
 }
 
@@ -111,3 +112,25 @@ def test_extra_sbatch_lines_and_slots_of_multi_node_components() -> None:
     assert "TOTAL_NODES=5" in text
     assert 'start_ray ray-trainer 0 trainer 2 1 1 0 1 --exclude="$HEAD_NODE" "--address=$HEAD"' in text
     assert 'start_ray ray-rollout 1 rollout 2 3 1 0 1 - "--address=$HEAD"' in text
+
+
+def test_colocated_rollout_has_no_group_and_runs_on_the_trainer_nodes() -> None:
+    spec = load_spec(SPECS["colocate_1node"])
+    assert [(c.group, c.name, c.first_slot, c.also_hosts) for c in components(spec)] == [
+        (0, "trainer", 0, ("rollout",)), (1, "forward", 1, ())]
+    text = rendered("colocate_1node")
+    trainer, forward = _groups(text)
+    assert "--gpus-per-node=4" in trainer and "--cpus-per-task=4" in forward
+    assert "TOTAL_NODES=2" in text and "WRAP_rollout" not in text and "ray-rollout" not in text
+    assert 'start_ray ray-head 0 trainer 1 0 16 4 4 --nodelist="$HEAD_NODE" "--head --also-resource=rollout"' in text
+    assert 'start_ray ray-forward 1 forward 1 1 4 1 1 - "--address=$HEAD"' in text
+
+
+def test_colocated_multi_node_trainer_workers_advertise_rollout_too() -> None:
+    base = load_spec(SPECS["colocate_1node"])
+    trainer = dataclasses.replace(base.cluster.trainer, nodes=2)
+    spec = dataclasses.replace(base, cluster=dataclasses.replace(base.cluster, trainer=trainer, forward=None))
+    text = render_sbatch(spec, "/j", "/j/s.toml")
+    assert _groups(text)[1:] == []  # one group: the trainer
+    assert ('start_ray ray-trainer 0 trainer 1 1 16 4 4 --exclude="$HEAD_NODE" '
+            '"--address=$HEAD --also-resource=rollout"') in text

@@ -250,6 +250,26 @@ def test_rollout_engines_must_fit_on_rollout_gpus() -> None:
     assert "cluster.rollout.nodes * cluster.rollout.gpus_per_node = 1 * 2 = 2" in problem.message
 
 
+def test_colocated_engines_must_fit_on_trainer_gpus() -> None:
+    # Engines then share the trainer's 1 * 2 GPUs; cluster.rollout (4 GPUs) is not used.
+    changes = {"rollout": {"num_engines": 3}, "cluster": {"colocate": True, "trainer": {"gpus_per_node": 2},
+                                                          "rollout": {"gpus_per_node": 4}}}
+    problem = only_problem(changes)
+    assert problem.key == "rollout.num_engines"
+    assert "cluster.trainer.nodes * cluster.trainer.gpus_per_node = 1 * 2 = 2" in problem.message
+    assert "cluster.colocate = true" in problem.message and "[cluster.trainer]" in problem.message
+    fits = {"rollout": {"num_engines": 2}, "cluster": {"colocate": True, "trainer": {"gpus_per_node": 2}}}
+    assert parse_spec(spec_with(fits)).rollout.num_engines == 2
+
+
+def test_colocated_cluster_needs_colocate_mode() -> None:
+    problem = only_problem({"job": {"mode": "async"}, "cluster": {"colocate": True}})
+    assert problem.key == "cluster.colocate" and problem.value == "true"
+    assert 'needs job.mode = "colocate", not "async"' in problem.message
+    assert 'set mode = "colocate" in [job] or colocate = false' in problem.message
+    assert parse_spec(spec_with({"cluster": {"colocate": True}})).cluster.colocate
+
+
 def test_cuda_device_needs_trainer_gpus() -> None:
     problem = only_problem({"train": {"device": "cuda"}})
     assert problem.key == "train.device"
