@@ -85,6 +85,11 @@ def check_backends_available(spec: JobSpec) -> None:
     require_backend(spec.train.backend)
 
 
+def shares_devices(spec: JobSpec) -> bool:
+    """Engines and trainer ranks on the same devices, taking turns ([cluster] colocate)."""
+    return spec.job.mode == "colocate" and spec.cluster.colocate
+
+
 def role_configs(spec: JobSpec, job_dir: Path, device: str) -> tuple[RolloutConfig, ActorConfig]:
     r, a, t = spec.rollout, spec.algorithm, spec.train
     # One thread per role: these models are small, and oversubscribed intra-op threads slow
@@ -102,6 +107,7 @@ def role_configs(spec: JobSpec, job_dir: Path, device: str) -> tuple[RolloutConf
         normalize_std=a.normalize_std and normalizes_std(a.name),
         dynamic_sampling=r.dynamic_sampling, max_sampling_rounds=r.max_sampling_rounds,
         agentic=agentic_from_spec(r), advantages_role=spec.train.advantages_role,
+        release_between_steps=shares_devices(spec),
     )
     loss = LossConfig(
         name=a.name, clip_eps_low=a.clip_eps_low, clip_eps_high=a.clip_eps_high,
@@ -122,7 +128,7 @@ def role_configs(spec: JobSpec, job_dir: Path, device: str) -> tuple[RolloutConf
         archive_dir=str(archive_dir(job_dir)) if spec.metrics.trajectory_archive else None,
         role_fields=tuple(OUTPUT_FIELD[f.kind] for f in queue_role_configs(spec, device)
                           if isinstance(f, ForwardConfig)),
-        strategy=t.strategy, backend=t.backend,
+        strategy=t.strategy, backend=t.backend, offload_between_steps=shares_devices(spec),
     )
     return rollout, actor
 

@@ -36,6 +36,8 @@ class NativeEngine:
         self._paused = False
         self._released = False
         self._in_flight = 0
+        self._dropped: dict[str, tuple[torch.Size, torch.dtype]] = {}  # released on CPU: name -> shape
+        self._needs_weights = False  # True from a CPU release until new weights are installed
 
     @property
     def weight_version(self) -> int:
@@ -45,6 +47,7 @@ class NativeEngine:
         """Copy new weights in place (called between batches, never during `generate`)."""
         copy_into_module(self.model, named_tensors, "rollout")
         self._version = version
+        self._needs_weights = False
 
     def bind_weights(self, flat: FlatWeights, version: int) -> bool:
         """Run on `flat`'s tensors from now on, without a copy (between batches, like
@@ -52,6 +55,7 @@ class NativeEngine:
         if not bind_module(self.model, flat):
             return False
         self._version = version
+        self._needs_weights = False
         return True
 
     def pause(self) -> None:
@@ -66,23 +70,52 @@ class NativeEngine:
             self._gate.notify_all()
 
     def release_memory(self) -> int:
-        """Move the weights off the accelerator (to host memory) and free its cache; returns the
-        bytes freed there. On a CPU engine the weights already are in host memory: 0."""
+        """Free the weights' memory while the engine is not needed (a colocated training step);
+        returns the bytes freed on the engine's device.
+
+        On an accelerator the weights move to host memory and come back as they were. On CPU
+        they already are host memory, so their storage is dropped: `resume_memory` allocates it
+        again, and the next `update_weights` / `bind_weights` must fill it before `generate`
+        (a colocated step always installs new weights first)."""
         with self._gate:
-            if self._released or self.device.type == "cpu":
+            if self._released:
                 return 0
-            freed = sum(t.numel() * t.element_size() for t in [*self.model.parameters(), *self.model.buffers()])
-            self.model.to("cpu")
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
+            if self.device.type == "cpu":
+                freed = self._drop_weights()
+            else:
+                freed = _nbytes([*self.model.parameters(), *self.model.buffers()])
+                self.model.to("cpu")
+                if self.device.type == "cuda":
+                    torch.cuda.empty_cache()
             self._released = True
             return freed
 
     def resume_memory(self) -> None:
         with self._gate:
-            if self._released:
+            if not self._released:
+                return
+            if self.device.type == "cpu":
+                self._allocate_weights()
+            else:
                 self.model.to(self.device)
-                self._released = False
+            self._released = False
+
+    def _drop_weights(self) -> int:
+        """Empty every parameter (what a weight update carries), remembering shapes and dtypes."""
+        params = dict(self.model.named_parameters(remove_duplicate=False))  # tied: under each name
+        freed = _nbytes(list(params.values()))
+        for name, param in params.items():
+            self._dropped.setdefault(name, (param.shape, param.dtype))
+            param.data = torch.empty(0, dtype=param.dtype)
+        self._needs_weights = True
+        return freed
+
+    def _allocate_weights(self) -> None:
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        for name, (shape, dtype) in self._dropped.items():
+            if params[name].numel() == 0:  # a tied one got its storage under its first name
+                params[name].data = torch.empty(shape, dtype=dtype)
+        self._dropped = {}
 
     def generate(
         self, prompts: list[list[int]], params: SamplingParams, seed: int | None = None
@@ -91,6 +124,9 @@ class NativeEngine:
             self._gate.wait_for(lambda: not self._paused)
             if self._released:
                 raise RuntimeError("the engine released its memory; call resume_memory() before generate()")
+            if self._needs_weights:
+                raise RuntimeError("the engine dropped its weights when it released its memory on CPU; "
+                                   "install new weights (update_weights or bind_weights) before generate()")
             self._in_flight += 1
         try:
             return self._generate(prompts, params, seed)
@@ -182,3 +218,15 @@ class NativeEngine:
         window = max(16, 4 * max(len(s) for s in stop))
         tail = self.tokenizer.decode(token_ids[-window:], skip_special_tokens=False)
         return any(s in tail for s in stop)
+
+
+def _nbytes(tensors: list[torch.Tensor]) -> int:
+    """Bytes of `tensors`, each distinct one counted once (tied weights share theirs)."""
+    seen: set[int] = set()
+    total = 0
+    for t in tensors:
+        if t.numel() and t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+    return total
+

@@ -55,6 +55,8 @@ class ActorConfig:
     role_fields: tuple[str, ...] = ()  # fields the ActorFwd / Reference roles write: wait for them
     strategy: Strategy = TrainSpec.strategy  # [train] strategy: "fsdp2" shards the model over the ranks
     backend: str = TrainSpec.backend  # [train] backend: which make_backend builds
+    # [cluster] colocate: the optimizer state leaves the device between steps (engines use it)
+    offload_between_steps: bool = False
 
 
 def rendezvous_address() -> str:
@@ -116,6 +118,8 @@ class ActorWorker(WeightSenderEndpoint):
         self._gathered: list[tuple[str, torch.Tensor]] | None = None
         self._gather_weights()
         self.role_fields = cfg.role_fields
+        self.offload_between_steps = cfg.offload_between_steps
+        self._offloaded = False  # the optimizer state is off the device until the next rows arrive
         self.checkpoints = CheckpointManager(Path(cfg.checkpoint_dir), keep_last=cfg.keep_last)
         self._queue: TransferQueue | None = None
         self.archive: TrajectoryArchive | None = (
@@ -162,6 +166,8 @@ class ActorWorker(WeightSenderEndpoint):
                 waited[0] += time.perf_counter() - t0
                 if batch is None:
                     return
+                if batch.rows:  # the engines are done with the device
+                    self._onload()
                 if batch.rows:
                     received.extend(batch.indices)
                     rewards.extend(float(r["rewards"]) for r in batch.rows)
@@ -188,6 +194,9 @@ class ActorWorker(WeightSenderEndpoint):
         else:
             self._gathered = None  # the weights moved: no stale copy may be sent
         t_published = time.perf_counter()
+        if self.offload_between_steps:  # the engines generate the next step meanwhile
+            stats["offloaded_bytes"] = float(self.backend.offload())
+            self._offloaded = True
         settle_heap()  # once, after the first step: start-up is over
         return {**stats, "rows": float(len(received)), "reward_sum": float(sum(rewards)),
                 "queue_wait_s": waited[0], "train_s": t_trained - t_start, "sync_s": t_published - t_trained}
@@ -219,10 +228,17 @@ class ActorWorker(WeightSenderEndpoint):
     def compute_log_probs(self, samples: list[Sample]) -> list[list[float]]:
         return self.backend.compute_log_probs(samples)
 
+    def _onload(self) -> None:
+        if self._offloaded:
+            self.backend.onload()
+            self._offloaded = False
+
     def save_checkpoint(self, state: ResumeState) -> str:
+        self._onload()  # the checkpoint holds the optimizer state where training keeps it
         return str(self.backend.save_checkpoint(self.checkpoints, state))
 
     def load_checkpoint(self) -> ResumeState | None:
+        self._onload()
         state = self.backend.load_checkpoint(self.checkpoints)
         self._gather_weights()  # every rank loads, so every rank gathers: the restored weights
         return state

@@ -216,16 +216,18 @@ class RayRoles:
         self.timeout_s = timeout_s
         self._ticket: _RayTicket | None = None  # the last submitted training step
         self._total_steps = 0  # set by start_rollout: the trainer prefetches up to the last step
+        shared = rollout.release_between_steps  # engines and trainer ranks take turns on each GPU
         # N > 1 engines run in actors of their own (a GPU each on GPUs), behind rollout's router.
         self._engines = [
-            ray.remote(EngineHost).options(**self._placement("rollout"), **_gpus(rollout.device)).remote(
+            ray.remote(EngineHost).options(**self._placement("rollout"), **_gpus(rollout.device, shared)).remote(
                 rollout.engine, rollout.model_path, rollout.dtype, rollout.device, rollout.num_threads)
             for _ in range(rollout.num_engines if rollout.num_engines > 1 else 0)
         ]
         # max_concurrency: new weights and status calls must reach rollout while it produces.
         self._rollout = ray.remote(RolloutWorker).options(
             max_concurrency=4, **self._placement("rollout"),
-            **({} if self._engines else _gpus(rollout.device))).remote(rollout, engine_hosts=self._engines or None)
+            **({} if self._engines else _gpus(rollout.device, shared)),
+        ).remote(rollout, engine_hosts=self._engines or None)
         # Rank 0's node hosts the TCP store of the trainer's process group: a task on a trainer
         # node picks the address, and rank 0 is pinned to that node.
         placement = self._placement("trainer")
@@ -236,7 +238,8 @@ class RayRoles:
             node_id, master = ray.get(ray.remote(_node_and_rendezvous).options(**placement).remote())
             rank0 = {**placement, "scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=False)}
         self._actors = [
-            ray.remote(ActorWorker).options(**(rank0 if rank == 0 else placement), **_gpus(actor.device)).remote(
+            ray.remote(ActorWorker).options(**(rank0 if rank == 0 else placement),
+                                            **_gpus(actor.device, shared)).remote(
                 actor, rank, num_processes, master)
             for rank in range(num_processes)
         ]
@@ -349,9 +352,13 @@ class RayRoles:
             self._server.stop()
 
 
-def _gpus(device: str) -> dict[str, float]:
-    """One GPU for an actor whose role runs on CUDA (Ray then sets its CUDA_VISIBLE_DEVICES)."""
-    return {"num_gpus": 1} if device.startswith("cuda") else {}
+def _gpus(device: str, shared: bool = False) -> dict[str, float]:
+    """One GPU for an actor whose role runs on CUDA (Ray then sets its CUDA_VISIBLE_DEVICES);
+    half of one where engines and trainer ranks share devices ([cluster] colocate), so that
+    Ray puts an engine and a trainer rank on each GPU."""
+    if not device.startswith("cuda"):
+        return {}
+    return {"num_gpus": 0.5 if shared else 1}
 
 
 def _merge_rank_stats(per_rank: list[dict[str, float]]) -> dict[str, float]:

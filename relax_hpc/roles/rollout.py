@@ -61,6 +61,8 @@ class RolloutConfig:
     max_sampling_rounds: int = RolloutSpec.max_sampling_rounds
     agentic: AgenticConfig | None = None  # multi-turn env / custom generate / agent (docs/agents.md)
     advantages_role: bool = TrainSpec.advantages_role  # rows go out without `advantages`
+    # [cluster] colocate: engines release their memory from a step's end until the next weights
+    release_between_steps: bool = False
 
 
 def build_genrm_judge(reward: RewardSettings, dtype: str, device: str) -> tuple[Generator | None, Any]:
@@ -149,6 +151,7 @@ class RolloutWorker(WeightReceiverEndpoint):
         self._stop = threading.Event()
         self._error: str | None = None
         self._next_group = 0
+        self._released = False  # the engines gave their memory to the trainer
 
     def dataset_summary(self) -> str:
         return self.report.summary()
@@ -191,6 +194,9 @@ class RolloutWorker(WeightReceiverEndpoint):
         current = self.engine.weight_version
         if not self._inbox.wait_for(required, current, self._stop, self.cfg.weights_timeout_s, "rollout"):
             return False
+        if self._released:  # the trainer's step is over: its new weights are here
+            self.engine.resume_memory()
+            self._released = False
         self._inbox.install(self.engine.bind_weights, self.engine.update_weights)
         return True
 
@@ -219,6 +225,13 @@ class RolloutWorker(WeightReceiverEndpoint):
         if self.agentic is not None:
             self.agentic.close()
         self.engine.close()
+
+    def release_memory(self) -> int:
+        """Give the engines' memory (weights, cache, the weight buffers kept for them) to the
+        trainer until the next step's weights arrive; returns the bytes freed."""
+        freed = self.engine.release_memory() + self._inbox.release_buffers()
+        self._released = True
+        return freed
 
     def engine_report(self) -> list[dict[str, Any]]:
         """Per rollout engine: its id, the samples it produced, whether it still serves."""
@@ -256,6 +269,8 @@ class RolloutWorker(WeightReceiverEndpoint):
                     return
                 t_go = time.perf_counter()
                 samples, stats = self.generate(step)
+                if self.cfg.release_between_steps and step + 1 < total_steps:
+                    stats["rollout/released_bytes"] = float(self.release_memory())
                 # What rollout waited for before it could start: which side paces the loop.
                 stats["time/rollout_wait_staleness_s"] = t_weights - t_wait
                 stats["time/rollout_wait_weights_s"] = t_go - t_weights

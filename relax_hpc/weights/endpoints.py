@@ -240,6 +240,14 @@ class WeightInbox:
                 self._spare = released
         return version
 
+    def release_buffers(self) -> int:
+        """Drop the flat buffers kept for the engine (the one it ran on, and the spare) while
+        the engine has released its memory; returns the bytes of the spare (the engine counts
+        its own). A complete update not yet installed is kept; the next receive allocates anew."""
+        with self._changed:
+            spare, self._spare, self._bound = self._spare, None, None
+        return 0 if spare is None else spare.buffer.numel() * spare.buffer.element_size()
+
     def wait_for(self, version: int, current: int, stop: threading.Event, timeout_s: float, who: str) -> bool:
         """Block until the engine (at `current`) or a complete update holds at least `version`.
 

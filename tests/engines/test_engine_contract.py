@@ -51,12 +51,36 @@ def test_pause_holds_new_generations_until_resume(engine: RolloutEngine) -> None
 
 
 def test_release_and_resume_memory(engine: RolloutEngine) -> None:
-    assert engine.release_memory() == 0  # on CPU the weights already live in host memory
-    if isinstance(engine, ScriptedEngine):  # the contract's guard, which a CPU engine never needs
-        with pytest.raises(RuntimeError, match=r"call resume_memory\(\) before generate\(\)"):
-            engine.generate([[5]], SamplingParams(max_new_tokens=2))
+    # What the rollout role does around a colocated training step: release, resume, new weights.
+    weights = ([(n, t.detach().clone()) for n, t in engine.model.state_dict().items()]
+               if isinstance(engine, NativeEngine) else [])
+    before = engine.generate([[5]], SamplingParams(max_new_tokens=3), seed=11)
+    freed = engine.release_memory()
+    assert freed >= 0 and engine.release_memory() == 0  # a second release frees nothing more
+    with pytest.raises(RuntimeError, match=r"call resume_memory\(\) before generate\(\)"):
+        engine.generate([[5]], SamplingParams(max_new_tokens=2))
     engine.resume_memory()
-    assert len(engine.generate([[5]], SamplingParams(max_new_tokens=2))) == 1
+    engine.update_weights(weights, engine.weight_version)
+    after = engine.generate([[5]], SamplingParams(max_new_tokens=3), seed=11)
+    assert len(after) == 1
+    if isinstance(engine, NativeEngine):  # the same weights back: the same tokens
+        assert after[0].token_ids == before[0].token_ids
+
+
+def test_a_cpu_engine_frees_its_weights_and_refuses_to_generate_until_new_ones_arrive(
+    tiny_model_dir: Path,
+) -> None:
+    engine = NativeEngine(tiny_model_dir)
+    weights = [(n, t.detach().clone()) for n, t in engine.model.state_dict().items()]
+    param_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    assert engine.release_memory() == param_bytes
+    assert all(p.untyped_storage().nbytes() == 0 for p in engine.model.parameters())
+    engine.resume_memory()
+    assert all(p.numel() > 0 for p in engine.model.parameters())
+    with pytest.raises(RuntimeError, match=r"dropped its weights.*install new weights"):
+        engine.generate([[5]], SamplingParams(max_new_tokens=2))
+    engine.update_weights(weights, 1)
+    assert engine.generate([[5]], SamplingParams(max_new_tokens=2))[0].weight_version == 1
 
 
 def test_factory_builds_the_named_engine_and_names_what_is_allowed(tiny_model_dir: Path) -> None:

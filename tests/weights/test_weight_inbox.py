@@ -239,3 +239,17 @@ def test_a_failed_flat_receive_is_dropped_and_reported() -> None:
         inbox.wait_for(1, current=0, stop=stop, timeout_s=1.0, who="rollout")
     engine = Engine()
     assert inbox.install(engine.bind, engine.copy) is None and engine.bound is None
+
+
+def test_released_buffers_are_dropped_but_a_waiting_update_is_kept() -> None:
+    inbox, receiver, engine = WeightInbox(), FakeReceiver(), Engine()
+    _receive(inbox, receiver)
+    inbox.install(engine.bind, engine.copy)  # bound to buffer 1
+    _receive(inbox, receiver)
+    inbox.install(engine.bind, engine.copy)  # bound to buffer 2; buffer 1 is the spare
+    spare = receiver.filled[0].buffer.numel()  # bytes, alignment included
+    assert inbox.release_buffers() == spare > 0  # the spare only (the engine counts its own)
+    _receive(inbox, receiver)  # the next receive allocates anew: nothing kept to lend
+    assert receiver.given[-1] is None
+    assert inbox.release_buffers() == 0  # nothing spare; the complete update 3 stays
+    assert inbox.install(engine.bind, engine.copy) == 3
