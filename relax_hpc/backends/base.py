@@ -1,6 +1,7 @@
 """The training backend interface: what the trainer role drives, whatever trains the model.
 
-Implementations: `TorchBackend` (HF model, AdamW, ddp or fsdp2 over torch.distributed); a
+Implementations: `TorchBackend` (HF model, AdamW, ddp or fsdp2 over torch.distributed) and its
+in-memory twin `backends/memory.py: RecordingBackend` (records calls, for tests); a
 Megatron-core backend is to follow as one more module. `make_backend` builds the one
 `[train] backend` names, inside the trainer rank's own process.
 """

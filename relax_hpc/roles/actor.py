@@ -88,7 +88,10 @@ class ActorWorker(WeightSenderEndpoint):
     the placement code picks `rendezvous_address()` on a trainer node, pins rank 0 there and passes
     the address to every rank."""
 
-    def __init__(self, cfg: ActorConfig, rank: int = 0, world_size: int = 1, master: str = "") -> None:
+    def __init__(self, cfg: ActorConfig, rank: int = 0, world_size: int = 1, master: str = "",
+                 backend: TrainBackend | None = None) -> None:
+        """`backend`: the one to drive (tests: `backends.memory.RecordingBackend`); None builds
+        the one `[train] backend` names, here."""
         if cfg.num_threads > 0:
             torch.set_num_threads(cfg.num_threads)
         store: dist.TCPStore | None = None
@@ -109,7 +112,7 @@ class ActorWorker(WeightSenderEndpoint):
         torch.manual_seed(cfg.seed + rank)
         self.rank, self.world_size = rank, world_size
         self.cfg_micro_batch, self.mini_batches = cfg.optim.micro_batch_size, cfg.optim.mini_batches
-        self.backend: TrainBackend = make_backend(
+        self.backend: TrainBackend = backend or make_backend(
             cfg.backend, cfg.model_path, cfg.optim, cfg.loss, dtype=cfg.dtype, device=self.device,
             temperature=cfg.temperature, teacher_path=cfg.teacher_path, opd_coef=cfg.opd_coef,
             keep_reference="ref_log_probs" not in cfg.role_fields, strategy=cfg.strategy,
