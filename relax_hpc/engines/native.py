@@ -2,7 +2,9 @@
 
 It is the embedded default (CPU or one local GPU). Prompts are left-padded into one batch, the
 prompt is prefilled once, then one token per step is decoded against the cache. Finished rows
-keep decoding padding (their outputs are discarded) so the batch stays rectangular.
+keep decoding padding (their outputs are discarded) so the batch stays rectangular. Llama-family
+models (Qwen3, Qwen2, Llama) decode through `LeanDecoder` (engines/lean_decoder.py), others
+through the HF forward with a `DynamicCache`.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Iterable
 import torch
 
 from relax_hpc.engines.base import Generation, SamplingParams
+from relax_hpc.engines.lean_decoder import LeanDecoder
 from relax_hpc.engines.sampling import sample_next
 from relax_hpc.models.hf import load_causal_lm, load_tokenizer
 from relax_hpc.weights.flat import FlatWeights, bind_module, copy_into_module
@@ -23,9 +26,12 @@ class NativeEngine:
     """A `RolloutEngine` that runs the model in this process."""
 
     def __init__(
-        self, model_path: str | Path, dtype: str = "float32", device: str = "cpu"
+        self, model_path: str | Path, dtype: str = "float32", device: str = "cpu", lean: bool = True
     ) -> None:
+        """`lean`: decode with `LeanDecoder` where the architecture allows (the same arithmetic
+        without the HF forward's per-token overhead); False: always the HF forward."""
         self.model = load_causal_lm(model_path, dtype=dtype, device=device).eval()
+        self.lean = lean
         self.tokenizer = load_tokenizer(model_path)
         self.device = torch.device(device)
         pad = self.tokenizer.pad_token_id
@@ -176,20 +182,22 @@ class NativeEngine:
             attention[i, width - len(p):] = 1
         input_ids, attention = input_ids.to(self.device), attention.to(self.device)
         positions = (attention.cumsum(-1) - 1).clamp(min=0)
-        cache = DynamicCache()
-        out = self.model(
-            input_ids=input_ids, attention_mask=attention, position_ids=positions,
-            past_key_values=cache, use_cache=True,
-        )
+        lean = LeanDecoder(self.model) if self.lean and LeanDecoder.supports(self.model) else None
+        if lean is not None:
+            logits = lean.prefill(input_ids, attention, positions, params.max_new_tokens)
+        else:
+            out = self.model(
+                input_ids=input_ids, attention_mask=attention, position_ids=positions,
+                past_key_values=DynamicCache(), use_cache=True,
+            )
+            logits = out.logits[:, -1, :]
         tokens: list[list[int]] = [[] for _ in range(batch)]
         logprobs: list[list[float]] = [[] for _ in range(batch)]
         finish = ["length"] * batch
         done = torch.zeros(batch, dtype=torch.bool)
         next_pos = positions[:, -1:] + 1
         for _ in range(params.max_new_tokens):
-            new, new_lp = sample_next(
-                out.logits[:, -1, :], params.temperature, params.top_k, params.top_p, generator
-            )
+            new, new_lp = sample_next(logits, params.temperature, params.top_k, params.top_p, generator)
             new_cpu, lp_cpu = new.cpu().tolist(), new_lp.cpu().tolist()
             for i in range(batch):
                 if done[i]:
@@ -201,11 +209,15 @@ class NativeEngine:
                     finish[i] = "stop"
             if bool(done.all()):
                 break
-            attention = torch.cat([attention, torch.ones((batch, 1), dtype=torch.long, device=self.device)], 1)
-            out = self.model(
-                input_ids=new.unsqueeze(-1), attention_mask=attention, position_ids=next_pos,
-                past_key_values=out.past_key_values, use_cache=True,
-            )
+            if lean is not None:
+                logits = lean.step(new, next_pos)
+            else:
+                attention = torch.cat([attention, torch.ones((batch, 1), dtype=torch.long, device=self.device)], 1)
+                out = self.model(
+                    input_ids=new.unsqueeze(-1), attention_mask=attention, position_ids=next_pos,
+                    past_key_values=out.past_key_values, use_cache=True,
+                )
+                logits = out.logits[:, -1, :]
             next_pos = next_pos + 1
         return tokens, logprobs, finish
 

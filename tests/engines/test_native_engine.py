@@ -12,6 +12,7 @@ from relax_hpc.algos import LossConfig
 from relax_hpc.backends.torch_backend import OptimConfig, TorchBackend
 from relax_hpc.data.sample import Sample
 from relax_hpc.engines.base import Generation, SamplingParams
+from relax_hpc.engines.lean_decoder import LeanDecoder
 from relax_hpc.engines.native import NativeEngine
 
 # Prompts of 1, 4, 6 and 23 tokens: the batch is left-padded up to 23.
@@ -203,3 +204,21 @@ def test_long_stop_string(engine: NativeEngine, prompts: list[list[int]]) -> Non
     gens = engine.generate(prompts, SamplingParams(max_new_tokens=40, stop=(stop,)), seed=6)
     assert gens[row].finish_reason == "stop"
     assert gens[row].token_ids == free[row].token_ids[:25]
+
+
+def test_the_lean_decoder_samples_what_the_hf_forward_samples(
+    tiny_model_dir: Path, prompts: list[list[int]]
+) -> None:
+    lean, hf = NativeEngine(tiny_model_dir), NativeEngine(tiny_model_dir, lean=False)
+    assert LeanDecoder.supports(lean.model)  # the tiny Qwen3 takes the lean path
+    params = SamplingParams(max_new_tokens=24, temperature=1.0, stop_token_ids=())
+    got, want = lean.generate(prompts, params, seed=5), hf.generate(prompts, params, seed=5)
+    assert [g.token_ids for g in got] == [g.token_ids for g in want]
+    assert _max_logprob_diff(got, [g.logprobs for g in want]) < LOGPROB_TOL
+
+
+def test_a_model_outside_the_llama_family_takes_the_hf_forward(tiny_model_dir: Path) -> None:
+    engine = NativeEngine(tiny_model_dir)
+    engine.model.config.model_type = "gpt2"  # what the lean decoder does not know
+    assert not LeanDecoder.supports(engine.model)
+    assert len(engine.generate([[5, 6]], SamplingParams(max_new_tokens=3), seed=1)[0].token_ids) >= 1
