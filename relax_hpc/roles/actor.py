@@ -107,8 +107,8 @@ class ActorWorker(WeightSenderEndpoint):
         if self.device.startswith("cuda"):
             torch.cuda.set_device(self.device)  # NCCL and the weight channel use the current device
         if store is not None:
-            backend = "nccl" if self.device.startswith("cuda") else "gloo"
-            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
+            group_backend = "nccl" if self.device.startswith("cuda") else "gloo"
+            dist.init_process_group(group_backend, store=store, rank=rank, world_size=world_size)
         torch.manual_seed(cfg.seed + rank)
         self.rank, self.world_size = rank, world_size
         self.cfg_micro_batch, self.mini_batches = cfg.optim.micro_batch_size, cfg.optim.mini_batches
