@@ -9,6 +9,13 @@ The text comes from the readable template ``relax_hpc/launch/templates/hetjob.sb
 placeholders are filled in here and nothing else is generated, so someone who knows sbatch
 but not Python can read (and change) what every job runs. Same spec, same text: the golden
 files in tests/launch/golden/ pin it.
+
+Nothing from the spec becomes shell. The spec checks (relax_hpc/spec/text_checks.py) already
+refuse every string that could break out of its place; as a second line of defence every
+value is checked again here: a control character anywhere (a newline would end an #SBATCH
+comment and start a shell line) is a ValueError, a word of an #SBATCH line is quoted the way
+sbatch's parser reads quotes when it holds a space, quote, backslash or "#" (so it stays one
+word), and shell words are shlex-quoted (container.py quotes its own).
 """
 
 from __future__ import annotations
@@ -22,11 +29,15 @@ from pathlib import Path
 
 from relax_hpc.launch.container import render_wrapper
 from relax_hpc.spec import ComponentSpec, JobSpec
+from relax_hpc.spec.text_checks import control_character
 
 __all__ = ["Component", "components", "read_template", "render_sbatch", "sbatch_headers"]
 
 _PLACEHOLDER = re.compile(r"\{\{([a-z_]+)\}\}")
 TEMPLATE = "hetjob.sbatch.in"
+# What sbatch's #SBATCH parser treats specially (src/sbatch/opt.c, get_argument): whitespace
+# ends a word, quotes group, a backslash escapes the next character, "#" starts a comment.
+_SBATCH_SPECIAL = re.compile(r"[\s\"'\\#]")
 
 
 def read_template() -> tuple[str, str]:
@@ -73,8 +84,35 @@ def components(spec: JobSpec) -> list[Component]:
     return out
 
 
+def _plain(text: str, what: str) -> str:
+    """``text`` unchanged; ValueError when it holds a control character.
+
+    Spec values never do (the spec checks refuse them); the job directory may also come from
+    the command line or the working directory.
+    """
+    found = control_character(text)
+    if found is not None:
+        raise ValueError(f"{what} = {text!r}: contains a control character ({found}), which would break "
+                         "the batch script; remove it")
+    return text
+
+
+def _sbatch_word(word: str, what: str) -> str:
+    """One word of an #SBATCH line, quoted for sbatch's parser when it has to be."""
+    if _SBATCH_SPECIAL.search(_plain(word, what)) is None:
+        return word
+    return '"' + word.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _count(value: int, what: str) -> str:
+    # Numbers come from int fields; anything else reaching here is a bug, not text to write.
+    if type(value) is not int:
+        raise ValueError(f"{what} = {value!r}: expected an integer")
+    return str(value)
+
+
 def _option(name: str, value: object) -> str:
-    return f"#SBATCH --{name}={value}"
+    return "#SBATCH " + _sbatch_word(f"--{name}={value}", f"#SBATCH --{name}")
 
 
 def sbatch_headers(spec: JobSpec, job_dir: str) -> list[str]:
@@ -84,7 +122,7 @@ def sbatch_headers(spec: JobSpec, job_dir: str) -> list[str]:
         # Only the first lines of an attempt land here; the script logs to logs/restart-N/.
         _option("output", f"{job_dir}/logs/slurm-%j.out"),
         _option("open-mode", "append"),
-        f"#SBATCH --signal=B:USR1@{spec.cluster.signal_grace_s}",
+        _option("signal", f"B:USR1@{_count(spec.cluster.signal_grace_s, 'cluster.signal_grace_s')}"),
         "#SBATCH --requeue" if spec.cluster.requeue else "#SBATCH --no-requeue",
     ]
     groups = components(spec)
@@ -92,7 +130,7 @@ def sbatch_headers(spec: JobSpec, job_dir: str) -> list[str]:
         c = component.spec
         if component.group > 0:
             lines.append("#SBATCH hetjob")
-        lines.append(f"# group {component.group}: {component.name}, {c.nodes} node(s)")
+        lines.append(f"# group {component.group}: {component.name}, {_count(c.nodes, 'nodes')} node(s)")
         lines += [_option("nodes", c.nodes), _option("ntasks-per-node", 1),
                   _option("cpus-per-task", c.cpus_per_node), _option("time", c.time)]
         if c.gpus_per_node > 0:
@@ -100,7 +138,8 @@ def sbatch_headers(spec: JobSpec, job_dir: str) -> list[str]:
         optional = [("mem", c.memory), ("partition", c.partition), ("account", c.account),
                     ("qos", c.qos), ("constraint", c.constraint)]
         lines += [_option(name, value) for name, value in optional if value is not None]
-        lines += [f"#SBATCH {extra}" for extra in c.extra_sbatch]
+        extra_key = f"cluster.{component.name}.extra_sbatch"
+        lines += ["#SBATCH " + _sbatch_word(extra, extra_key) for extra in c.extra_sbatch]
     return lines
 
 
@@ -109,7 +148,8 @@ def _start_ray_lines(spec: JobSpec) -> list[str]:
     for component in components(spec):
         c = component.spec
         resource = c.gpus_per_node if c.gpus_per_node > 0 else 1
-        common = f"{c.cpus_per_node} {c.gpus_per_node} {resource}"
+        counts = (c.cpus_per_node, c.gpus_per_node, resource)
+        common = " ".join(_count(n, f"cluster.{component.name}") for n in counts)
         name, group, slot = component.name, component.group, component.first_slot
         # start_ray passes its last argument on unquoted, so extra flags of `incluster node` ride along.
         also = "".join(f" --also-resource={other}" for other in component.also_hosts)
@@ -136,12 +176,12 @@ def render_sbatch(spec: JobSpec, job_dir: str, spec_file: str) -> str:
     groups = components(spec)
     python = "python3" if spec.container.image is not None else '"${RELAX_HPC_PYTHON:-python3}"'
     values = {
-        "job_name": spec.job.name,
+        "job_name": _plain(spec.job.name, "job.name"),  # in a comment line
         "sbatch_headers": "\n".join(sbatch_headers(spec, job_dir)),
-        "job_dir": shlex.quote(job_dir),
-        "spec_file": shlex.quote(spec_file),
-        "total_nodes": str(sum(g.spec.nodes for g in groups)),
-        "ray_join_timeout_s": str(spec.cluster.ray_join_timeout_s),
+        "job_dir": shlex.quote(_plain(job_dir, "the job directory")),
+        "spec_file": shlex.quote(_plain(spec_file, "the spec file")),
+        "total_nodes": _count(sum(g.spec.nodes for g in groups), "the total of cluster.*.nodes"),
+        "ray_join_timeout_s": _count(spec.cluster.ray_join_timeout_s, "cluster.ray_join_timeout_s"),
         "requeue": "1" if spec.cluster.requeue else "0",
         "python": python,
         "wrappers": "\n".join(render_wrapper(g.name, spec.container, g.spec.gpus_per_node) for g in groups),

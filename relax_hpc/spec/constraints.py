@@ -1,13 +1,14 @@
-"""Single-value checks attached to schema fields (ranges, name patterns, Slurm formats).
+"""Single-value checks attached to schema fields (ranges and their bounds, Slurm formats).
 
 A check is a callable that receives a value of the field's declared type (the type itself
-is checked first by the loader) and returns None when the value is fine, or a message that
-finishes the sentence "<key> = <value>: ..." and says what is allowed.
+is checked first by the loader, which also refuses inf and nan for every float) and returns
+None when the value is fine, or a message that finishes the sentence "<key> = <value>: ..."
+and says what is allowed. Checks of strings that reach the batch script or a command line
+live in relax_hpc/spec/text_checks.py.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -15,18 +16,27 @@ from typing import Any
 from relax_hpc.spec.slurm_values import SLURM_TIME_FORMATS, is_slurm_memory, slurm_time_to_seconds
 
 __all__ = [
+    "MAX_COUNT",
+    "MAX_CPUS_PER_NODE",
     "MAX_GPUS_PER_NODE",
+    "MAX_LOCAL_WORKERS",
+    "MAX_MEMORY_MB",
+    "MAX_NODES",
+    "MAX_RETRIES",
+    "MAX_SEED",
+    "MAX_SIGNAL_GRACE_S",
+    "MAX_STEPS",
+    "MAX_TIMEOUT_S",
+    "MAX_TIME_LIMIT_DAYS",
+    "MAX_TOKENS",
     "Check",
     "Range",
     "at_least",
     "at_most_gpus_per_node",
     "each",
-    "env_assignments",
     "exact_length",
     "greater_than",
-    "job_name",
     "non_empty",
-    "non_empty_items",
     "reward_function",
     "slurm_memory",
     "slurm_time",
@@ -35,14 +45,31 @@ __all__ = [
 
 Check = Callable[[Any], "str | None"]
 
+# Upper bounds of counts. Generous on purpose: they exist so that a typo (or a hostile spec)
+# such as steps = 2**63 - 1 is refused with the key named instead of failing somewhere deep
+# in a run; docs/spec.md lists them with their keys.
 # The densest nodes in service carry 8 GPUs, a few 16; a larger number is a typo.
 MAX_GPUS_PER_NODE = 16
-
-_JOB_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+MAX_NODES = 100_000  # nodes of one component; the largest machines have ~10^4
+MAX_CPUS_PER_NODE = 10_000
+MAX_STEPS = 10_000_000  # training steps, checkpoint intervals, staleness
+MAX_COUNT = 1_000_000  # prompts, samples, batches, rounds, turns, engines, processes, concurrency
+MAX_TOKENS = 10_000_000  # token budgets and top_k
+MAX_LOCAL_WORKERS = 4_096  # process pools on one machine
+MAX_RETRIES = 100
+MAX_MEMORY_MB = 1_000_000_000  # a petabyte
+MAX_TIMEOUT_S = 1_000_000  # ~11.6 days
+# Slurm's --signal takes at most 65535 seconds (man sbatch).
+MAX_SIGNAL_GRACE_S = 65_535
+# numpy and torch seeds are 32/64-bit; the rollout derives per-step seeds from this one.
+MAX_SEED = 2**32 - 1
+# A Slurm time limit longer than a year is a typo (Slurm itself counts minutes in 32 bits).
+MAX_TIME_LIMIT_DAYS = 365
 
 
 def _number(value: float) -> str:
-    return f"{value:g}"
+    # Integer bounds print in full (10000000, not 1e+07): the reader compares digits.
+    return str(value) if isinstance(value, int) else f"{value:g}"
 
 
 @dataclass(frozen=True)
@@ -121,14 +148,6 @@ def non_empty(value: str) -> str | None:
     return "must not be empty" if not value.strip() else None
 
 
-def job_name(value: str) -> str | None:
-    # "." and ".." match the character set but would make the job directory runs/. or
-    # runs/.., i.e. an existing directory shared with other jobs.
-    if _JOB_NAME.match(value) is None or set(value) == {"."}:
-        return "must be 1..64 characters from A-Z a-z 0-9 _ . - (and not only dots)"
-    return None
-
-
 def reward_function(value: str) -> str | None:
     if value.isidentifier():
         return None
@@ -141,31 +160,14 @@ def reward_function(value: str) -> str | None:
 def slurm_memory(value: str) -> str | None:
     if is_slurm_memory(value):
         return None
-    return 'must be a Slurm memory size: digits with an optional unit K, M, G or T, e.g. "64G"'
+    return 'must be a Slurm memory size: 1..12 digits with an optional unit K, M, G or T, e.g. "64G"'
 
 
 def slurm_time(value: str) -> str | None:
     try:
-        slurm_time_to_seconds(value)
+        seconds = slurm_time_to_seconds(value)
     except ValueError as error:
         return f"is not a Slurm time limit ({error}); forms: {SLURM_TIME_FORMATS}"
-    return None
-
-
-_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-
-
-def env_assignments(values: Sequence[str]) -> str | None:
-    """Every element is ``NAME=VALUE`` with a shell-safe variable name."""
-    for index, item in enumerate(values):
-        name, equals, _ = item.partition("=")
-        if not equals or _ENV_NAME.match(name) is None:
-            return f'element {index} ({item!r}) must be "NAME=VALUE" with NAME from A-Z a-z 0-9 _ (not starting with a digit)'
-    return None
-
-
-def non_empty_items(values: Sequence[str]) -> str | None:
-    for index, item in enumerate(values):
-        if not item.strip():
-            return f"element {index} must not be empty"
+    if seconds > MAX_TIME_LIMIT_DAYS * 86_400:
+        return f"is longer than {MAX_TIME_LIMIT_DAYS} days; check the value (forms: {SLURM_TIME_FORMATS})"
     return None

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
+import math
 import re
 import sys
 import types
@@ -34,7 +36,14 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised only on Python 3.10
     import tomli as tomllib
 
-__all__ = ["load_spec", "parse_spec"]
+__all__ = ["MAX_NESTING", "MAX_SPEC_BYTES", "load_spec", "parse_spec"]
+
+# A job spec is a few kilobytes; a file larger than this is the wrong file (or /dev/zero), and
+# is refused before more of it is read.
+MAX_SPEC_BYTES = 1024 * 1024
+# Arrays and tables inside each other; the schema's deepest key (cluster.trainer.extra_sbatch)
+# is 3 levels down. tomllib recurses per level and fails with RecursionError a few hundred down.
+MAX_NESTING = 16
 
 
 class _Invalid:
@@ -189,7 +198,11 @@ class _Walker:
         if hint is float:
             # Integers are fine where a float is expected (lr = 1 is 1.0); booleans are not.
             if isinstance(raw, (int, float)) and not isinstance(raw, bool):
-                return float(raw)
+                number = _finite(raw)
+                if number is None:
+                    return self.problem(key, raw, "must be a finite number (not inf or nan, "
+                                                  "and within about ±1.8e308)")
+                return number
             return self.problem(key, raw, f"expected a number, got {_toml_type(raw)}")
         if hint is str:
             if isinstance(raw, str):
@@ -198,9 +211,20 @@ class _Walker:
         raise TypeError(f"schema field {key} has unsupported type {hint!r}; see relax_hpc/spec/schema.py")
 
 
-def _owning_tables(name: str) -> list[str]:
-    """Tables of the schema that have a key called ``name`` (for misplaced keys)."""
-    found: list[str] = []
+def _finite(value: float) -> float | None:
+    """``value`` as a float, or None when it is inf, nan or an integer too large for a float."""
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
+
+
+@functools.cache
+def _tables_by_key() -> dict[str, tuple[str, ...]]:
+    """{key name: the tables of the schema that have it}, built once (get_type_hints is slow,
+    and a spec with thousands of unknown keys asks once per key)."""
+    found: dict[str, list[str]] = {}
 
     def visit(cls: type, prefix: str) -> None:
         hints = get_type_hints(cls)
@@ -209,11 +233,16 @@ def _owning_tables(name: str) -> list[str]:
             sub = _table_class(hints[spec_field.name])
             if sub is not None:
                 visit(sub, key)
-            elif spec_field.name == name and prefix:
-                found.append(prefix)
+            elif prefix:
+                found.setdefault(spec_field.name, []).append(prefix)
 
     visit(JobSpec, "")
-    return found
+    return {name: tuple(tables) for name, tables in found.items()}
+
+
+def _owning_tables(name: str) -> tuple[str, ...]:
+    """Tables of the schema that have a key called ``name`` (for misplaced keys)."""
+    return _tables_by_key().get(name, ())
 
 
 def _syntax_problem(error: tomllib.TOMLDecodeError) -> SpecProblem:
@@ -225,15 +254,65 @@ def _syntax_problem(error: tomllib.TOMLDecodeError) -> SpecProblem:
     return SpecProblem(key="", value=None, message=message, line=int(position.group(1)))
 
 
+def _file_problem(message: str, source: str) -> SpecError:
+    """The error for a problem of the whole file (no key, no line)."""
+    return SpecError([SpecProblem(key="", value=None, message=message)], source)
+
+
+def _too_large(source: str) -> SpecError:
+    message = (f"is larger than {MAX_SPEC_BYTES // (1024 * 1024)} MiB; a job spec is a few kilobytes: "
+               "check that this is the spec file")
+    return _file_problem(message, source)
+
+
+def _too_deep(source: str) -> SpecError:
+    message = (f"is nested too deeply: arrays and tables may be nested at most {MAX_NESTING} levels "
+               "(a job spec needs 3)")
+    return _file_problem(message, source)
+
+
+def _nesting(value: object) -> int:
+    """How many arrays and tables are nested in ``value`` at the deepest point (no recursion)."""
+    deepest, stack = 0, [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children: list[object] = list(item.values())
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        deepest = max(deepest, depth + 1)
+        stack.extend((child, depth + 1) for child in children)
+    return deepest
+
+
+def _parse_toml(text: str, source: str) -> dict[str, Any]:
+    """tomllib.loads, with every way it can fail turned into a one-line SpecError."""
+    if len(text) > MAX_SPEC_BYTES or len(text.encode("utf-8", "surrogatepass")) > MAX_SPEC_BYTES:
+        raise _too_large(source)
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as error:
+        raise SpecError([_syntax_problem(error)], source) from None
+    except RecursionError:
+        raise _too_deep(source) from None
+    except ValueError as error:
+        # Python refuses to read integers of more than 4300 digits (sys.get_int_max_str_digits()).
+        reason = "an integer has too many digits" if "integer string conversion" in str(error) else str(error)
+        raise _file_problem(f"invalid TOML: {reason}", source) from None
+    # The root table counts as level 1.
+    if _nesting(raw) > MAX_NESTING + 1:
+        raise _too_deep(source)
+    return raw
+
+
 def parse_spec(text: str, source: str = "<string>") -> JobSpec:
     """Validate spec text; the JobSpec, or SpecError listing every problem.
 
     ``source`` names the text in the report (normally the file path).
     """
-    try:
-        raw = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as error:
-        raise SpecError([_syntax_problem(error)], source) from None
+    raw = _parse_toml(text, source)
     lines = LineIndex(text)
     walker = _Walker(lines)
     spec = walker.table(JobSpec, raw, "")
@@ -249,21 +328,36 @@ def parse_spec(text: str, source: str = "<string>") -> JobSpec:
     return spec
 
 
+def _read_capped(path: str | Path) -> bytes:
+    """The file's bytes, reading at most MAX_SPEC_BYTES + 1 of them (enough to tell it is too large)."""
+    chunks, left = [], MAX_SPEC_BYTES + 1
+    with open(path, "rb") as handle:
+        while left > 0:
+            chunk = handle.read(left)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+    return b"".join(chunks)
+
+
 def load_spec(path: str | Path) -> JobSpec:
     """Read and validate a TOML job spec file; SpecError names the path on any problem."""
     source = str(path)
     try:
-        text = Path(path).read_bytes().decode("utf-8")
+        data = _read_capped(path)
     except FileNotFoundError:
         message = "no such file; pass the path of a TOML job spec (see jobspecs/ for examples)"
-        raise SpecError([SpecProblem(key="", value=None, message=message)], source) from None
+        raise _file_problem(message, source) from None
     except IsADirectoryError:
-        message = "is a directory; pass the path of a TOML job spec file"
-        raise SpecError([SpecProblem(key="", value=None, message=message)], source) from None
+        raise _file_problem("is a directory; pass the path of a TOML job spec file", source) from None
     except OSError as error:
-        message = f"cannot read the file: {error.strerror or error}"
-        raise SpecError([SpecProblem(key="", value=None, message=message)], source) from None
+        raise _file_problem(f"cannot read the file: {error.strerror or error}", source) from None
+    if len(data) > MAX_SPEC_BYTES:
+        raise _too_large(source)
+    try:
+        text = data.decode("utf-8")
     except UnicodeDecodeError as error:
         message = f"not UTF-8 text (byte {error.start}); TOML files must be UTF-8"
-        raise SpecError([SpecProblem(key="", value=None, message=message)], source) from None
+        raise _file_problem(message, source) from None
     return parse_spec(text, source)

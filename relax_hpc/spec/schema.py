@@ -14,20 +14,40 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 
 from relax_hpc.spec.constraints import (
+    MAX_COUNT,
+    MAX_CPUS_PER_NODE,
+    MAX_LOCAL_WORKERS,
+    MAX_MEMORY_MB,
+    MAX_NODES,
+    MAX_RETRIES,
+    MAX_SEED,
+    MAX_SIGNAL_GRACE_S,
+    MAX_STEPS,
+    MAX_TIMEOUT_S,
+    MAX_TOKENS,
     Check,
     at_least,
     at_most_gpus_per_node,
     each,
-    env_assignments,
     exact_length,
     greater_than,
-    job_name,
     non_empty,
-    non_empty_items,
     reward_function,
     slurm_memory,
     slurm_time,
     within,
+)
+from relax_hpc.spec.text_checks import (
+    bind_mounts,
+    container_image,
+    env_assignments,
+    items,
+    job_name,
+    plain_text,
+    sbatch_options,
+    slurm_constraint,
+    slurm_name,
+    slurm_names,
 )
 
 __all__ = [
@@ -83,8 +103,9 @@ class JobInfoSpec:
     """[job]: identity of the run and how its roles share hardware."""
 
     name: str = required(job_name)
-    output_dir: str | None = setting(None, non_empty)  # None: runs/<name>, see JobSpec.job_dir()
-    seed: int = setting(1, at_least(0))
+    # None: runs/<name>, see JobSpec.job_dir(); written into the #SBATCH --output line.
+    output_dir: str | None = setting(None, non_empty, plain_text)
+    seed: int = setting(1, within(0, MAX_SEED))
     mode: Literal["colocate", "async"] = setting("colocate")
 
 
@@ -92,7 +113,7 @@ class JobInfoSpec:
 class ModelSpec:
     """[model]: the policy model (a Hugging Face model directory)."""
 
-    path: str = required(non_empty)
+    path: str = required(non_empty, plain_text)
     build_tiny_if_missing: bool = setting(False)
     dtype: Literal["float32", "bfloat16", "float16"] = setting("float32")
 
@@ -101,18 +122,18 @@ class ModelSpec:
 class DataSpec:
     """[data]: the prompt dataset (JSON lines or Parquet); keys may be dotted ("a.b")."""
 
-    path: str = required(non_empty)
-    prompt_key: str = setting("prompt", non_empty)
-    label_key: str = setting("label", non_empty)
-    metadata_keys: list[str] = setting_from(list)  # empty: every other top-level column
+    path: str = required(non_empty, plain_text)
+    prompt_key: str = setting("prompt", non_empty, plain_text)
+    label_key: str = setting("label", non_empty, plain_text)
+    metadata_keys: list[str] = setting_from(list, items(plain_text))  # empty: every other top-level column
     prompt_template: str | None = setting(None, non_empty)  # "{question}\n{choices}": row fields
     apply_chat_template: bool = setting(False)  # wrap string prompts as a user message
     system_prompt: str | None = setting(None, non_empty)
-    image_key: str | None = setting(None, non_empty)
-    audio_key: str | None = setting(None, non_empty)
-    video_key: str | None = setting(None, non_empty)
+    image_key: str | None = setting(None, non_empty, plain_text)
+    audio_key: str | None = setting(None, non_empty, plain_text)
+    video_key: str | None = setting(None, non_empty, plain_text)
     shuffle: bool = setting(True)
-    max_prompt_tokens: int = setting(512, at_least(1))
+    max_prompt_tokens: int = setting(512, within(1, MAX_TOKENS))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -120,28 +141,28 @@ class RolloutSpec:
     """[rollout]: generation of responses."""
 
     engine: Literal["native", "sglang"] = setting("native")
-    prompts_per_step: int = setting(16, at_least(1))
-    n_samples_per_prompt: int = setting(8, at_least(1))
-    max_new_tokens: int = setting(64, at_least(1))
+    prompts_per_step: int = setting(16, within(1, MAX_COUNT))
+    n_samples_per_prompt: int = setting(8, within(1, MAX_COUNT))
+    max_new_tokens: int = setting(64, within(1, MAX_TOKENS))
     temperature: float = setting(1.0, greater_than(0))
     top_p: float = setting(1.0, within(0, 1, low_open=True))
-    top_k: int = setting(0, at_least(0))  # 0 disables top-k
+    top_k: int = setting(0, within(0, MAX_TOKENS))  # 0 disables top-k
     stop: list[str] = setting_from(list)  # stop strings; EOS always stops
-    num_engines: int = setting(1, at_least(1))
+    num_engines: int = setting(1, within(1, MAX_COUNT))
     dynamic_sampling: bool = setting(False)  # DAPO: drop all-equal-reward groups, over-sample
-    max_sampling_rounds: int = setting(4, at_least(1))  # generation rounds per step to fill it
+    max_sampling_rounds: int = setting(4, within(1, MAX_COUNT))  # generation rounds per step to fill it
     # Agentic rollouts (docs/agents.md): a multi-turn environment, a custom generate function,
     # or an agent workflow behind the OpenAI-compatible proxy ("package.module:Name" paths).
-    env: str | None = setting(None, non_empty)
-    generate: str | None = setting(None, non_empty)
-    max_turns: int = setting(4, at_least(1))  # model turns per episode
-    max_total_tokens: int = setting(256, at_least(1))  # response budget: model + observation tokens
-    agent: str | None = setting(None, non_empty)
+    env: str | None = setting(None, non_empty, plain_text)
+    generate: str | None = setting(None, non_empty, plain_text)
+    max_turns: int = setting(4, within(1, MAX_COUNT))  # model turns per episode
+    max_total_tokens: int = setting(256, within(1, MAX_TOKENS))  # response budget: model + observation tokens
+    agent: str | None = setting(None, non_empty, plain_text)
     agent_mode: Literal["inline", "subproc"] = setting("inline")
     agent_turn_discount: float = setting(1.0, within(0, 1))
     agent_export_style: Literal["individual", "concat"] = setting("individual")
-    agent_subproc_max_workers: int = setting(4, at_least(1))
-    agent_session_timeout_s: float = setting(600.0, greater_than(0))
+    agent_subproc_max_workers: int = setting(4, within(1, MAX_LOCAL_WORKERS))
+    agent_session_timeout_s: float = setting(600.0, within(0, MAX_TIMEOUT_S, low_open=True))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -156,12 +177,12 @@ class AlgorithmSpec:
     kl_estimator: Literal["k1", "k2", "k3", "low_var_kl"] = setting("low_var_kl")
     loss_agg: Literal["seq_mean_token_mean", "token_mean"] = setting("seq_mean_token_mean")
     entropy_coef: float = setting(0.0, at_least(0))
-    max_staleness: int = setting(0, at_least(0))
+    max_staleness: int = setting(0, within(0, MAX_STEPS))
     dual_clip_c: float | None = setting(None, greater_than(1))  # cap the loss at -c*A for A < 0
     tis_cap: float | None = setting(None, greater_than(0))  # truncated importance sampling cap
     sapo_tau_pos: float = setting(1.0, greater_than(0))
     sapo_tau_neg: float = setting(1.05, greater_than(0))
-    opd_teacher_path: str | None = setting(None, non_empty)  # HF dir of the teacher (name = "opd")
+    opd_teacher_path: str | None = setting(None, non_empty, plain_text)  # HF dir of the teacher (name = "opd")
     opd_coef: float = setting(1.0, at_least(0))  # lambda of A_t - lambda*(logp_student - logp_teacher)
 
 
@@ -169,19 +190,23 @@ class AlgorithmSpec:
 class RewardSpec:
     """[reward]: how responses are scored."""
 
-    function: str = required(reward_function)  # built-in name or "package.module:function"
-    type_key: str | None = setting(None, non_empty)  # metadata key naming a per-sample reward
-    concurrency: int = setting(16, at_least(1))
-    timeout_s: float = setting(60.0, greater_than(0))
-    worker_processes: int | None = setting(None, at_least(0))  # plain rewards' processes; None: one per CPU
-    worker_memory_mb: int = setting(4096, at_least(0))  # each worker's address-space cap; 0: none
+    function: str = required(plain_text, reward_function)  # built-in name or "package.module:function"
+    type_key: str | None = setting(None, non_empty, plain_text)  # metadata key naming a per-sample reward
+    concurrency: int = setting(16, within(1, MAX_COUNT))
+    timeout_s: float = setting(60.0, within(0, MAX_TIMEOUT_S, low_open=True))
+    # plain rewards' processes; None: one per CPU
+    worker_processes: int | None = setting(None, within(0, MAX_LOCAL_WORKERS))
+    worker_memory_mb: int = setting(4096, within(0, MAX_MEMORY_MB))  # each worker's address-space cap; 0: none
     ifbench_keyword_match: Literal["reference", "whole_word"] = setting("reference")  # IFEval keywords
-    remote_url: str | None = setting(None, non_empty)
-    remote_max_retries: int = setting(3, at_least(0))
+    remote_url: str | None = setting(None, non_empty, plain_text)
+    remote_max_retries: int = setting(3, within(0, MAX_RETRIES))
     genrm_prompt: str | None = setting(None, non_empty)  # {question} {answer} {label}
-    genrm_model_path: str | None = setting(None, non_empty)  # judge HF dir, served in the rollout process
-    genrm_url: str | None = setting(None, non_empty)  # or a judge engine server (relax-hpc serve-engine, SGLang)
-    genrm_tokenizer_path: str | None = setting(None, non_empty)  # judge tokenizer; required with genrm_url
+    # the judge's HF dir, served in the rollout process
+    genrm_model_path: str | None = setting(None, non_empty, plain_text)
+    # or a judge engine server (relax-hpc serve-engine, SGLang)
+    genrm_url: str | None = setting(None, non_empty, plain_text)
+    # the judge's tokenizer; required with genrm_url
+    genrm_tokenizer_path: str | None = setting(None, non_empty, plain_text)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -189,16 +214,16 @@ class TrainSpec:
     """[train]: the optimisation loop."""
 
     backend: Literal["torch", "megatron"] = setting("torch")
-    steps: int = required(at_least(1))
+    steps: int = required(within(1, MAX_STEPS))
     lr: float = setting(1e-6, greater_than(0))
     weight_decay: float = setting(0.0, at_least(0))
     adam_betas: list[float] = setting_from(
         lambda: [0.9, 0.999], exact_length(2), each(within(0, 1, high_open=True))
     )
     grad_clip: float = setting(1.0, at_least(0))  # 0 disables clipping
-    micro_batch_size: int = setting(8, at_least(1))
-    mini_batches: int = setting(1, at_least(1))  # optimizer steps per rollout batch
-    num_processes: int = setting(1, at_least(1))  # data-parallel trainer processes
+    micro_batch_size: int = setting(8, within(1, MAX_COUNT))
+    mini_batches: int = setting(1, within(1, MAX_COUNT))  # optimizer steps per rollout batch
+    num_processes: int = setting(1, within(1, MAX_COUNT))  # data-parallel trainer processes
     strategy: TrainStrategy = setting("ddp")  # replicated, or sharded over the ranks
     actor_fwd_role: bool = setting(False)  # old log-probs from a separate ActorFwd role
     reference_role: bool = setting(False)  # reference log-probs from a separate Reference role
@@ -210,8 +235,8 @@ class TrainSpec:
 class CheckpointSpec:
     """[checkpoint]: when to save and whether to resume."""
 
-    save_interval: int = setting(50, at_least(1))
-    keep_last: int = setting(2, at_least(1))
+    save_interval: int = setting(50, within(1, MAX_STEPS))
+    keep_last: int = setting(2, within(1, MAX_STEPS))
     resume: bool = setting(True)
 
 
@@ -222,7 +247,7 @@ class MetricsSpec:
     tensorboard: bool = setting(True)
     jsonl: bool = setting(True)
     plot: bool = setting(True)
-    wandb_project: str | None = setting(None)
+    wandb_project: str | None = setting(None, plain_text)
     trajectory_archive: bool = setting(False)  # every trained sample to JOBDIR/trajectories (HDF5)
 
 
@@ -230,16 +255,17 @@ class MetricsSpec:
 class ComponentSpec:
     """[cluster.trainer] / [cluster.rollout] / [cluster.forward]: one hetjob component."""
 
-    nodes: int = setting(1, at_least(1))
+    # Every string here is written into an #SBATCH line, so each has a pattern (text_checks.py).
+    nodes: int = setting(1, within(1, MAX_NODES))
     gpus_per_node: int = setting(0, at_least(0), at_most_gpus_per_node)
-    cpus_per_node: int = setting(2, at_least(1))
+    cpus_per_node: int = setting(2, within(1, MAX_CPUS_PER_NODE))
     memory: str | None = setting(None, slurm_memory)  # Slurm --mem, e.g. "64G"
-    partition: str | None = setting(None)
+    partition: str | None = setting(None, slurm_names)  # "gpu" or "gpu,gpu-long"
     time: str = setting("01:00:00", slurm_time)
-    account: str | None = setting(None)
-    qos: str | None = setting(None)
-    constraint: str | None = setting(None)
-    extra_sbatch: list[str] = setting_from(list)  # extra "#SBATCH" options, e.g. "--exclusive"
+    account: str | None = setting(None, slurm_name)
+    qos: str | None = setting(None, slurm_name)
+    constraint: str | None = setting(None, slurm_constraint)  # a feature expression, e.g. "h100"
+    extra_sbatch: list[str] = setting_from(list, sbatch_options)  # extra "#SBATCH" options, e.g. "--exclusive"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -252,9 +278,9 @@ class ClusterSpec:
     # Rollout engines run on the trainer's nodes and GPUs ([cluster.rollout] unused); needs job.mode = "colocate".
     colocate: bool = setting(False)
     # Slurm sends USR1 this long before the time limit; the driver checkpoints and the job requeues.
-    signal_grace_s: int = setting(120, at_least(10))
+    signal_grace_s: int = setting(120, within(10, MAX_SIGNAL_GRACE_S))
     # How long the batch script waits for every node's Ray worker to join before failing the job.
-    ray_join_timeout_s: int = setting(300, at_least(10))
+    ray_join_timeout_s: int = setting(300, within(10, MAX_TIMEOUT_S))
     requeue: bool = setting(True)  # --requeue and `scontrol requeue` after a pre-emption checkpoint
 
 
@@ -262,8 +288,8 @@ class ClusterSpec:
 class ContainerSpec:
     """[container]: run every Slurm step in an Apptainer image (unset image: on the host)."""
 
-    image: str | None = setting(None, non_empty)  # a .sif file (or any apptainer exec target)
-    binds: list[str] = setting_from(list, non_empty_items)  # apptainer --bind "src[:dst[:opts]]"
+    image: str | None = setting(None, non_empty, container_image)  # a .sif file (or any apptainer exec target)
+    binds: list[str] = setting_from(list, bind_mounts)  # apptainer --bind "src[:dst[:opts]]"
     env: list[str] = setting_from(list, env_assignments)  # "NAME=VALUE", set inside the container
 
 
