@@ -48,8 +48,11 @@ from relax_hpc.transfer.queue import (
 
 WIRE_VERSION = 2
 MAX_DIMS = 32
+# The largest header this process decodes by default (a client reading its server's replies);
+# the server applies its own, smaller bound (relax_hpc/transfer/limits.py).
 MAX_HEADER_BYTES = 64 * 1024 * 1024
 MAX_BLOCK_ROWS = 1 << 24
+MAX_FIELDS = 256  # per block: a row of the training loop has about a dozen
 # Rows whose arrays average at least this many bytes keep a frame (or shm range) each: their
 # per-row cost is small next to the copy that joining them into one buffer would add.
 JOIN_BELOW_BYTES = 64 * 1024
@@ -131,11 +134,11 @@ def pack_header(header: Mapping[str, Any]) -> bytes:
     return msgpack.packb(header, use_bin_type=True)
 
 
-def unpack_header(frame: Buffer) -> dict[str, Any]:
+def unpack_header(frame: Buffer, max_bytes: int = MAX_HEADER_BYTES) -> dict[str, Any]:
     """Decode and sanity-check a header frame (plain msgpack data only)."""
     data = memoryview(frame)
-    if data.nbytes > MAX_HEADER_BYTES:
-        raise WireError(f"header of {data.nbytes} bytes exceeds {MAX_HEADER_BYTES}")
+    if data.nbytes > max_bytes:
+        raise WireError(f"header of {data.nbytes} bytes exceeds the limit of {max_bytes}")
     try:
         header = msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True)
     except Exception as exc:  # msgpack raises several unrelated types on garbage
@@ -328,6 +331,12 @@ def array_buffers(blocks: Sequence[Block]) -> list[Buffer]:
     return [buf for block in blocks for col in block.columns.values() if col.kind != "v" for buf in col.buffers]
 
 
+def column_views(buf: Buffer, sizes: Sequence[int]) -> list[Buffer]:
+    """Per-row views of a buffer holding rows of ``sizes`` bytes back to back (no copy)."""
+    view = memoryview(buf).cast("B")
+    return [view[start:start + size] for start, size in zip(_starts(sizes, 0), sizes)]
+
+
 def _starts(sizes: Sequence[int], base: int) -> list[int]:
     starts, at = [], base
     for size in sizes:
@@ -411,6 +420,13 @@ class ArraySpec:
     frame: int | None = None  # or every row back to back in one frame
     files: list[str] | None = None  # or shm: file and offset per row
     offsets: list[int] | None = None
+
+    @property
+    def frame_indices(self) -> list[int]:
+        """The frames holding this column's bytes (none for shm)."""
+        if self.frames is not None:
+            return self.frames
+        return [] if self.frame is None else [self.frame]
 
 
 def _check_shapes(name: str, shapes: Any, n: int) -> list[list[int]]:
@@ -527,23 +543,49 @@ def _block_columns(descs: Any) -> list[tuple[int, dict[str, Any]]]:
         n, cols = block["n"], block["cols"]
         if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= MAX_BLOCK_ROWS:
             raise WireError(f"block 'n' must be an int in 0..{MAX_BLOCK_ROWS}, got {n!r}")
-        if not isinstance(cols, dict):
-            raise WireError("block 'cols' must be a map field -> column")
+        if not isinstance(cols, dict) or len(cols) > MAX_FIELDS:
+            raise WireError(f"block 'cols' must be a map field -> column of at most {MAX_FIELDS} fields")
         out.append((n, cols))
     return out
 
 
-def decode_blocks(descs: Any, frames: Sequence[Buffer]) -> list[EncodedRow]:
-    """The server's view of a put/write: per-row references into the frames or shm files."""
-    rows: list[EncodedRow] = []
+def block_sizes(descs: Any) -> tuple[int, int]:
+    """(rows, field values) that ``descs`` claim, from the header alone: nothing is built."""
+    rows = values = 0
     for n, cols in _block_columns(descs):
+        rows += n
+        values += n * len(cols)
+    return rows, values
+
+
+def decode_blocks(descs: Any, frames: Sequence[Buffer]) -> list[EncodedRow]:
+    """The server's view of a put/write: per-row references into the frames or shm files.
+
+    Every column of a block is checked against the header and its frames before the block's
+    rows are built, and each frame may be named once: a header cannot claim more rows, or more
+    bytes, than the message carries.
+    """
+    rows: list[EncodedRow] = []
+    named: set[int] = set()
+    for n, cols in _block_columns(descs):
+        specs = [(name, parse_column(name, desc, n, frames)) for name, desc in cols.items()]
+        for name, spec in specs:
+            _name_frames_once(name, spec, named)
         block: list[EncodedRow] = [{} for _ in range(n)]
-        for name, desc in cols.items():
-            spec = parse_column(name, desc, n, frames)
+        for name, spec in specs:
             for row, enc in zip(block, _encoded(spec, frames)):
                 row[name] = enc
         rows.extend(block)
     return rows
+
+
+def _name_frames_once(name: str, spec: list[Scalar] | ArraySpec, named: set[int]) -> None:
+    if isinstance(spec, list):
+        return
+    for k in spec.frame_indices:
+        if k in named:
+            raise WireError(f"field {name!r}: frame {k} is named twice; each buffer belongs to one column and row")
+        named.add(k)
 
 
 def _encoded(spec: list[Scalar] | ArraySpec, frames: Sequence[Buffer]) -> list[Encoded]:
@@ -556,9 +598,8 @@ def _encoded(spec: list[Scalar] | ArraySpec, frames: Sequence[Buffer]) -> list[E
     if spec.frames is not None:
         return [Encoded(kind, dtype, shape, frames[k]) for shape, k in zip(spec.shapes, spec.frames)]
     assert spec.frame is not None
-    view = memoryview(frames[spec.frame]).cast("B")
-    return [Encoded(kind, dtype, shape, view[start:start + size])
-            for shape, start, size in zip(spec.shapes, _starts(spec.sizes, 0), spec.sizes)]
+    pieces = column_views(frames[spec.frame], spec.sizes)
+    return [Encoded(kind, dtype, shape, piece) for shape, piece in zip(spec.shapes, pieces)]
 
 
 # --------------------------------------------------------------------------- wire -> values

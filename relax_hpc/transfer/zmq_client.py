@@ -35,6 +35,7 @@ from typing import Any
 
 import zmq
 
+from relax_hpc.transfer.limits import HEARTBEAT_S, HEARTBEAT_TIMEOUT_S, fit_frames
 from relax_hpc.transfer.queue import (
     Batch,
     PartitionInfo,
@@ -141,6 +142,10 @@ class TransferQueueClient:
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.copy_threshold = ZERO_COPY_MIN_BYTES
+        # a server that stopped answering, even heartbeats, is disconnected (then reconnected)
+        self._sock.setsockopt(zmq.HEARTBEAT_IVL, int(HEARTBEAT_S * 1000))
+        self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(HEARTBEAT_TIMEOUT_S * 1000))
+        self._sock.setsockopt(zmq.HEARTBEAT_TTL, int(HEARTBEAT_TIMEOUT_S * 1000))
         self._sock.connect(address)
         self.endpoint = address  # where requests go: a same-host client moves to ipc:// after the ping
         self._pipe = RequestPipe(self._sock, address, self.session, consumer_id)
@@ -155,6 +160,9 @@ class TransferQueueClient:
             self.close()
             raise
         self.capacity: int | None = reply.get("capacity")
+        limits = reply.get("limits") or {}  # the server drops a larger frame, refuses a larger header
+        self._max_frame: int | None = limits.get("frame")
+        self._pipe.max_header = limits.get("header")
         want_shm = shm_enabled_by_env() if shm is None else shm
         use_shm = want_shm and client_can_use(reply.get("host"), reply.get("shm"))
         self.shm_dir: str | None = str(reply["shm"]) if use_shm else None
@@ -379,6 +387,8 @@ class TransferQueueClient:
         blocks = encode_blocks(rows)
         frames: list[Buffer] = []
         name = self._to_shm(blocks) if self.shm_dir is not None else None
+        if name is None and self._max_frame is not None:
+            fit_frames(blocks, self._max_frame)
         header["blocks"] = blocks_to_wire(blocks, frames, name)
         req_id = self._pipe.send(header, frames, wait, self._request_timeout, self._retries)
         return req_id, None if name is None else name[0]

@@ -5,7 +5,8 @@ server keeps its replies to this session from ``r`` on, so a request sent again 
 reply is answered from that cache: a put is applied once, a get loses no rows. Replies may
 arrive in another order than their requests (a parked get answers late); a reply to another
 request in flight is kept until that request is collected, and one to a request nobody waits
-for any more (abandoned, or answered already) is dropped.
+for any more (abandoned, or answered already) is dropped, as is the server's probe of whether
+a client with a parked request is still connected (id nil).
 
 Not thread-safe: the client serialises calls with its lock.
 """
@@ -49,6 +50,7 @@ class RequestPipe:
         self._ids = itertools.count(1)
         self._flights: dict[int, _Flight] = {}
         self._early: dict[int, Reply] = {}
+        self.max_header: int | None = None  # the server's limit, once its ping reply said it
 
     def send(self, header: dict[str, Any], frames: Sequence[Buffer], wait: float, timeout: float,
              retries: int) -> int:
@@ -58,6 +60,12 @@ class RequestPipe:
         oldest = min(self._flights, default=req_id)
         head = pack_header({"v": WIRE_VERSION, "id": req_id, "r": oldest, "s": self._session,
                             "c": self._consumer_id, **header})
+        if self.max_header is not None and len(head) > self.max_header:
+            raise TransferQueueError(
+                f"{header['op']!r} request header of {len(head)} bytes exceeds the limit of {self.max_header} "
+                f"of the transfer queue at {self._address}; put/write fewer rows per call, or send long "
+                "strings as uint8 tensors"
+            )
         self._sock.send_multipart([head, *frames], copy=False)
         self._flights[req_id] = _Flight(head, frames, str(header["op"]), wait + timeout, timeout,
                                         1 + retries, retries, time.monotonic() + wait + timeout)

@@ -6,7 +6,13 @@ Requests that cannot be answered yet (a get waiting for rows, a put against a fu
 staleness wait) are parked and answered when a later request changes the state, or with a
 timeout error at their deadline: the loop itself never blocks on one client. Stored tensors
 stay as the received frames and are re-sent zero-copy. A malformed message gets an error reply
-and is otherwise ignored.
+and is otherwise ignored; what one request may cost is bounded before it is decoded
+(:mod:`relax_hpc.transfer.limits`).
+
+A client that vanishes leaves no parked request behind: ZMQ heartbeats close the connection of
+a silent peer, and every ``heartbeat_s`` the server drops the parked requests whose peer ROUTER
+no longer knows (:meth:`TransferQueueServer._drop_vanished`; why a probe rather than the socket
+monitor: docs/transfer-queue.md, "Limits").
 
 Same-host clients move payloads through shared memory instead (see
 :mod:`relax_hpc.transfer.shm`): the server advertises its host id and shm directory in the ping
@@ -32,6 +38,14 @@ from typing import Any
 
 import zmq
 
+from relax_hpc.transfer.limits import (
+    DEFAULT_MAX_FRAME_BYTES,
+    DEFAULT_MAX_HEADER_BYTES,
+    HEARTBEAT_S,
+    HEARTBEAT_TIMEOUT_S,
+    MAX_REQUEST_ROWS,
+    request_rows,
+)
 from relax_hpc.transfer.queue import TransferQueueError, check_name
 from relax_hpc.transfer.shm import ShmStore, shm_enabled_by_env
 from relax_hpc.transfer.state import Owner, QueueState
@@ -59,6 +73,11 @@ MAX_SESSIONS_REMEMBERED = 4096
 # (zmq_client.py) requests unanswered, far below this bound.
 MAX_REPLIES_PER_SESSION = 64
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
+MAX_SESSION_LEN = 128  # session ids key the reply cache; clients send 32 hex digits
+MAX_ERROR_CHARS = 2000  # an error reply quotes the request: it stays small
+# Sent to the peer of a parked request to learn whether it is still connected; clients drop
+# any message whose id matches no request of theirs.
+PROBE = pack_header({"id": None, "probe": True})
 
 
 @dataclass
@@ -88,7 +107,11 @@ class TransferQueueServer:
 
     ``shm``: offer the same-host shared-memory path (None: on unless ``RELAX_TQ_SHM=0``; it is
     also off when ``shm_root`` does not exist). ``shm_root``: where the per-server directory
-    ``relax-tq-<id>`` is created.
+    ``relax-tq-<id>`` is created. ``max_frame_bytes``: the largest frame a peer may send
+    (``zmq.MAXMSGSIZE``: a larger one drops the connection before the server reads it);
+    ``max_header_bytes``: the largest request header. ``heartbeat_s``: ZMQ heartbeat interval,
+    and how often parked requests of vanished clients are looked for; a peer silent for
+    ``heartbeat_timeout_s`` is disconnected. See docs/transfer-queue.md, "Limits".
     """
 
     def __init__(
@@ -99,13 +122,26 @@ class TransferQueueServer:
         poll_interval_s: float = 0.05,
         shm: bool | None = None,
         shm_root: str = "/dev/shm",
+        max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+        max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
+        heartbeat_s: float = HEARTBEAT_S,
+        heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S,
     ) -> None:
+        if max_frame_bytes < 1 or max_header_bytes < 1 or not 0 < heartbeat_s <= heartbeat_timeout_s:
+            raise ValueError(
+                f"need max_frame_bytes >= 1, max_header_bytes >= 1 and 0 < heartbeat_s <= heartbeat_timeout_s; "
+                f"got {max_frame_bytes}, {max_header_bytes}, {heartbeat_s}, {heartbeat_timeout_s}"
+            )
         self._bind = address
         self._want_shm = shm_enabled_by_env() if shm is None else shm
         self._shm_root = shm_root
         self._shm: ShmStore | None = None
         self._ipc: str | None = None  # same-host endpoint, bound next to the shm directory
         self._state: QueueState[Encoded] = QueueState(capacity)
+        self._max_frame_bytes = max_frame_bytes
+        self._max_header_bytes = min(max_header_bytes, max_frame_bytes)
+        self._heartbeat_s = heartbeat_s
+        self._heartbeat_timeout_s = heartbeat_timeout_s
         self._poll_interval_s = poll_interval_s
         self._parked: list[_Request] = []
         # session -> request id -> reply frames (None while the request is parked)
@@ -159,6 +195,10 @@ class TransferQueueServer:
         sock = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 0)  # a vanished client's reply is dropped, not an error
+        sock.setsockopt(zmq.MAXMSGSIZE, self._max_frame_bytes)
+        sock.setsockopt(zmq.HEARTBEAT_IVL, int(self._heartbeat_s * 1000))
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(self._heartbeat_timeout_s * 1000))
+        sock.setsockopt(zmq.HEARTBEAT_TTL, int(self._heartbeat_timeout_s * 1000))
         try:
             sock.bind(self._bind.replace(":0", ":*") if self._bind.endswith(":0") else self._bind)
             self._address = _connectable(sock.getsockopt_string(zmq.LAST_ENDPOINT))
@@ -201,6 +241,7 @@ class TransferQueueServer:
     def _loop(self, sock: zmq.Socket[Any]) -> None:
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
+        next_probe = time.monotonic() + self._heartbeat_s
         while not self._stop.is_set():
             wait = self._poll_interval_s
             if self._parked:
@@ -216,6 +257,9 @@ class TransferQueueServer:
                 if changed and self._parked:
                     self._retry_parked(sock)
             self._expire_parked(sock)
+            if time.monotonic() >= next_probe:
+                self._drop_vanished(sock)
+                next_probe = time.monotonic() + self._heartbeat_s
 
     def _handle(self, sock: zmq.Socket[Any], frames: list[Any]) -> bool:
         """Answer or park one message; returns whether the state may have changed."""
@@ -224,9 +268,11 @@ class TransferQueueServer:
         try:
             if len(frames) < 2:
                 raise WireError("empty message: expected [header, buffers...]")
-            req.header = unpack_header(frames[1])
+            req.header = unpack_header(frames[1], self._max_header_bytes)
             req.req_id = arg(req.header, "id", int) if "id" in req.header else None
             session = req.header.get("s")
+            if isinstance(session, str) and len(session) > MAX_SESSION_LEN:
+                raise WireError(f"session id of {len(session)} characters; at most {MAX_SESSION_LEN}")
             req.session = session if isinstance(session, str) and session else None
             if req.header.get("v") != WIRE_VERSION:
                 raise WireError(f"wire version {req.header.get('v')!r} is not {WIRE_VERSION}; upgrade the client")
@@ -257,6 +303,7 @@ class TransferQueueServer:
     def _ops(self) -> dict[str, Callable[[_Request], list[Any] | None]]:
         return {
             "ping": lambda r: [{"capacity": self._state.capacity, "ipc": self._ipc,
+                                "limits": {"frame": self._max_frame_bytes, "header": self._max_header_bytes},
                                 **(self._shm.describe() if self._shm else {})}],
             "put": self._op_put,
             "write": self._op_write,
@@ -275,9 +322,11 @@ class TransferQueueServer:
     # park the request until it can be answered.
     def _op_put(self, req: _Request) -> list[Any] | None:
         partition = check_name("partition", name_arg(req.header, "p"))
-        rows = self._decode_rows(req, partition)
-        n_rows = len(rows)
+        blocks = arg(req.header, "blocks", list)
+        # Counted from the header, no row built yet; check_put refuses more than the capacity.
+        n_rows = request_rows(blocks, MAX_REQUEST_ROWS if self._state.capacity is None else None)
         self._state.check_put(partition, n_rows)
+        rows = self._decode_rows(req, partition, blocks)
 
         def attempt() -> list[Any] | None:
             self._state.check_put(partition, n_rows)
@@ -291,14 +340,20 @@ class TransferQueueServer:
 
     def _op_write(self, req: _Request) -> list[Any]:
         partition = name_arg(req.header, "p")
-        rows = self._decode_rows(req, partition)
-        self._state.write(partition, int_list_arg(req.header, "idx"), rows)
+        blocks = arg(req.header, "blocks", list)
+        indices = int_list_arg(req.header, "idx")
+        n_rows = request_rows(blocks, self._state.capacity or MAX_REQUEST_ROWS)
+        if n_rows != len(indices):
+            raise TransferQueueError(
+                f"write to {partition!r}: {len(indices)} indices but {n_rows} rows; pass one row dict per index"
+            )
+        self._state.write(partition, indices, self._decode_rows(req, partition, blocks))
         self._adopt(req, partition)
         return [{}]
 
-    def _decode_rows(self, req: _Request, partition: str) -> list[Any]:
+    def _decode_rows(self, req: _Request, partition: str, blocks: list[Any]) -> list[Any]:
         """Rows of a put/write; shm references are checked against the directory."""
-        rows = decode_blocks(arg(req.header, "blocks", list), req.frames)
+        rows = decode_blocks(blocks, req.frames)
         if shm_files(rows):
             if self._shm is None:
                 raise WireError("shm references sent to a server without a shared-memory directory")
@@ -420,6 +475,11 @@ class TransferQueueServer:
                     self._parked.remove(req)
                     self._send_error(sock, req, "refused", str(exc))
                     continue
+                except Exception as exc:  # never let one request take the server down
+                    log.exception("transfer queue: internal error on a parked %r", req.header.get("op"))
+                    self._parked.remove(req)
+                    self._send_error(sock, req, "internal", f"{type(exc).__name__}: {exc}")
+                    continue
                 if reply is not None:
                     self._parked.remove(req)
                     self._send(sock, req, reply)
@@ -432,6 +492,33 @@ class TransferQueueServer:
             assert req.timeout_message is not None
             message = req.timeout_message(now - req.started)
             self._send_error(sock, req, "timeout", message)
+
+    def _drop_vanished(self, sock: zmq.Socket[Any]) -> None:
+        """Drop the parked requests whose peer ROUTER no longer knows (its connection closed):
+        with ROUTER_MANDATORY a send to an unknown routing id fails with EHOSTUNREACH. A live peer
+        gets the probe and ignores it; one whose queue is full (EAGAIN) counts as live."""
+        if not self._parked:
+            return
+        gone: set[bytes] = set()
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        try:
+            for identity in {r.identity for r in self._parked}:
+                try:
+                    sock.send_multipart([identity, PROBE], zmq.NOBLOCK)
+                except zmq.ZMQError as exc:
+                    if exc.errno == zmq.EHOSTUNREACH:
+                        gone.add(identity)
+        finally:
+            sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        dropped = [r for r in self._parked if r.identity in gone]
+        for req in dropped:
+            self._parked.remove(req)
+            self._discard_files(req)
+            replies = self._replies.get(req.session) if req.session is not None else None
+            if replies is not None and req.req_id is not None and replies.get(req.req_id, []) is None:
+                del replies[req.req_id]  # forgotten: a resend of it is served as new
+        if dropped:
+            log.info("transfer queue: dropped %d parked request(s) of %d vanished client(s)", len(dropped), len(gone))
 
     # ----------------------------------------------------------------- replies
     def _owner(self, req: _Request) -> Owner:
@@ -482,10 +569,19 @@ class TransferQueueServer:
             self._remember(req.session, req.req_id, payload)
         sock.send_multipart([req.identity, *payload], copy=False)
 
+    def _discard_files(self, req: _Request) -> None:
+        """The request was not applied: the shm payloads it named go back to their producer."""
+        if req.files and self._shm is not None:
+            files, req.files = req.files, set()
+            try:
+                self._shm.discard(files)
+            except OSError as exc:  # the orphan sweep removes them later
+                log.warning("transfer queue: could not release shm payloads %s: %s", sorted(files), exc)
+
     def _send_error(self, sock: zmq.Socket[Any], req: _Request, kind: str, message: str) -> None:
-        if req.files and self._shm is not None:  # the request was not applied: its payloads go
-            self._shm.discard(req.files)
-            req.files = set()
+        self._discard_files(req)
+        if len(message) > MAX_ERROR_CHARS:
+            message = message[:MAX_ERROR_CHARS] + " [...]"
         payload = [pack_header({"id": req.req_id, "ok": False, "kind": kind, "error": message})]
         if req.session is not None and req.req_id is not None:
             self._remember(req.session, req.req_id, payload)
