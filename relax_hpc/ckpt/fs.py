@@ -1,8 +1,10 @@
-"""Durable file helpers for checkpoints: write-then-rename and fsync.
+"""Durable, owner-only file helpers for checkpoints and job files: write-then-rename and fsync.
 
 A checkpoint must never look complete unless every byte of it is on disk. These
 helpers write to a temporary sibling, fsync the file, rename it over the target and
 fsync the parent directory, so a crash leaves either the old file or the new one.
+Files are created 0600 (``PRIVATE_FILE_MODE``; the umask can only narrow it), and the
+process umask is left alone: other threads may be creating files at the same time.
 """
 
 from __future__ import annotations
@@ -11,7 +13,9 @@ import os
 import shutil
 from pathlib import Path
 
-__all__ = ["atomic_write_bytes", "atomic_write_text", "fsync_dir", "fsync_tree", "remove_tree"]
+from relax_hpc.ckpt.permissions import PRIVATE_FILE_MODE
+
+__all__ = ["atomic_write_bytes", "atomic_write_text", "fsync_dir", "fsync_tree", "remove_tree", "write_all"]
 
 
 def fsync_dir(path: Path) -> None:
@@ -28,12 +32,27 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     # The pid in the name keeps two writers on a shared filesystem from clobbering
     # each other's half-written temp file.
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, PRIVATE_FILE_MODE)
+    try:
+        try:
+            # A temp file left by a crashed writer with the same pid would keep its old mode.
+            os.fchmod(fd, PRIVATE_FILE_MODE)
+            write_all(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)  # NFS may report a full disk only here
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a failed write (a full disk) leaves no half-written temp file
+        raise
     os.replace(tmp, path)
     fsync_dir(path.parent)
+
+
+def write_all(fd: int, data: bytes) -> None:
+    """os.write until every byte is written (a write may be short, e.g. on a nearly full disk)."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
 
 
 def atomic_write_text(path: Path, text: str) -> None:

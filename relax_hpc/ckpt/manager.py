@@ -6,6 +6,10 @@ fsyncs everything, renames it to ``step_<N>``, points ``latest`` at it and prune
 checkpoints. ``load_latest`` walks back from the newest checkpoint until one loads,
 warning about (and never deleting) every unusable one.
 
+Checkpoints are owner-only (directories 0700, files 0600) and ``load_latest`` refuses one
+that others could have changed (relax_hpc/ckpt/permissions.py). A save that fails (a full
+disk, say) removes its ``tmp_step_<N>``; a full disk is reported as such.
+
 Works in one process without a process group and collectively when one is
 initialised (every rank calls ``save`` / ``load_latest``; rank 0 alone renames,
 writes ``latest`` and prunes). See docs/checkpoints.md.
@@ -13,6 +17,7 @@ writes ``latest`` and prunes). See docs/checkpoints.md.
 
 from __future__ import annotations
 
+import errno
 import io
 import logging
 import os
@@ -43,14 +48,25 @@ from relax_hpc.ckpt.layout import (
     step_dir_name,
     tmp_dir_name,
 )
+from relax_hpc.ckpt.permissions import (
+    PRIVATE_DIR_MODE,
+    UnsafeCheckpointError,
+    check_private,
+    make_private_tree,
+)
 from relax_hpc.ckpt.resume_state import ResumeFile, ResumeState, read_resume_file, write_resume_file
 from relax_hpc.ckpt.rng import capture_rng_state, restore_rng_state
 from relax_hpc.ckpt.validate import check_dcp_files
 
-__all__ = ["CheckpointManager"]
+__all__ = ["CheckpointDiskFullError", "CheckpointManager", "UnsafeCheckpointError"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+class CheckpointDiskFullError(RuntimeError):
+    """A save ran out of disk space (or quota); its temporary directory has been removed."""
 
 
 class CheckpointManager:
@@ -81,27 +97,38 @@ class CheckpointManager:
         rng = capture_rng_state()
         tmp = self.root / tmp_dir_name(step)
         final = self.root / step_dir_name(step)
-
-        _run_on_rank0(coll, lambda: _fresh_dir(self.root, tmp), f"creating {tmp}")
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        with single_process_quiet():
-            dcp.save(
-                {"model": model_sd, "optim": optim_sd},
-                checkpoint_id=tmp,
-                process_group=coll.process_group,
-                no_dist=not coll.is_distributed,
+        try:
+            _run_on_rank0(coll, lambda: _fresh_dir(self.root, tmp), f"creating {tmp}")
+            model_sd, optim_sd = get_state_dict(model, optimizer)
+            with single_process_quiet():
+                dcp.save(
+                    {"model": model_sd, "optim": optim_sd},
+                    checkpoint_id=tmp,
+                    process_group=coll.process_group,
+                    no_dist=not coll.is_distributed,
+                )
+            _, error = _attempt(lambda: _write_rng(tmp, coll.rank, rng))
+            _agree(coll, error, f"writing RNG state into {tmp}")
+            _run_on_rank0(
+                coll, lambda: self._publish(tmp, final, step, state, coll.world_size), f"publishing {final}"
             )
-        _, error = _attempt(lambda: _write_rng(tmp, coll.rank, rng))
-        _agree(coll, error, f"writing RNG state into {tmp}")
-        _run_on_rank0(
-            coll, lambda: self._publish(tmp, final, step, state, coll.world_size), f"publishing {final}"
-        )
+        # Every failure above reaches every rank (DCP and _agree / _run_on_rank0 see to it),
+        # so no rank is still writing into tmp when rank 0 removes it.
+        except (Exception, CheckpointException) as exc:
+            if coll.rank == 0:
+                _remove_unfinished(tmp)
+            full = disk_full_cause(exc)
+            if full is not None:
+                raise self._disk_full_error(final, tmp, full) from exc
+            raise
         return final
 
     def load_latest(self, model: nn.Module, optimizer: Optimizer) -> ResumeState | None:
         """Restore the newest usable checkpoint into ``model``/``optimizer`` and the RNGs.
 
-        Returns its ResumeState, or None when there is none. Unusable checkpoints
+        Returns its ResumeState, or None when there is none. Raises UnsafeCheckpointError,
+        before reading anything of it, at a checkpoint others could have changed (group- or
+        world-writable, or owned by another user): loading unpickles its files. Unusable checkpoints
         (missing or truncated files, bad JSON, DCP errors) are skipped with a WARNING
         and left on disk. Raises RuntimeError when every checkpoint failed and at least
         one failed inside DCP's load, because the model may then be partly overwritten.
@@ -111,6 +138,7 @@ class CheckpointManager:
         dcp_touched = False
         for step in order:
             path = self.root / step_dir_name(step)
+            self._refuse_unsafe(coll, path)
             checked, error = _attempt(partial(_check_checkpoint, path, step, coll.rank))
             if not self._usable(coll, error, path) or checked is None:
                 continue
@@ -167,6 +195,38 @@ class CheckpointManager:
                 )
         return load_order(pointer, listing.steps)
 
+    def _refuse_unsafe(self, coll: Collective, path: Path) -> None:
+        """Raise UnsafeCheckpointError on every rank when ``path`` is unsafe.
+
+        Rank 0 alone looks: DCP loads from a filesystem all ranks share, and on a large job
+        one rank's stat calls are enough metadata load.
+        """
+        problem: str | None = None
+        if coll.rank == 0:
+            try:
+                check_private(self.root, path)
+            except UnsafeCheckpointError as exc:
+                problem = str(exc)
+            except OSError:
+                pass  # a path that vanished or cannot be read: the usability checks report it
+        problem = coll.broadcast_from_rank0(problem)
+        if problem is not None:
+            raise UnsafeCheckpointError(problem)
+
+    def _disk_full_error(self, final: Path, tmp: Path, cause: str) -> CheckpointDiskFullError:
+        try:
+            steps = list_root(self.root).steps
+            newest = f"newest: {step_dir_name(steps[-1])}" if steps else "there are none"
+        except OSError:
+            newest = "they could not be listed"
+        return CheckpointDiskFullError(
+            f"saving checkpoint {final.name} failed: the disk holding {self.root} is full or your "
+            f"quota there is used up ({cause}). The unfinished {tmp} was removed and the "
+            f"checkpoints already there are untouched ({newest}). Free space there (df -h "
+            f"{self.root}), lower [checkpoint] keep_last, or set [job] output_dir on a filesystem "
+            "with room, then resume"
+        )
+
     def _usable(self, coll: Collective, local_error: str | None, path: Path) -> bool:
         errors = coll.all_gather(local_error)
         failed = [(rank, err) for rank, err in enumerate(errors) if err is not None]
@@ -208,6 +268,7 @@ class CheckpointManager:
 
     def _publish(self, tmp: Path, final: Path, step: int, state: ResumeState, world_size: int) -> None:
         write_resume_file(tmp, state, world_size)
+        make_private_tree(tmp)  # DCP creates its files with the process umask
         fsync_tree(tmp)
         replaced: Path | None = None
         if final.exists():
@@ -255,9 +316,43 @@ def single_process_quiet() -> Iterator[None]:
 
 
 def _fresh_dir(root: Path, tmp: Path) -> None:
-    root.mkdir(parents=True, exist_ok=True)
+    # Owner-only when created here; an existing root keeps its mode (load_latest checks it).
+    root.mkdir(parents=True, exist_ok=True, mode=PRIVATE_DIR_MODE)
     remove_tree(tmp)  # left by a save of this step that crashed
-    tmp.mkdir()
+    tmp.mkdir(mode=PRIVATE_DIR_MODE)
+
+
+def _remove_unfinished(tmp: Path) -> None:
+    try:
+        remove_tree(tmp)
+    except OSError as exc:  # never hide the save's own error behind this one
+        log.warning("could not remove the unfinished %s (%r); remove it by hand", tmp, exc)
+
+
+def disk_full_cause(exc: BaseException) -> str | None:
+    """The description of the out-of-space error behind ``exc`` (ENOSPC or EDQUOT), or None.
+
+    Follows causes and DCP's per-rank failures; failing an OSError there, looks for the
+    error's text, which is how other ranks' errors arrive (as strings).
+    """
+    chain: list[BaseException] = []
+    pending = [exc]
+    while pending:
+        current = pending.pop(0)
+        if any(current is seen for seen in chain):
+            continue
+        chain.append(current)
+        if isinstance(current, CheckpointException):
+            pending.extend(cause for cause, _ in current.failures.values())
+        pending.extend(e for e in (current.__cause__, current.__context__) if e is not None)
+    for current in chain:
+        if isinstance(current, OSError) and current.errno in _DISK_FULL:
+            return str(current)
+    for current in chain:
+        text = " ".join(str(current).split())
+        if not isinstance(current, CheckpointException) and any(os.strerror(c) in text for c in _DISK_FULL):
+            return text
+    return None
 
 
 def _write_rng(directory: Path, rank: int, rng: dict[str, Any]) -> None:

@@ -1,6 +1,7 @@
 """`relax-hpc run`: set up the job directory, start Ray and the roles, run the loop, report.
 
 Job directory layout (`[job] output_dir`, default runs/<name>):
+    .lock                held (flock) by the run using the directory; names its pid and host
     spec.toml            the fully resolved spec this run used
     checkpoints/         DCP checkpoints (step_N, latest)
     metrics.jsonl        one record per step (appended across restarts)
@@ -8,6 +9,10 @@ Job directory layout (`[job] output_dir`, default runs/<name>):
     trajectories/        trained samples, rank<r>/step_N.h5 ([metrics] trajectory_archive)
     reward_curve.png     written at the end
     summary.json         the final numbers, written at the end
+
+The directory is created 0700 (an existing one keeps its mode), the files written here 0600
+and the subdirectories 0700; a second run on a directory in use stops at once
+(relax_hpc/driver/jobdir.py, docs/security.md).
 """
 
 from __future__ import annotations
@@ -25,6 +30,9 @@ from relax_hpc.agents.config import agentic_from_spec
 from relax_hpc.algos import LossConfig, normalizes_std
 from relax_hpc.backends.base import require_backend
 from relax_hpc.backends.torch_backend import OptimConfig
+from relax_hpc.ckpt.fs import atomic_write_text
+from relax_hpc.ckpt.permissions import PRIVATE_FILE_MODE
+from relax_hpc.driver.jobdir import JobDirLock, create_private_file, make_private_dir
 from relax_hpc.driver.loop import LoopConfig, LoopResult, StopFlag, run_loop
 from relax_hpc.engines.base import SamplingParams
 from relax_hpc.engines.factory import require_engine
@@ -149,11 +157,19 @@ def queue_role_configs(spec: JobSpec, device: str) -> list[ForwardConfig | Advan
 
 
 def prepare_job_dir(spec: JobSpec) -> Path:
-    job_dir = spec.job_dir()
-    job_dir.mkdir(parents=True, exist_ok=True)
-    tmp = job_dir / "spec.toml.tmp"
-    tmp.write_text(spec_to_toml(spec))
-    tmp.replace(job_dir / "spec.toml")
+    """Write spec.toml and create, owner-only, what the sinks and the trainer write into.
+
+    Called under the job directory's lock. Files and directories that exist keep their modes.
+    """
+    job_dir = make_private_dir(spec.job_dir())
+    atomic_write_text(job_dir / "spec.toml", spec_to_toml(spec))
+    make_private_dir(job_dir / "checkpoints")
+    if spec.metrics.jsonl:
+        create_private_file(job_dir / "metrics.jsonl")
+    if spec.metrics.tensorboard:
+        make_private_dir(job_dir / "tensorboard")
+    if spec.metrics.trajectory_archive:
+        make_private_dir(archive_dir(job_dir))
     return job_dir
 
 
@@ -204,10 +220,20 @@ def start_ray(address: str | None) -> None:
 
 def run_job(spec: JobSpec, in_process: bool = False, ray_address: str | None = None,
             progress: bool = True) -> RunReport:
-    """Run a job spec to completion (or until a stop signal) on this machine."""
-    t_start = time.perf_counter()
+    """Run a job spec to completion (or until a stop signal) on this machine.
+
+    Holds the job directory's lock throughout: JobDirBusyError at once when another run
+    holds it; released when this one ends, however it ends.
+    """
     check_backends_available(spec)
-    job_dir = prepare_job_dir(spec)
+    with JobDirLock(spec.job_dir()):
+        return run_locked(spec, prepare_job_dir(spec), in_process, ray_address, progress)
+
+
+def run_locked(spec: JobSpec, job_dir: Path, in_process: bool, ray_address: str | None,
+               progress: bool) -> RunReport:
+    """The run itself, in a job directory whose lock the caller holds."""
+    t_start = time.perf_counter()
     ensure_model(spec)
     device = resolve_device(spec.train.device)
     rollout_cfg, actor_cfg = role_configs(spec, job_dir, device)
@@ -249,11 +275,11 @@ def run_job(spec: JobSpec, in_process: bool = False, ray_address: str | None = N
     curve = None
     if spec.metrics.plot and spec.metrics.jsonl and result.end_step > 0:
         curve = plot_reward_curve(job_dir / "metrics.jsonl", job_dir / "reward_curve.png", spec.job.name)
+        os.chmod(curve, PRIVATE_FILE_MODE)
     report = RunReport(job_dir, result, time.perf_counter() - t_start, curve)
     summary = {"summary": report.summary_line(), "start_step": result.start_step,
                "end_step": result.end_step, "samples_trained": result.samples_trained,
                "stopped_early": result.stopped_early, "last_checkpoint": result.last_checkpoint,
                "rollout_engines": engines}
-    (job_dir / "summary.json.tmp").write_text(json.dumps(summary, indent=2))
-    (job_dir / "summary.json.tmp").replace(job_dir / "summary.json")
+    atomic_write_text(job_dir / "summary.json", json.dumps(summary, indent=2))
     return report

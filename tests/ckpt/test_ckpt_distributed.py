@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import socket
@@ -14,7 +15,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ckpt_helpers import assert_same_training_state, fresh, resume_state, rng_draws, train
-from relax_hpc.ckpt import CheckpointManager
+from relax_hpc.ckpt import CheckpointDiskFullError, CheckpointManager, UnsafeCheckpointError
+from relax_hpc.ckpt import manager as manager_module
 
 WORLD_SIZE = 2
 
@@ -57,6 +59,33 @@ def _worker(rank: int, port: int, root: str, out: str) -> None:
         dst = fresh()
         assert mgr.load_latest(dst.model, dst.optimizer) == resume_state(2)
         assert_same_training_state(trained[2], dst)
+
+        # A file others could change, seen by both ranks: both refuse, naming it.
+        if rank == 1:
+            (Path(root) / "step_2" / "rng_rank1.pt").chmod(0o666)
+        dist.barrier()
+        try:
+            mgr.load_latest(fresh().model, fresh().optimizer)
+            raise AssertionError("an unsafe checkpoint was loaded")
+        except UnsafeCheckpointError as e:
+            assert "step_2/rng_rank1.pt (mode 0666" in str(e), e
+        dist.barrier()
+        if rank == 1:
+            (Path(root) / "step_2" / "rng_rank1.pt").chmod(0o600)
+
+        # A full disk on rank 1 alone: both ranks report it, rank 0 removes tmp_step_4.
+        if rank == 1:
+            def full(*_args: object) -> None:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            manager_module._write_rng = full  # a spawned process of its own: no undo needed
+        try:
+            mgr.save(4, trained[3].model, trained[3].optimizer, resume_state(4))
+            raise AssertionError("a save on a full disk succeeded")
+        except CheckpointDiskFullError as e:
+            assert "No space left on device" in str(e), e
+        dist.barrier()
+        assert not (Path(root) / "tmp_step_4").exists()
+        assert mgr.list_complete() == [2, 3], mgr.list_complete()
 
         Path(out, f"rank{rank}.json").write_text(json.dumps({"ok": True, "draws": draws_after_save}))
     finally:

@@ -1,0 +1,85 @@
+"""Owner-only checkpoints: make a written tree private, refuse to load one others can change.
+
+Loading a checkpoint unpickles its ``.metadata`` (torch DCP) and reads ``rng_rank<r>.pt``, so
+whoever can write those files can run code in the trainer. Checkpoints are therefore written
+owner-only (directories 0700, files 0600), and ``check_private`` refuses, before anything is
+read, a checkpoint where any path is writable by group or others or owned by another user.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+__all__ = [
+    "PRIVATE_DIR_MODE",
+    "PRIVATE_FILE_MODE",
+    "UnsafeCheckpointError",
+    "check_private",
+    "make_private_tree",
+    "unsafe_paths",
+]
+
+PRIVATE_DIR_MODE = 0o700
+PRIVATE_FILE_MODE = 0o600
+_SHOWN = 5  # paths named in an error; the rest are counted
+
+
+class UnsafeCheckpointError(ValueError):
+    """A checkpoint others could have changed; loading it would unpickle their bytes.
+
+    A ValueError, like the other problems a user fixes before re-running (the CLI prints it on
+    one line).
+    """
+
+
+def make_private_tree(root: Path) -> None:
+    """chmod every directory under ``root`` (itself included) 0700 and every file 0600."""
+    for dirpath, _dirnames, filenames in os.walk(root):
+        os.chmod(dirpath, PRIVATE_DIR_MODE)
+        for name in filenames:
+            os.chmod(os.path.join(dirpath, name), PRIVATE_FILE_MODE)
+
+
+def unsafe_paths(paths: list[Path]) -> list[str]:
+    """One line per path that others could change: writable by group/others, or not ours.
+
+    Symlinks are followed (a checkpoint root may be a link to scratch space): the target is
+    what gets read. Root-owned paths count as ours; root can change anything anyway.
+    """
+    me = os.geteuid()
+    problems: list[str] = []
+    for path in paths:
+        info = path.stat()
+        mode = stat.S_IMODE(info.st_mode)
+        if mode & (stat.S_IWGRP | stat.S_IWOTH):
+            problems.append(f"{path} (mode {mode:04o}: writable by {_who(mode)})")
+        if info.st_uid not in (me, 0):
+            problems.append(f"{path} (owned by uid {info.st_uid}; you are uid {me})")
+    return problems
+
+
+def check_private(root: Path, checkpoint: Path) -> None:
+    """Raise UnsafeCheckpointError when ``root``, ``checkpoint`` or anything in it is unsafe."""
+    paths = [root, checkpoint, *sorted(checkpoint.rglob("*"))]
+    problems = unsafe_paths(paths)
+    if not problems:
+        return
+    shown = "; ".join(problems[:_SHOWN])
+    if len(problems) > _SHOWN:
+        shown += f"; and {len(problems) - _SHOWN} more"
+    owned_elsewhere = any("owned by uid" in p for p in problems)
+    fix = (f"if you trust its content, run `chmod -R go-w {root}`"
+           + (" and copy what another user owns (cp -r) so that you own it" if owned_elsewhere else "")
+           + ", then resume; otherwise move it aside")
+    raise UnsafeCheckpointError(
+        f"refusing to resume from {checkpoint}: loading unpickles its files, and other users can "
+        f"change these paths: {shown}. {fix[0].upper()}{fix[1:]} "
+        "(or set [checkpoint] resume = false to start from scratch)"
+    )
+
+
+def _who(mode: int) -> str:
+    both = (mode & stat.S_IWGRP) and (mode & stat.S_IWOTH)
+    return "group and others" if both else ("group" if mode & stat.S_IWGRP else "others")
