@@ -6,7 +6,8 @@ template to the request's messages, generates through the `EngineBatcher` (so co
 sessions share engine calls) and keeps the prompt and response token ids and log-probs of each
 completion for training. Sampling uses the rollout's configured temperature/top-p/top-k (the
 trainer recomputes log-probs at that temperature); a request may lower `max_tokens` and add
-`stop` strings. Requests that cannot be served get a 4xx with a message saying why.
+`stop` strings. Requests that cannot be served get a 4xx with a message saying why: a body over
+`max_body_bytes` gets 413 before it is read whole, one nested deeper than `max_json_depth` 400.
 
     proxy = AgentProxy(batcher, tokenizer, sampling, model_name="policy", ttl_s=600)
     await proxy.start()                 # in the event loop that owns the batcher
@@ -19,7 +20,6 @@ trainer recomputes log-probs at that temperature); a request may lower `max_toke
 from __future__ import annotations
 
 import asyncio
-import json
 import socket
 import time
 import uuid
@@ -33,6 +33,12 @@ from relax_hpc.agents.batcher import EngineBatcher
 from relax_hpc.agents.export import CompletionRecord
 from relax_hpc.agents.sessions import SessionAuthError, SessionStore
 from relax_hpc.engines.base import SamplingParams
+from relax_hpc.engines.http_server import JsonBodyError, load_json_body
+
+# A chat request's body: 8 MiB is about 2M tokens of text, far beyond any model's context.
+MAX_BODY_BYTES = 8 * 1024 * 1024
+# Messages with text parts nest 5 levels; the limit leaves room for fields the proxy ignores.
+MAX_JSON_DEPTH = 32
 
 
 class RequestError(Exception):
@@ -101,15 +107,36 @@ def parse_chat_request(body: Any) -> ChatRequest:
     return ChatRequest(parsed, max_tokens, stops)
 
 
+async def read_body(request: Request, max_bytes: int) -> bytes:
+    """The request's body, refused (413) from its Content-Length before reading, or as soon as
+    a body sent without one (chunked) passes `max_bytes`."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        text = declared.strip()
+        if not (text.isascii() and text.isdigit()):
+            raise RequestError(400, f"Content-Length {declared[:40]!r} is not a byte count")
+        if len(text) > 18 or int(text) > max_bytes:
+            raise RequestError(413, f"the request body is {text[:40]} bytes; at most {max_bytes} are accepted")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise RequestError(413, f"the request body is over {max_bytes} bytes, the most this proxy accepts")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 class AgentProxy:
     """The HTTP proxy; start it inside the event loop that owns `batcher`."""
 
     def __init__(self, batcher: EngineBatcher, tokenizer: Any, sampling: SamplingParams,
                  model_name: str = "policy", ttl_s: float = 600.0, host: str = "127.0.0.1",
-                 max_context_tokens: int | None = None) -> None:
+                 max_context_tokens: int | None = None, max_body_bytes: int = MAX_BODY_BYTES,
+                 max_json_depth: int = MAX_JSON_DEPTH) -> None:
         self.batcher, self.tokenizer, self.sampling = batcher, tokenizer, sampling
         self.model_name, self.host = model_name, host
         self.max_context_tokens = max_context_tokens
+        self.max_body_bytes, self.max_json_depth = max_body_bytes, max_json_depth
         self.sessions = SessionStore(ttl_s)
         self.port = 0
         self.app = self._build_app()
@@ -181,11 +208,11 @@ class AgentProxy:
             except SessionAuthError as e:
                 return error(401, str(e))
             try:
-                raw = await request.body()
+                raw = await read_body(request, self.max_body_bytes)
                 try:
-                    body = json.loads(raw)
-                except (ValueError, UnicodeDecodeError) as e:
-                    raise RequestError(400, f"the request body is not valid JSON ({e})") from e
+                    body = load_json_body(raw, self.max_json_depth)
+                except JsonBodyError as e:
+                    raise RequestError(400, str(e)) from None
                 req = parse_chat_request(body)
                 record = await self._complete(req, session=id(session))
             except RequestError as e:

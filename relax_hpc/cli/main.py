@@ -98,17 +98,25 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve_engine(args: argparse.Namespace) -> int:
-    from relax_hpc.engines.http_server import EngineServer
+    from relax_hpc.engines.http_server import EngineServer, ServerLimits, exposure_warning
     from relax_hpc.engines.native import NativeEngine
 
+    chosen = {"request_timeout_s": args.request_timeout_s, "max_connections": args.max_connections,
+              "max_body_bytes": args.max_body_bytes, "max_prompts": args.max_prompts,
+              "max_request_prompt_tokens": args.max_prompt_tokens,
+              "max_request_new_tokens": args.max_new_tokens}
+    limits = ServerLimits(**{k: v for k, v in chosen.items() if v is not None})  # the rest: its defaults
     engine = NativeEngine(args.model_dir, dtype=args.dtype, device=args.device)
     info = {"model_path": str(args.model_dir), "tokenizer_path": str(args.model_dir)}
     try:
         server = EngineServer(engine, host=args.host, port=args.port, model_info=info,
-                              vocab_size=int(engine.model.config.vocab_size))
+                              vocab_size=int(engine.model.config.vocab_size), limits=limits)
     except OSError as e:
         raise ValueError(f"cannot listen on {args.host}:{args.port} ({e.strerror}); "
                          "pick another --port, or --port 0 for a free one") from e
+    warning = exposure_warning(args.host, server.port)
+    if warning:
+        print(f"relax-hpc serve-engine: {warning}", file=sys.stderr, flush=True)
     print(server.url, flush=True)  # the first line of output: scripts read it to find a free port
     try:
         server.serve_forever()
@@ -162,10 +170,23 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("serve-engine", help="serve MODEL_DIR over HTTP (POST /generate, GET /health); prints the URL")
     p.add_argument("model_dir", help="local Hugging Face model directory")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 for all)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1; 0.0.0.0 for all, with a warning: the server "
+                        "has no authentication yet)")
     p.add_argument("--port", type=int, default=0, help="port (default 0: a free one, printed at start)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0 (default cpu)")
+    # The limits' defaults live in ServerLimits (engines/http_server.py) and docs/engines.md.
+    p.add_argument("--request-timeout-s", type=float, default=None,
+                   help="seconds a request may take to arrive, headers and body; idle connections close after it")
+    p.add_argument("--max-connections", type=int, default=None,
+                   help="open connections (one thread each); the next one is answered 503")
+    p.add_argument("--max-body-bytes", type=int, default=None,
+                   help="largest request body; larger ones get 413 unread")
+    p.add_argument("--max-prompts", type=int, default=None, help="prompts in one /generate")
+    p.add_argument("--max-prompt-tokens", type=int, default=None,
+                   help="prompt token ids in one /generate, all its prompts together")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="largest sampling_params.max_new_tokens")
     p.set_defaults(func=_cmd_serve_engine)
 
     slurm_commands.add_parsers(sub)  # render, submit, status, logs, cancel, convert

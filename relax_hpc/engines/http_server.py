@@ -5,6 +5,10 @@ SGLang servers alike: a judge model on its own node, a teacher, or a native engi
 without Ray. Standard library only (`http.server`), one thread per connection; generation is
 serialised because engines are not required to be thread-safe.
 
+`ServerLimits` bounds what one client can take: connections (one thread each), the time a
+request may take to arrive, the body's size and nesting, and the prompts and tokens of one
+`/generate`. There is no authentication yet: anyone who can reach the port can generate.
+
 Routes (see docs/engines.md for the full field list):
 
     POST /generate                {"input_ids": [...] | [[...], ...], "sampling_params": {...},
@@ -21,11 +25,15 @@ Run it as `relax-hpc serve-engine MODEL_DIR --port 0`, or in a test:
 
 from __future__ import annotations
 
+import io
+import ipaddress
 import json
 import logging
 import math
+import socket
 import threading
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, fields
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -36,8 +44,12 @@ __all__ = [
     "GREEDY_TEMPERATURE",
     "EngineServer",
     "GenerateRequest",
+    "JsonBodyError",
     "RequestError",
+    "ServerLimits",
+    "exposure_warning",
     "generation_to_sglang",
+    "load_json_body",
     "parse_generate_request",
 ]
 
@@ -46,13 +58,102 @@ log = logging.getLogger(__name__)
 # SGLang reads temperature 0 as greedy decoding; the native sampler needs a positive temperature,
 # and at this one the softmax is one-hot in float32 for any realistic logit gap.
 GREEDY_TEMPERATURE = 1e-5
-# A request larger than this is refused (413) before it is read: 64 MiB is ~8M token ids as JSON.
-MAX_BODY_BYTES = 64 * 1024 * 1024
 
 SAMPLING_KEYS = ("max_new_tokens", "temperature", "top_p", "top_k", "stop", "stop_token_ids", "sampling_seed")
 # Top-level SGLang fields that change nothing here and are accepted so SGLang clients work as they are.
 IGNORED_KEYS = ("rid", "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs", "stream")
 REQUEST_KEYS = ("input_ids", "sampling_params", "return_logprob", "seed", *IGNORED_KEYS)
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """What one client may take from an `EngineServer` (`relax-hpc serve-engine` sets each one)."""
+
+    request_timeout_s: float = 30.0  # a request must arrive whole within this; idle keep-alive ends after it
+    max_connections: int = 64  # open connections, one thread each; the next one is answered 503
+    max_body_bytes: int = 8 * 1024 * 1024  # checked from Content-Length before reading (~1M token ids)
+    max_json_depth: int = 32  # a /generate body needs 3 levels
+    max_prompts: int = 256  # prompts in one /generate
+    max_request_prompt_tokens: int = 262_144  # token ids of all the prompts of one /generate together
+    max_request_new_tokens: int = 32_768  # sampling_params.max_new_tokens; the KV cache is sized by it
+
+    def __post_init__(self) -> None:
+        problems = []
+        for field in fields(self):
+            value = getattr(self, field.name)
+            name = f"{field.name} ({LIMIT_FLAGS[field.name]})" if field.name in LIMIT_FLAGS else field.name
+            if field.name == "request_timeout_s":
+                if not _is_number(value) or value <= 0:
+                    problems.append(f"{name} must be a number of seconds > 0, got {value!r}")
+            elif not _is_int(value) or value < 1:
+                problems.append(f"{name} must be an integer >= 1, got {value!r}")
+        if problems:
+            raise ValueError("engine server limits: " + "; ".join(problems))
+
+
+# At most this much of a body refused with 413 is read and dropped, so the client gets to read
+# the refusal (a reply sent mid-body is lost when the server closes while the client still sends).
+LINGER_BYTES = 64 * 1024 * 1024
+
+# The serve-engine option of each limit, for error messages (max_json_depth has none).
+LIMIT_FLAGS = {
+    "request_timeout_s": "--request-timeout-s",
+    "max_connections": "--max-connections",
+    "max_body_bytes": "--max-body-bytes",
+    "max_prompts": "--max-prompts",
+    "max_request_prompt_tokens": "--max-prompt-tokens",
+    "max_request_new_tokens": "--max-new-tokens",
+}
+
+
+class JsonBodyError(ValueError):
+    """A body that is not JSON, or is nested deeper than allowed; the message says which."""
+
+
+def _deeper_than(value: Any, max_depth: int) -> bool:
+    """Whether containers nest more than `max_depth` levels (`[]` is 1, `{"a": [1]}` is 2)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > max_depth:
+            return True
+        children = item.values() if isinstance(item, dict) else item
+        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+    return False
+
+
+def load_json_body(raw: bytes, max_depth: int) -> Any:
+    """A UTF-8 JSON request body decoded; JsonBodyError when it is not JSON or nests too deep.
+
+    The decoder recurses once per level, so a deep enough body would end in RecursionError (a
+    500); that and anything between `max_depth` and the recursion limit are refused alike."""
+    too_deep = f"the JSON body nests more than {max_depth} levels deep; at most {max_depth} are accepted"
+    try:
+        value = json.loads(raw.decode("utf-8"))
+    except RecursionError:
+        raise JsonBodyError(too_deep) from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise JsonBodyError(f"the body is not valid JSON: {e}") from None
+    if isinstance(value, (dict, list)) and _deeper_than(value, max_depth):
+        raise JsonBodyError(too_deep)
+    return value
+
+
+def exposure_warning(host: str, port: int) -> str | None:
+    """The warning to print when the server listens beyond this machine (None on loopback)."""
+    if host == "localhost":
+        return None
+    try:
+        if ipaddress.ip_address(host).is_loopback:
+            return None
+    except ValueError:  # a host name: it may resolve to any interface
+        pass
+    return (
+        f"warning: the engine server listens on {host}:{port}, which is not a loopback address, and it has "
+        f"no authentication yet: anyone who can reach port {port} can generate with this model and read "
+        "its model_info. Use it only on a network where every host is trusted, or serve on 127.0.0.1 "
+        "(the default) and reach it through an SSH tunnel (ssh -L)."
+    )
 
 
 class RequestError(ValueError):
@@ -97,12 +198,24 @@ def _show(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _parse_prompts(body: dict[str, Any], vocab_size: int | None) -> tuple[list[list[int]], bool]:
+def _parse_prompts(body: dict[str, Any], vocab_size: int | None,
+                   limits: ServerLimits) -> tuple[list[list[int]], bool]:
     if "input_ids" not in body:
         hint = " (this server takes token ids, not text: tokenize on the client)" if "text" in body else ""
         raise RequestError(f"missing 'input_ids': send a list of token ids or a list of such lists{hint}")
     ids = body["input_ids"]
-    if isinstance(ids, list) and ids and isinstance(ids[0], list):
+    batched = isinstance(ids, list) and bool(ids) and isinstance(ids[0], list)
+    if batched and len(ids) > limits.max_prompts:
+        raise RequestError(f"input_ids holds {len(ids)} prompts; this server takes at most {limits.max_prompts} "
+                           f"in one request ({LIMIT_FLAGS['max_prompts']}): split the batch")
+    if batched:
+        total = sum(len(p) if isinstance(p, list) else 1 for p in ids)
+    else:
+        total = len(ids) if isinstance(ids, list) else 0
+    if total > limits.max_request_prompt_tokens:
+        raise RequestError(f"input_ids holds {total} prompt tokens in all; this server takes at most "
+                           f"{limits.max_request_prompt_tokens} in one request ({LIMIT_FLAGS['max_request_prompt_tokens']})")
+    if batched:
         return [_token_list(p, f"input_ids[{i}]", vocab_size) for i, p in enumerate(ids)], True
     return [_token_list(ids, "input_ids", vocab_size)], False
 
@@ -157,17 +270,23 @@ def _parse_sampling(raw: Any) -> tuple[SamplingParams, int | None]:
         raise RequestError(f"sampling_params: {e}") from e
 
 
-def parse_generate_request(body: Any, vocab_size: int | None = None) -> GenerateRequest:
+def parse_generate_request(body: Any, vocab_size: int | None = None,
+                           limits: ServerLimits | None = None) -> GenerateRequest:
     """Validate a decoded `POST /generate` body; RequestError says what is wrong."""
+    limits = limits or ServerLimits()
     if not isinstance(body, dict):
         raise RequestError(f"the body must be a JSON object with 'input_ids', got {_show(body)}")
-    prompts, batched = _parse_prompts(body, vocab_size)  # first: a text request gets the tokenize hint
+    prompts, batched = _parse_prompts(body, vocab_size, limits)  # first: a text request gets the tokenize hint
     unknown = sorted(set(body) - set(REQUEST_KEYS))
     if unknown:
         raise RequestError(f"unsupported request keys {unknown}; supported: {list(REQUEST_KEYS)}")
     if body.get("stream"):
         raise RequestError("'stream': true is not supported; send the request without streaming")
     params, sampling_seed = _parse_sampling(body.get("sampling_params"))
+    if params.max_new_tokens > limits.max_request_new_tokens:
+        given = "" if "max_new_tokens" in (body.get("sampling_params") or {}) else " (the default)"
+        raise RequestError(f"sampling_params.max_new_tokens = {params.max_new_tokens}{given} is over this "
+                           f"server's limit of {limits.max_request_new_tokens} ({LIMIT_FLAGS['max_request_new_tokens']})")
     seed = body.get("seed", sampling_seed)
     if seed is not None and not _is_int(seed):
         raise RequestError(f"seed must be an integer, got {_show(seed)}")
@@ -196,6 +315,83 @@ def generation_to_sglang(gen: Generation, return_logprob: bool, request_id: str)
     return {"text": gen.text, "output_ids": list(gen.token_ids), "meta_info": meta}
 
 
+class _BoundedHTTPServer(ThreadingHTTPServer):
+    """One thread per connection, at most `max_connections` of them; the next connection gets a
+    503 from the accepting thread (a non-blocking send, never a wait) and is closed."""
+
+    daemon_threads = True
+    request_queue_size = 64  # the listen backlog: connections the kernel holds until accepted
+
+    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler],
+                 max_connections: int) -> None:
+        self.max_connections = max_connections
+        self._slots = threading.BoundedSemaphore(max_connections)
+        message = (f"the engine server is serving its limit of {max_connections} connections "
+                   f"({LIMIT_FLAGS['max_connections']}); retry later")
+        body = json.dumps({"error": {"message": message, "code": HTTPStatus.SERVICE_UNAVAILABLE}}).encode()
+        self._busy_reply = (
+            "HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nRetry-After: 1\r\nConnection: close\r\n\r\n"
+        ).encode() + body
+        super().__init__(address, handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self._refuse(request)
+            return
+        try:
+            super().process_request(request, client_address)  # starts the connection's thread
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)  # serves, then closes the socket
+        finally:
+            self._slots.release()
+
+    def _refuse(self, request: socket.socket) -> None:
+        try:
+            request.setblocking(False)
+            request.send(self._busy_reply)
+            # Read what the client already sent: closing with unread bytes would answer it with a
+            # reset, and the client could lose the 503.
+            request.recv(65536)
+        except OSError:
+            pass
+        self.shutdown_request(request)
+
+
+class _DeadlineReader(io.RawIOBase):
+    """Socket reads that fail once the current request's deadline has passed.
+
+    A per-read timeout alone lets a client trickle one byte at a time and hold its thread for
+    ever; with a deadline the whole request, headers and body, must arrive within `timeout_s` of
+    the server starting to wait for it."""
+
+    def __init__(self, sock: socket.socket, timeout_s: float) -> None:
+        super().__init__()
+        self._sock, self._timeout_s = sock, timeout_s
+        self._deadline = math.inf
+
+    def start_request(self) -> None:
+        self._deadline = time.monotonic() + self._timeout_s
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        remaining = self._deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError(f"the request did not arrive within {self._timeout_s} s")
+        self._sock.settimeout(remaining)
+        try:
+            return self._sock.recv_into(buffer)
+        finally:
+            self._sock.settimeout(self._timeout_s)  # writes keep the plain per-call timeout
+
+
 class EngineServer:
     """An HTTP server in front of one engine; `start()` serves from a background thread."""
 
@@ -206,15 +402,20 @@ class EngineServer:
         port: int = 0,
         model_info: dict[str, Any] | None = None,
         vocab_size: int | None = None,
+        limits: ServerLimits | None = None,
     ) -> None:
         self.engine = engine
         self.model_info = dict(model_info or {})
         self.vocab_size = vocab_size
+        self.limits = limits or ServerLimits()
         self._generate_lock = threading.Lock()
         self._request_count = 0
-        self._httpd = ThreadingHTTPServer((host, port), _make_handler(self))
-        self._httpd.daemon_threads = True
+        self._httpd = _BoundedHTTPServer((host, port), _make_handler(self), self.limits.max_connections)
         self._thread: threading.Thread | None = None
+
+    @property
+    def port(self) -> int:
+        return int(self._httpd.server_address[1])
 
     @property
     def url(self) -> str:
@@ -252,7 +453,7 @@ class EngineServer:
 
     def generate(self, body: Any) -> Any:
         """Answer one decoded `/generate` body (RequestError for a bad one)."""
-        request = parse_generate_request(body, self.vocab_size)
+        request = parse_generate_request(body, self.vocab_size, self.limits)
         with self._generate_lock:
             self._request_count += 1
             rid = f"req-{self._request_count}"
@@ -264,8 +465,22 @@ class EngineServer:
 
 
 def _make_handler(server: EngineServer) -> type[BaseHTTPRequestHandler]:
+    limits = server.limits
+
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"  # keep-alive: a client may send many requests on one socket
+        timeout = limits.request_timeout_s  # the socket's timeout (setup() sets it): bounds every write
+
+        def setup(self) -> None:
+            super().setup()
+            self._reader = _DeadlineReader(self.connection, limits.request_timeout_s)
+            self.rfile = io.BufferedReader(self._reader)
+
+        def handle_one_request(self) -> None:
+            # A timeout anywhere in here (a read past the deadline, a stuck write) ends the
+            # connection: BaseHTTPRequestHandler catches TimeoutError and closes it.
+            self._reader.start_request()
+            super().handle_one_request()
 
         def log_message(self, format: str, *args: Any) -> None:
             log.debug("%s " + format, self.address_string(), *args)
@@ -275,6 +490,8 @@ def _make_handler(server: EngineServer) -> type[BaseHTTPRequestHandler]:
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
+            if self.close_connection:
+                self.send_header("Connection", "close")
             self.end_headers()
             self.wfile.write(data)
 
@@ -303,6 +520,8 @@ def _make_handler(server: EngineServer) -> type[BaseHTTPRequestHandler]:
             except RequestError as e:
                 self.close_connection = True  # the unread rest of the body would poison the socket
                 self._error(e.status, str(e))
+                if e.status == HTTPStatus.REQUEST_ENTITY_TOO_LARGE:
+                    self._discard_body()
                 return
             try:
                 self._reply(HTTPStatus.OK, server.generate(body))
@@ -324,11 +543,15 @@ def _make_handler(server: EngineServer) -> type[BaseHTTPRequestHandler]:
 
         def _length(self) -> int:
             raw = self.headers.get("Content-Length")
-            try:
-                length = int(raw) if raw is not None else 0
-            except ValueError:
-                raise RequestError(f"Content-Length {raw!r} is not a number") from None
-            return max(length, 0)
+            if raw is None:
+                return 0
+            text = raw.strip()
+            if not (text.isascii() and text.isdigit()):  # int() would also take "-5", "+5" and "1_0"
+                raise RequestError(f"Content-Length {_show(raw)} is not a byte count")
+            if len(text) > 18:  # over any limit (and int() refuses more than 4300 digits)
+                raise RequestError(f"Content-Length {_show(text)} is over the limit of {limits.max_body_bytes} "
+                                   f"bytes ({LIMIT_FLAGS['max_body_bytes']})", HTTPStatus.REQUEST_ENTITY_TOO_LARGE)
+            return int(text)
 
         def _drain(self) -> None:
             try:
@@ -336,23 +559,40 @@ def _make_handler(server: EngineServer) -> type[BaseHTTPRequestHandler]:
             except RequestError:
                 self.close_connection = True
                 return
-            if length > MAX_BODY_BYTES:
+            if length > limits.max_body_bytes:
                 self.close_connection = True
             elif length:
                 self.rfile.read(length)
+
+        def _discard_body(self) -> None:
+            """Read and drop a refused body, within the request's deadline and up to LINGER_BYTES.
+
+            Most clients read the reply only after sending the whole body; closing on them
+            mid-body breaks their pipe, and they would report that instead of the 413."""
+            try:
+                left = min(self._length(), LINGER_BYTES)
+                while left > 0:
+                    chunk = self.rfile.read1(min(left, 1 << 16))
+                    if not chunk:
+                        break
+                    left -= len(chunk)
+            except (RequestError, OSError):  # TimeoutError past the deadline is an OSError
+                pass
 
         def _read_json(self) -> Any:
             if self.headers.get("Content-Length") is None:
                 raise RequestError("the request needs a Content-Length header and a JSON body",
                                    HTTPStatus.LENGTH_REQUIRED)
             length = self._length()
-            if length > MAX_BODY_BYTES:
-                raise RequestError(f"the body is {length} bytes; at most {MAX_BODY_BYTES} are accepted",
-                                   HTTPStatus.REQUEST_ENTITY_TOO_LARGE)
+            if length > limits.max_body_bytes:  # refused before a byte of it is read
+                raise RequestError(f"the body is {length} bytes; at most {limits.max_body_bytes} are accepted "
+                                   f"({LIMIT_FLAGS['max_body_bytes']})", HTTPStatus.REQUEST_ENTITY_TOO_LARGE)
             raw = self.rfile.read(length)
+            if len(raw) < length:
+                raise RequestError(f"the body ended after {len(raw)} of its {length} bytes (Content-Length)")
             try:
-                return json.loads(raw.decode("utf-8"))
-            except (UnicodeDecodeError, json.JSONDecodeError) as e:
-                raise RequestError(f"the body is not valid JSON: {e}") from None
+                return load_json_body(raw, limits.max_json_depth)
+            except JsonBodyError as e:
+                raise RequestError(str(e)) from None
 
     return Handler

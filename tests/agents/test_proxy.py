@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import httpx
@@ -172,3 +174,43 @@ def test_parse_chat_request_accepts_text_parts_and_stop_strings() -> None:
     assert req.messages == [{"role": "user", "content": "ab"}] and req.max_tokens == 3 and req.stop == ("x",)
     with pytest.raises(RequestError, match="stop must be"):
         parse_chat_request({"messages": [{"role": "user", "content": "a"}], "stop": [1]})
+
+
+def test_oversized_and_deeply_nested_bodies_get_4xx_not_500() -> None:
+    svc, engine = service("agent_doubles:ChatAgent", ["ab"])
+    try:
+        assert svc.proxy is not None
+        url, port = svc.proxy.base_url, svc.proxy.port
+        key = svc.proxy.sessions.open().api_key
+        auth = {"Authorization": f"Bearer {key}"}
+        limit = svc.proxy.max_body_bytes
+        # 100 MiB announced, one byte sent: the 413 comes without the proxy waiting for the rest.
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+            sock.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\n"
+                         f"Content-Type: application/json\r\nContent-Length: {100 << 20}\r\n\r\n{{".encode())
+            reply = b""
+            while chunk := sock.recv(65536):  # the proxy answers, then closes the connection
+                reply += chunk
+        assert reply.startswith(b"HTTP/1.1 413 ")
+        message = json.loads(reply.split(b"\r\n\r\n", 1)[1])["error"]["message"]
+        assert message == f"the request body is {100 << 20} bytes; at most {limit} are accepted"
+
+        def chunks() -> Iterator[bytes]:  # no Content-Length: sent chunked, counted as it arrives
+            for _ in range(limit // (1 << 20) + 2):
+                yield b" " * (1 << 20)
+
+        r = httpx.post(f"{url}/chat/completions", content=chunks(), headers=auth, timeout=30)
+        assert r.status_code == 413
+        assert r.json()["error"]["message"] == f"the request body is over {limit} bytes, the most this proxy accepts"
+        # Nested past the decoder's recursion limit, and one level past the proxy's own limit.
+        deep = svc.proxy.max_json_depth
+        for raw in (b"[" * 100_000, b'{"messages": ' + b"[" * deep + b"]" * deep + b"}"):
+            r = httpx.post(f"{url}/chat/completions", content=raw, headers=auth, timeout=30)
+            assert r.status_code == 400, r.text
+            assert r.json()["error"]["message"] == (f"the JSON body nests more than {deep} levels deep; "
+                                                    f"at most {deep} are accepted")
+        assert engine.produced == []
+        body = {"model": "policy", "messages": [{"role": "user", "content": "hi"}]}
+        assert httpx.post(f"{url}/chat/completions", json=body, headers=auth, timeout=30).status_code == 200
+    finally:
+        svc.close()
