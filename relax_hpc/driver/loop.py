@@ -11,7 +11,8 @@ what it trained (`publish_version`), so it goes from step N to the broadcast to 
 a round trip. The broadcast overlaps step N+1. The staleness bound is unchanged because rollout
 (and ActorFwd) wait at their batch boundary for the version the bound requires
 (`relax_hpc.weights.base.required_weight_version`). A failed broadcast fails the loop with the
-channel's error.
+channel's error. A role that dies (a trainer rank, rollout, ActorFwd...) fails it at once with
+`RoleDiedError`, which names it; every call to a role has a deadline (`roles.handles`).
 
 When step N's result is back the loop clears it first (a rollout held by the staleness bound
 may start its next step), waits for the broadcast before it (long finished: a whole step went
@@ -33,7 +34,7 @@ from typing import Callable
 
 from relax_hpc.ckpt import ResumeState
 from relax_hpc.ops.metrics import MetricsSink
-from relax_hpc.roles.handles import Roles, TrainTicket
+from relax_hpc.roles.handles import RoleDiedError, Roles, TrainTicket
 from relax_hpc.weights.base import PendingWeights
 
 
@@ -147,6 +148,8 @@ def run_loop(
                 resume = ResumeState(step, version, cursor, samples_trained)  # the trainer is idle
                 result.last_checkpoint = roles.save_checkpoint(resume)
                 ticket = ticket or submit(step)
+    except RoleDiedError:
+        raise                                     # the cause itself: no broadcast it broke is waited for
     except Exception as error:
         raise_broadcast_error_first(pending, error)
         raise

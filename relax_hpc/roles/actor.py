@@ -11,6 +11,7 @@ places one Ray actor per rank.
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 from dataclasses import dataclass
@@ -35,6 +36,15 @@ from relax_hpc.spec.schema import AlgorithmSpec, ModelSpec, RolloutSpec, TrainSp
 from relax_hpc.transfer.connect import connect_queue
 from relax_hpc.transfer.queue import TransferQueue, partition_name
 from relax_hpc.weights.endpoints import WeightSenderEndpoint
+
+# How long every trainer rank waits for the others to reach the group's TCP store at start.
+RENDEZVOUS_TIMEOUT = timedelta(minutes=10)
+# How long a collective waits for a rank before it fails (gloo raises; NCCL's watchdog ends the
+# process). Longer than the transfer queue's wait for rows (10 min by default): under fsdp2 a
+# rank waits inside a collective while a peer waits for its next rows, and the queue's timeout
+# names the partition that starved it. A rank that dies is reported at once by the driver
+# (`roles.handles`), not after this.
+COLLECTIVE_TIMEOUT = timedelta(minutes=30)
 
 
 @dataclass(frozen=True)
@@ -101,14 +111,15 @@ class ActorWorker(WeightSenderEndpoint):
                 raise ValueError("a trainer with several ranks needs the rendezvous address of rank 0")
             host, port = master.rsplit(":", 1)
             store = dist.TCPStore(host, int(port), world_size, is_master=rank == 0,
-                                  timeout=timedelta(minutes=10))
+                                  timeout=RENDEZVOUS_TIMEOUT)
             local_rank = local_rank_on_node(store, rank)
         self.device = rank_device(cfg.device, local_rank, ray_gpu_ids=ray_gpu_ids())
         if self.device.startswith("cuda"):
             torch.cuda.set_device(self.device)  # NCCL and the weight channel use the current device
         if store is not None:
             group_backend = "nccl" if self.device.startswith("cuda") else "gloo"
-            dist.init_process_group(group_backend, store=store, rank=rank, world_size=world_size)
+            dist.init_process_group(group_backend, store=store, rank=rank, world_size=world_size,
+                                    timeout=COLLECTIVE_TIMEOUT)
         torch.manual_seed(cfg.seed + rank)
         self.rank, self.world_size = rank, world_size
         self.cfg_micro_batch, self.mini_batches = cfg.optim.micro_batch_size, cfg.optim.mini_batches
@@ -127,6 +138,10 @@ class ActorWorker(WeightSenderEndpoint):
         self._queue: TransferQueue | None = None
         self.archive: TrajectoryArchive | None = (
             HDF5TrajectoryArchive(Path(cfg.archive_dir), rank, world_size) if cfg.archive_dir else None)
+
+    def pid(self) -> int:
+        """This rank's process id (its Ray worker log carries it; tests kill it)."""
+        return os.getpid()
 
     def train(self, samples: list[Sample]) -> dict[str, float]:
         stats = self.backend.train(samples)

@@ -3,11 +3,17 @@
 `RayRoles` places one Rollout actor and `train.num_processes` Actor ranks on the Ray cluster and
 serves the transfer queue over ZMQ; `LocalRoles` runs the same workers in this process with an
 in-memory queue (fast tests, debugging).
+
+Every call the driver makes to a Ray role has a deadline (`STATUS_TIMEOUT_S`, `ROLE_START_TIMEOUT_S`,
+`CHECKPOINT_TIMEOUT_S`; a training step is polled instead). A role that dies ends the call at once
+with `RoleDiedError`, one that does not answer in time with `RoleTimeoutError`; both name the role
+("trainer rank 1", "rollout", "actor_fwd"), what it was doing, and where its log is.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import time
 from typing import Any, Callable, Protocol, Sequence
 
@@ -28,6 +34,22 @@ log = logging.getLogger(__name__)
 
 # The roles that read and write fields of queued rows beside Rollout and Actor.
 RoleConfig = ForwardConfig | AdvantagesConfig
+
+# Deadlines of the driver's calls to Ray roles.
+STATUS_TIMEOUT_S = 60.0  # status and control: producer errors, step reports, start and stop
+ROLE_START_TIMEOUT_S = 1800.0  # a role's first answer: Ray places it, it loads its model
+CHECKPOINT_TIMEOUT_S = 3600.0  # a collective save or load of the weights and optimizer state
+# After one trainer rank fails, how long to look for a rank that died: a dead peer makes the
+# others fail in their collective too, and the death is the cause to report.
+DEATH_GRACE_S = 5.0
+
+
+class RoleDiedError(RuntimeError):
+    """A role's process died (Ray reports its actor dead); the message names it and its log."""
+
+
+class RoleTimeoutError(TimeoutError):
+    """A role did not answer a call within the call's deadline; the message names it and its log."""
 
 
 def _worker_class(cfg: RoleConfig) -> type[ForwardWorker] | type[AdvantagesWorker]:
@@ -146,27 +168,32 @@ class _LazyTicket:
 
 
 class _RayTicket:
-    """Trainer ranks' step on Ray. While waiting it asks the producing roles every `poll_s`
-    whether they failed: a dead rollout then ends the step at once with its error, instead of
-    after the trainer's queue timeout (the stuck trainer is killed at shutdown)."""
+    """Trainer ranks' step on Ray. While waiting it looks every `poll_s` at the ranks and asks the
+    producing roles whether they failed: a rank that died or failed, or a failed rollout, ends
+    the step at once with its error, instead of after the other ranks' collective or the queue
+    timeout (the stuck ranks are killed at shutdown)."""
 
     def __init__(self, refs: list[Any], errors: Callable[[], str | None], poll_s: float = 1.0,
-                 publish: Callable[[], PendingWeights] | None = None) -> None:
+                 publish: Callable[[], PendingWeights] | None = None, doing: str = "training") -> None:
         self._refs, self._errors, self._poll_s = refs, errors, poll_s
-        self._publish = publish
+        self._publish, self._doing = publish, doing
         self.done = False
 
     def result(self) -> dict[str, float]:
         import ray
 
-        while True:
-            ready, _ = ray.wait(self._refs, num_returns=len(self._refs), timeout=self._poll_s)
-            if len(ready) == len(self._refs):
-                break
-            error = self._errors()
-            if error:
-                raise RuntimeError(f"{error} (the trainer was waiting for that step's rows)")
-        stats = _guard(self._errors, lambda: _merge_rank_stats(ray.get(self._refs)))
+        calls = [(f"trainer rank {rank}", ref) for rank, ref in enumerate(self._refs)]
+        results: dict[Any, dict[str, float]] = {}
+        pending = list(self._refs)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=len(pending), timeout=self._poll_s)
+            for ref in ready:
+                results[ref] = _guard(self._errors, lambda ref=ref: _result_of(calls, ref, self._doing, results))
+            if pending:
+                error = self._errors()
+                if error:
+                    raise RuntimeError(f"{error} (the trainer was waiting for that step's rows)")
+        stats = _merge_rank_stats([results[ref] for ref in self._refs])
         self.done = True
         return stats
 
@@ -178,14 +205,114 @@ class _RayTicket:
 
 
 def _guard(producer_error: Any, train: Any) -> dict[str, float]:
-    """Run a train step; if it fails because a producing role died, say so instead of a queue timeout."""
+    """Run a train step; if it fails because a producing role failed, say so instead of a queue
+    timeout. A role that died is the cause itself."""
     try:
         return train()
+    except RoleDiedError:
+        raise
     except Exception as e:
         error = producer_error()
         if error:
             raise RuntimeError(error) from e
         raise
+
+
+def get_from_roles(calls: Sequence[tuple[str, Any]], doing: str, timeout_s: float) -> list[Any]:
+    """The results of Ray calls, one per named role (`(name, ObjectRef)`), in order, within `timeout_s`.
+
+    The first role that dies or fails ends the wait at once, whatever the others do (they may
+    wait for it in a collective): `RoleDiedError` for a death, the role's own exception (with a
+    note naming it) for a failure. `RoleTimeoutError` names the roles that did not answer."""
+    import ray
+
+    results: dict[Any, Any] = {}
+    pending = [ref for _, ref in calls]
+    deadline = time.monotonic() + timeout_s
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+        if not ready:
+            late = " and ".join(name for name, ref in calls if ref in pending)
+            raise RoleTimeoutError(f"{late} did not answer within {timeout_s:g} s while {doing} "
+                                   f"(hung or overloaded); {_log_hint()}")
+        for ref in ready:
+            results[ref] = _result_of(calls, ref, doing, results)
+    return [results[ref] for _, ref in calls]
+
+
+def _result_of(calls: Sequence[tuple[str, Any]], ref: Any, doing: str, results: dict[Any, Any]) -> Any:
+    """The result of the finished call `ref`; a dead role or a failure raises (see get_from_roles).
+    When the role failed, another role without a result in `results` that died meanwhile (its
+    peer in a collective, say) is reported instead."""
+    import ray
+
+    who = next(name for name, r in calls if r == ref)
+    try:
+        return ray.get(ref)
+    except ray.exceptions.RayActorError as e:
+        raise _died(who, doing, e) from e
+    except Exception as failure:
+        death = _death_among([(name, r) for name, r in calls if r != ref and r not in results], doing)
+        if death is not None:
+            raise death from failure
+        failure.add_note(f"(raised by {who} while {doing})")
+        raise
+
+
+def _death_among(calls: Sequence[tuple[str, Any]], doing: str) -> RoleDiedError | None:
+    """The death of a role among `calls` that Ray reports within DEATH_GRACE_S, if any."""
+    import ray
+
+    if not calls:
+        return None
+    refs = [ref for _, ref in calls]
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=DEATH_GRACE_S)
+    for name, ref in calls:
+        if ref in ready:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError as e:
+                return _died(name, doing, e)
+            except Exception:  # noqa: BLE001, S110 - a failure, not a death: the caller raises its own
+                pass
+    return None
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def _died(who: str, doing: str, error: BaseException) -> RoleDiedError:
+    """`who` died: Ray's reason in one line, with the process id and host its text carries."""
+    text = _ANSI.sub("", str(error))
+    lines = [line.strip() for line in text.splitlines() if line.strip()] or [type(error).__name__]
+    pid = re.search(r"\bpid[:=]\s*(\d+)", text)
+    host = re.search(r"\bip[:=]\s*([\w.:-]+?)[,)\s]", text + " ")
+    where = f" (pid {pid[1]}{f' on {host[1]}' if host else ''})" if pid else ""
+    hint = f"{_log_hint(pid[1] if pid else None)}; an out-of-memory kill shows in dmesg on that host"
+    if getattr(error, "actor_init_failed", False) or "creation task" in lines[0]:
+        return RoleDiedError(f"{who} could not start{where}: {lines[-1]}; {hint}")
+    # Ray's text: "The actor died unexpectedly ...", then the reason, then generic advice.
+    reason = next((line for line in lines if line.startswith("The actor is dead because")), lines[0])
+    reason = reason.split(" Some common causes")[0].rstrip(". ")
+    # Ray's ActorUnavailableError: the process may live, but Ray lost it (a network failure).
+    verb = "became unreachable" if type(error).__name__ == "ActorUnavailableError" else "died"
+    return RoleDiedError(f"{who} {verb} while {doing}{where}: {reason}; {hint}")
+
+
+def _log_hint(pid: str | None = None) -> str:
+    """Where a role's log is: Ray's worker log on its host, and the job's logs under Slurm."""
+    worker = f"worker-*-{pid}.err" if pid else "worker-*.err"
+    return (f"check its log: Ray's {worker} in the session's logs directory on its host "
+            f"({_ray_logs_dir()} on this one) and, under Slurm, JOBDIR/logs/restart-<n>/")
+
+
+def _ray_logs_dir() -> str:
+    try:  # no public Ray API names the session directory
+        from ray._private import worker
+
+        return str(worker._global_node.get_logs_dir_path())
+    except Exception:  # noqa: BLE001 - only a hint in an error message
+        return "<Ray's temp dir, default /tmp/ray>/session_latest/logs"
 
 
 def _node_and_rendezvous() -> tuple[str, str]:
@@ -235,7 +362,9 @@ class RayRoles:
         if num_processes > 1:
             from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-            node_id, master = ray.get(ray.remote(_node_and_rendezvous).options(**placement).remote())
+            task = ray.remote(_node_and_rendezvous).options(**placement).remote()
+            node_id, master = get_from_roles([("a task on a trainer node", task)],
+                                             "picking the trainer's rendezvous address", ROLE_START_TIMEOUT_S)[0]
             rank0 = {**placement, "scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=False)}
         self._actors = [
             ray.remote(ActorWorker).options(**(rank0 if rank == 0 else placement),
@@ -248,7 +377,14 @@ class RayRoles:
             ray.remote(_worker_class(f)).options(max_concurrency=4, **self._placement("forward")).remote(f)
             for f in queue_roles
         ]
-        ray.get([self._rollout.weight_version.remote(), *(f.weight_version.remote() for f in self._queue_roles)])
+        self._queue_role_names = [f.kind for f in queue_roles]
+        # Every role answers once it is placed and built: a role that cannot start is named now.
+        started = get_from_roles(
+            [("rollout", self._rollout.weight_version.remote()),
+             *((name, f.weight_version.remote()) for name, f in zip(self._queue_role_names, self._queue_roles)),
+             *((f"trainer rank {rank}", a.pid.remote()) for rank, a in enumerate(self._actors))],
+            "starting (placed by Ray, loading its model)", ROLE_START_TIMEOUT_S)
+        self._trainer_pids: list[int] = started[len(started) - num_processes:]
         # Trainer rank 0 broadcasts to every engine (and ActorFwd) over gloo / NCCL in buckets.
         fwd = [(h, f) for h, f in zip(self._queue_roles, queue_roles)
                if isinstance(f, ForwardConfig) and f.kind == "actor_fwd"]
@@ -266,30 +402,30 @@ class RayRoles:
             return {"num_cpus": 0, "resources": {component: 0.01}}
         return {"num_cpus": 0}
 
-    def _all(self, method: str, *args: Any) -> list[Any]:
-        import ray
+    def _all(self, doing: str, timeout_s: float, method: str, *args: Any) -> list[Any]:
+        calls = [(f"trainer rank {rank}", getattr(a, method).remote(*args)) for rank, a in enumerate(self._actors)]
+        return get_from_roles(calls, doing, timeout_s)
 
-        return ray.get([getattr(a, method).remote(*args) for a in self._actors])
+    def _rollout_call(self, doing: str, method: str, *args: Any) -> Any:
+        return get_from_roles([("rollout", getattr(self._rollout, method).remote(*args))], doing, STATUS_TIMEOUT_S)[0]
 
-    def _rollout_call(self, method: str, *args: Any) -> Any:
-        import ray
-
-        return ray.get(getattr(self._rollout, method).remote(*args))
+    def _queue_roles_call(self, doing: str, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        calls = [(name, getattr(f, method).remote(*args, **kwargs))
+                 for name, f in zip(self._queue_role_names, self._queue_roles)]
+        return get_from_roles(calls, doing, STATUS_TIMEOUT_S)
 
     def start_rollout(self, start_step: int, total_steps: int, max_staleness: int, start_version: int) -> None:
-        import ray
-
         self._total_steps = total_steps
         self.weights.connect()  # before any step is queued on the trainer: it opens the channel
-        self._rollout_call("start_producer", self.queue_address, start_step, total_steps, max_staleness,
-                           start_version)
-        ray.get([f.start.remote(self.queue_address, start_step, total_steps, start_version=start_version)
-                 for f in self._queue_roles])
+        self._rollout_call("starting its producer", "start_producer", self.queue_address, start_step, total_steps,
+                           max_staleness, start_version)
+        self._queue_roles_call("starting its loop", "start", self.queue_address, start_step, total_steps,
+                               start_version=start_version)
 
     def _errors(self) -> str | None:
-        import ray
-
-        found = [self._rollout_call("producer_error"), *ray.get([f.error.remote() for f in self._queue_roles])]
+        calls = [("rollout", self._rollout.producer_error.remote()),
+                 *((name, f.error.remote()) for name, f in zip(self._queue_role_names, self._queue_roles))]
+        found = get_from_roles(calls, "reporting its errors", STATUS_TIMEOUT_S)
         return "; ".join(e for e in found if e) or None
 
     def start_train(self, step: int, publish_version: int) -> TrainTicket:
@@ -300,7 +436,8 @@ class RayRoles:
         after = step + 1 if step + 1 < self._total_steps else None
         refs = [a.train_from_queue.remote(self.queue_address, step, self.timeout_s, after, publish_version)
                 for a in self._actors]
-        self._ticket = _RayTicket(refs, self._errors, publish=lambda: self.weights.expect(publish_version))
+        self._ticket = _RayTicket(refs, self._errors, publish=lambda: self.weights.expect(publish_version),
+                                  doing=f"training step {step}")
         return self._ticket
 
     def clear_step(self, step: int) -> None:
@@ -309,40 +446,45 @@ class RayRoles:
         self._queue.clear(partition_name(step))
 
     def step_report(self, step: int) -> tuple[dict[str, float], dict]:
-        return self._rollout_call("step_report", step)
+        return self._rollout_call(f"reporting step {step}", "step_report", step)
 
     def save_checkpoint(self, state: ResumeState) -> str:
-        return self._all("save_checkpoint", state)[0]
+        return self._all(f"saving the checkpoint of step {state.step}", CHECKPOINT_TIMEOUT_S,
+                         "save_checkpoint", state)[0]
 
     def load_checkpoint(self) -> ResumeState | None:
-        return self._all("load_checkpoint")[0]
+        return self._all("loading the newest checkpoint", CHECKPOINT_TIMEOUT_S, "load_checkpoint")[0]
 
     def restore_cursor(self, state: dict) -> None:
-        self._rollout_call("restore_cursor", state)
+        self._rollout_call("restoring the data cursor", "restore_cursor", state)
 
     def dataset_summary(self) -> str:
-        return self._rollout_call("dataset_summary")
+        return self._rollout_call("summarizing the dataset", "dataset_summary")
 
     def engine_report(self) -> list[dict[str, Any]]:
-        return self._rollout_call("engine_report")
+        return self._rollout_call("reporting its engines", "engine_report")
 
     def engine_pids(self) -> list[int]:
         """The process ids of the engine actors (tests kill one to check nothing is lost)."""
-        import ray
+        calls = [(f"rollout engine {i}", e.pid.remote()) for i, e in enumerate(self._engines)]
+        return get_from_roles(calls, "reporting its pid", STATUS_TIMEOUT_S)
 
-        return ray.get([e.pid.remote() for e in self._engines])
+    def trainer_pids(self) -> list[int]:
+        """The process ids of the trainer ranks, by rank (tests kill one mid-step)."""
+        return list(self._trainer_pids)
 
     def shutdown(self) -> None:
         import ray
 
         try:
-            stopping = [self._rollout.stop_producer.remote(), *(f.stop.remote() for f in self._queue_roles)]
-            ray.get(stopping, timeout=60)
+            calls = [("rollout", self._rollout.stop_producer.remote()),
+                     *((name, f.stop.remote()) for name, f in zip(self._queue_role_names, self._queue_roles))]
+            get_from_roles(calls, "stopping", STATUS_TIMEOUT_S)
             # A trainer still inside a step (the loop failed) would answer only after its queue
             # timeout: it is killed below without the polite part.
             if self._ticket is None or self._ticket.done:
                 self.weights.close()
-                self._all("shutdown")
+                self._all("shutting down", STATUS_TIMEOUT_S, "shutdown")
         except Exception as e:  # noqa: BLE001 - a role that already died; the loop's own error matters
             log.warning("roles did not shut down cleanly (%s: %s); killing them", type(e).__name__, e)
         finally:

@@ -18,6 +18,7 @@ from e2e_helpers import tiny_spec_text
 from relax_hpc.ckpt import ResumeState
 from relax_hpc.driver.loop import LoopConfig, StopFlag, run_loop
 from relax_hpc.ops.metrics import InMemorySink
+from relax_hpc.roles.handles import RoleDiedError
 from relax_hpc.weights.channel import WeightChannelError
 
 CHANNEL_ERROR = "weight sync to version 2 failed: sender: WeightChannelTimeout: receiver rank(s) [1] did not start"
@@ -50,6 +51,8 @@ class RecordedTicket:
 
     def result(self) -> dict[str, float]:
         self.roles.events.append(f"train {self.step}")
+        if self.step == self.roles.train_dies_at:
+            raise RoleDiedError(f"trainer rank 1 died while training step {self.step} (pid 4242)")
         if self.step == self.roles.train_fails_at:
             raise TimeoutError(f"get from 'train_{self.step}' timed out; is the producer of those fields running?")
         return {"rows": 4.0, "reward_sum": 1.0, "loss": 0.5, "train_s": 0.01, "sync_s": 0.001}
@@ -62,13 +65,14 @@ class RecordedTicket:
 
 class RecordedRoles:
     """Every call the loop makes, in order; training step `train_fails_at` raises like a starved
-    queue; the broadcast of `failing_version` fails."""
+    queue, `train_dies_at` like a trainer rank that died; the broadcast of `failing_version` fails."""
 
     def __init__(self, resume: ResumeState | None = None, failing_version: int | None = None,
-                 train_fails_at: int | None = None) -> None:
+                 train_fails_at: int | None = None, train_dies_at: int | None = None) -> None:
         self.events: list[str] = []
         self.weights = RecordedWeights(self.events)
         self.resume, self.failing_version, self.train_fails_at = resume, failing_version, train_fails_at
+        self.train_dies_at = train_dies_at
 
     def start_rollout(self, start_step: int, total_steps: int, max_staleness: int, start_version: int) -> None:
         self.events.append(f"rollout from step {start_step} version {start_version}")
@@ -166,6 +170,15 @@ def test_training_starved_by_a_failed_broadcast_reports_the_channel_error() -> N
         _run(roles, total=5)
     assert isinstance(caught.value.__cause__, TimeoutError)
     assert roles.events[-2:] == ["train 2", "wait 2"]
+
+
+def test_a_dead_role_fails_the_loop_at_once_without_waiting_for_the_broadcast() -> None:
+    """A dead trainer rank is the cause itself: the loop neither waits for the broadcast in
+    flight (its sender may be the dead rank) nor reports that broadcast's error instead."""
+    roles = RecordedRoles(failing_version=2, train_dies_at=2)
+    with pytest.raises(RoleDiedError, match=r"^trainer rank 1 died while training step 2"):
+        _run(roles, total=5)
+    assert roles.events[-1] == "train 2"
 
 
 def test_training_error_without_a_broadcast_error_is_raised_unchanged() -> None:
