@@ -10,7 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from relax_hpc.launch.jobs import SUBMIT_SPEC, component_names, find_job, job_status, submit_spec
+from relax_hpc.launch.jobs import SUBMIT_SPEC, find_job, job_status, submit_spec
 from relax_hpc.launch.render import render_sbatch
 from relax_hpc.launch.slurm_client import SlurmClient, SubprocessSlurmClient
 from relax_hpc.jobspecs import with_embedded_inputs
@@ -46,10 +46,7 @@ def _job(args: argparse.Namespace) -> tuple[str, Path | None]:
 
 def cmd_status(args: argparse.Namespace) -> int:
     job_id, job_dir = _job(args)
-    names = None
-    if job_dir is not None and (job_dir / SUBMIT_SPEC).is_file():
-        names = component_names(load_spec(job_dir / SUBMIT_SPEC))
-    for line in job_status(job_id, job_dir, make_client(), names).lines():
+    for line in job_status(job_id, job_dir, make_client()).lines():
         print(line)
     return 0
 

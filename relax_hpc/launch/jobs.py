@@ -5,10 +5,15 @@ Job directory of a submitted job (``[job] output_dir``, default runs/<name>, mad
     spec.original.toml   the spec file as the user wrote it
     spec.submit.toml     the resolved spec the job runs (absolute paths)
     job.sbatch           the rendered batch script that was submitted
+    container.env        the [container] env assignments (only with an image and env)
     slurm_job_id         the job id (one line; a resubmission replaces it)
     cluster.json         head address, REST URL, access token (0600), once Ray is up
     logs/restart-<n>/    batch.log, driver.log, ray-*.log of attempt n (SLURM_RESTART_COUNT)
     ... plus what `relax-hpc run` writes: checkpoints/, metrics.jsonl, summary.json, ...
+
+Submit creates the directory and logs/ 0700 (an existing directory keeps its mode) and every
+file above 0600: the spec copies and container.env may hold secrets. It refuses a directory
+that a `relax-hpc run` holds (relax_hpc/driver/jobdir.py).
 """
 
 from __future__ import annotations
@@ -20,10 +25,13 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from relax_hpc.ckpt.fs import atomic_write_text
+from relax_hpc.driver.jobdir import JobDirLock, make_private_dir
+from relax_hpc.launch.container import ENV_FILE, env_file_text
 from relax_hpc.launch.preflight import preflight_problems
 from relax_hpc.launch.render import components, render_sbatch
 from relax_hpc.launch.slurm_client import JobComponent, SlurmClient
-from relax_hpc.spec import JobSpec, spec_to_toml
+from relax_hpc.spec import JobSpec, load_spec, spec_to_toml
 
 __all__ = ["JobStatus", "Submission", "find_job", "job_status", "pin_paths", "submit_spec"]
 
@@ -52,12 +60,6 @@ def pin_paths(spec: JobSpec, base: Path) -> JobSpec:
     return dataclasses.replace(spec, job=job, model=model, data=data)
 
 
-def _write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    tmp.replace(path)
-
-
 @dataclass(frozen=True)
 class Submission:
     job_id: str
@@ -67,7 +69,7 @@ class Submission:
 
 def submit_spec(spec: JobSpec, spec_path: Path, client: SlurmClient, base: Path | None = None,
                 check_cluster: bool = True) -> Submission:
-    """Preflight, write the job directory, sbatch the rendered script; the submission."""
+    """Preflight, write the job directory (owner-only), sbatch the rendered script; the submission."""
     base = base or Path.cwd()
     if check_cluster:
         problems = preflight_problems(spec, client.nodes())
@@ -75,16 +77,26 @@ def submit_spec(spec: JobSpec, spec_path: Path, client: SlurmClient, base: Path 
             raise PreflightError(f"{spec_path}: the cluster cannot run this job:\n  " + "\n  ".join(problems))
     pinned = pin_paths(spec, base)
     job_dir = pinned.job_dir()
-    (job_dir / "logs").mkdir(parents=True, exist_ok=True)
-    _write(job_dir / "spec.original.toml", spec_path.read_text(encoding="utf-8"))
-    _write(job_dir / SUBMIT_SPEC, spec_to_toml(pinned))
+    text = render_sbatch(pinned, str(job_dir), str(job_dir / SUBMIT_SPEC))  # refuses before anything is written
+    # JobDirBusyError (one line, exit 2) while a `relax-hpc run` holds the directory: rewriting
+    # spec.submit.toml under it would change what its next attempt runs. Free, the lock is only
+    # looked at: the job's own run takes it.
+    with JobDirLock(job_dir):  # creates the directory 0700 when it is missing
+        pass
+    make_private_dir(job_dir / "logs")
+    atomic_write_text(job_dir / "spec.original.toml", spec_path.read_text(encoding="utf-8"))
+    atomic_write_text(job_dir / SUBMIT_SPEC, spec_to_toml(pinned))
+    if spec.container.image is not None and spec.container.env:
+        atomic_write_text(job_dir / ENV_FILE, env_file_text(spec.container))
+    else:
+        (job_dir / ENV_FILE).unlink(missing_ok=True)  # an earlier submission's values, unused now
     script = job_dir / SCRIPT
-    _write(script, render_sbatch(pinned, str(job_dir), str(job_dir / SUBMIT_SPEC)))
+    atomic_write_text(script, text)
     env = dict(os.environ)
     if spec.container.image is None:
         env["RELAX_HPC_PYTHON"] = sys.executable  # the Python that has relax_hpc installed
     job_id = client.sbatch(script, base, env)
-    _write(job_dir / JOB_ID_FILE, job_id + "\n")
+    atomic_write_text(job_dir / JOB_ID_FILE, job_id + "\n")
     return Submission(job_id, job_dir, script)
 
 
@@ -109,6 +121,8 @@ def find_job(job: str, client: SlurmClient | None = None,
                 return job, id_file.parent.resolve()
     for component in client.job_components(job) if client is not None else []:
         out = Path(component.stdout)
+        if out.name == "slurm-%j.out":  # the pattern as submitted (older Slurm reports it unexpanded)
+            out = Path(str(out.parent).replace("%%", "%")) / out.name
         if out.parent.name == "logs" and (out.parent.parent / JOB_ID_FILE).is_file():
             return job, out.parent.parent
     return job, None
@@ -156,15 +170,18 @@ def _last_metrics(job_dir: Path) -> tuple[int | None, float | None]:
     return int(record.get("step", 0)), float(reward) if reward is not None else None
 
 
-def job_status(job_id: str, job_dir: Path | None, client: SlurmClient,
-               names: list[str] | None = None) -> JobStatus:
-    """Slurm state of every component plus progress read from the job directory."""
+def job_status(job_id: str, job_dir: Path | None, client: SlurmClient) -> JobStatus:
+    """Slurm state of every component plus progress read from the job directory.
+
+    Components are named from the job directory's spec.submit.toml (with ``[cluster] colocate``
+    group 1 is forward, not rollout); without it they are "group N".
+    """
     found, source = client.job_components(job_id), "squeue"
     if not found:
         accounted = client.accounting(job_id)
         found, source = (accounted or []), ("sacct" if accounted else "none")
-    labels = names or ["trainer", "rollout", "forward"]
-    named = [(labels[c.offset] if c.offset < len(labels) else f"group{c.offset}", c) for c in found]
+    labels = component_names(job_dir)
+    named = [(labels[c.offset] if c.offset < len(labels) else f"group {c.offset}", c) for c in found]
     step = reward = summary = None
     restarts = 0
     if job_dir is not None:
@@ -175,5 +192,8 @@ def job_status(job_id: str, job_dir: Path | None, client: SlurmClient,
     return JobStatus(job_id, job_dir, named, source, step, reward, restarts, summary)
 
 
-def component_names(spec: JobSpec) -> list[str]:
-    return [c.name for c in components(spec)]
+def component_names(job_dir: Path | None) -> list[str]:
+    """The hetjob groups' names from JOBDIR/spec.submit.toml, in group order; [] without one."""
+    if job_dir is None or not (job_dir / SUBMIT_SPEC).is_file():
+        return []
+    return [c.name for c in components(load_spec(job_dir / SUBMIT_SPEC))]

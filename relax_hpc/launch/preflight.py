@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from relax_hpc.launch.render import components
-from relax_hpc.spec import JobSpec
+from relax_hpc.spec import ComponentSpec, JobSpec
 
 __all__ = ["gpus_of", "preflight_problems"]
 
@@ -33,33 +33,55 @@ def _in_partition(node: Mapping[str, Any], partition: str | None) -> bool:
     return partition is None or partition in (node.get("partitions") or [])
 
 
+def _listed(partition: str | None) -> list[str | None]:
+    """The names of a partition value ("gpu,gpu-long"); [None] (the whole cluster) when unset."""
+    return list(partition.split(",")) if partition else [None]
+
+
+def _fit_problems(c: ComponentSpec, key: str, partition: str | None,
+                  pool: Sequence[Mapping[str, Any]]) -> list[str]:
+    """What one component asks of the nodes of one partition (or the cluster) that they lack."""
+    where = f"partition {partition!r}" if partition else "the cluster"
+    problems = []
+    if c.nodes > len(pool):
+        problems.append(f"{key}.nodes = {c.nodes}: {where} has only {len(pool)} node(s)")
+    max_gpus = max(gpus_of(node) for node in pool)
+    if c.gpus_per_node > max_gpus:
+        problems.append(f"{key}.gpus_per_node = {c.gpus_per_node}: the nodes of {where} carry at most "
+                        f"{max_gpus} GPU(s); lower gpus_per_node or choose another partition")
+    max_cpus = max(int(node.get("cpus") or 0) for node in pool)
+    if c.cpus_per_node > max_cpus:
+        problems.append(f"{key}.cpus_per_node = {c.cpus_per_node}: the nodes of {where} have at most "
+                        f"{max_cpus} CPUs")
+    return problems
+
+
 def preflight_problems(spec: JobSpec, nodes: Sequence[Mapping[str, Any]]) -> list[str]:
-    """One message per impossible request; [] when the spec fits the cluster."""
+    """One message per impossible request; [] when the spec fits the cluster.
+
+    A partition list ("gpu,gpu-long") must name partitions that all exist; Slurm runs the
+    component in one of them, so it fits when it fits one of them.
+    """
     problems: list[str] = []
     known_partitions = sorted({p for node in nodes for p in (node.get("partitions") or [])})
     demand: dict[str | None, list[str]] = {}
     for component in components(spec):
         c, key = component.spec, f"cluster.{component.name}"
-        where = f"partition {c.partition!r}" if c.partition else "the cluster"
-        pool = [node for node in nodes if _in_partition(node, c.partition)]
-        if not pool:
-            problems.append(f"{key}.partition = {c.partition!r}: no such partition; "
+        partitions = _listed(c.partition)
+        unknown = [name for name in partitions if not any(_in_partition(node, name) for node in nodes)]
+        if unknown:
+            which = "" if len(partitions) == 1 else " " + ", ".join(repr(name) for name in unknown)
+            problems.append(f"{key}.partition = {c.partition!r}: no such partition{which}; "
                             f"known: {', '.join(known_partitions) or '(none)'}")
             continue
         demand.setdefault(c.partition, []).extend([component.name] * c.nodes)
-        if c.nodes > len(pool):
-            problems.append(f"{key}.nodes = {c.nodes}: {where} has only {len(pool)} node(s)")
-        max_gpus = max(gpus_of(node) for node in pool)
-        if c.gpus_per_node > max_gpus:
-            problems.append(f"{key}.gpus_per_node = {c.gpus_per_node}: the nodes of {where} carry at most "
-                            f"{max_gpus} GPU(s); lower gpus_per_node or choose another partition")
-        max_cpus = max(int(node.get("cpus") or 0) for node in pool)
-        if c.cpus_per_node > max_cpus:
-            problems.append(f"{key}.cpus_per_node = {c.cpus_per_node}: the nodes of {where} have at most "
-                            f"{max_cpus} CPUs")
+        per_partition = [_fit_problems(c, key, name, [node for node in nodes if _in_partition(node, name)])
+                         for name in partitions]
+        if all(per_partition):  # no listed partition can hold it: say why for each
+            problems += [problem for found in per_partition for problem in found]
     # Slurm never places two components of one hetjob on the same node.
     for partition, wanted in demand.items():
-        pool_size = sum(1 for node in nodes if _in_partition(node, partition))
+        pool_size = sum(1 for node in nodes if any(_in_partition(node, name) for name in _listed(partition)))
         if len(wanted) > pool_size and len(set(wanted)) > 1:
             where = f"partition {partition!r}" if partition else "the cluster"
             problems.append(f"cluster.*.nodes: the components {', '.join(sorted(set(wanted)))} need "

@@ -15,7 +15,8 @@ refuse every string that could break out of its place; as a second line of defen
 value is checked again here: a control character anywhere (a newline would end an #SBATCH
 comment and start a shell line) is a ValueError, a word of an #SBATCH line is quoted the way
 sbatch's parser reads quotes when it holds a space, quote, backslash or "#" (so it stays one
-word), and shell words are shlex-quoted (container.py quotes its own).
+word), and shell words are shlex-quoted (container.py quotes its own). The job directory in
+the ``--output`` filename pattern has its "%" doubled; one with a backslash is refused there.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from relax_hpc.launch.container import render_wrapper
 from relax_hpc.spec import ComponentSpec, JobSpec
 from relax_hpc.spec.text_checks import control_character
 
-__all__ = ["Component", "components", "read_template", "render_sbatch", "sbatch_headers"]
+__all__ = ["Component", "components", "output_pattern", "read_template", "render_sbatch", "sbatch_headers"]
 
 _PLACEHOLDER = re.compile(r"\{\{([a-z_]+)\}\}")
 TEMPLATE = "hetjob.sbatch.in"
@@ -115,12 +116,27 @@ def _option(name: str, value: object) -> str:
     return "#SBATCH " + _sbatch_word(f"--{name}={value}", f"#SBATCH --{name}")
 
 
+def output_pattern(job_dir: str) -> str:
+    """The ``--output`` filename pattern JOBDIR/logs/slurm-%j.out, with JOBDIR taken literally.
+
+    Slurm replaces "%j", "%u", ... in the pattern and reads "%%" as one "%"; a backslash
+    anywhere turns all replacement off and is itself dropped (Slurm's expand_stdio_fields), so
+    a directory with a backslash cannot be named there at all.
+    """
+    if "\\" in job_dir:
+        raise ValueError(f"the job directory = {job_dir!r}: contains a backslash, which Slurm's --output "
+                         "filename pattern cannot hold (Slurm drops it and leaves %j unexpanded, so the "
+                         "log would go elsewhere); choose a directory without backslashes ([job] output_dir, "
+                         "or --job-dir of relax-hpc render)")
+    return job_dir.replace("%", "%%") + "/logs/slurm-%j.out"
+
+
 def sbatch_headers(spec: JobSpec, job_dir: str) -> list[str]:
     """Every ``#SBATCH`` line: job-wide options first, then one block per hetjob group."""
     lines = [
         _option("job-name", spec.job.name),
         # Only the first lines of an attempt land here; the script logs to logs/restart-N/.
-        _option("output", f"{job_dir}/logs/slurm-%j.out"),
+        _option("output", output_pattern(job_dir)),
         _option("open-mode", "append"),
         _option("signal", f"B:USR1@{_count(spec.cluster.signal_grace_s, 'cluster.signal_grace_s')}"),
         "#SBATCH --requeue" if spec.cluster.requeue else "#SBATCH --no-requeue",

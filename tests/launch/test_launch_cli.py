@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
 from relax_hpc.cli.main import main
+from relax_hpc.driver.jobdir import JobDirLock
 from relax_hpc.launch import commands
 from relax_hpc.launch.slurm_client import FakeSlurmClient, JobComponent
 
@@ -46,6 +48,21 @@ def test_submit_refuses_a_spec_the_partition_cannot_hold(tmp_path: Path, monkeyp
     err = capsys.readouterr().err
     assert "cluster.trainer.gpus_per_node = 8" in err and "at most 4 GPU" in err
     assert fake.submitted == []
+
+
+def test_submit_while_a_run_holds_the_job_dir_is_one_line_and_exit_2(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    fake = FakeSlurmClient(node_records=[{"name": f"n{i}", "cpus": 2, "gres": "", "partitions": ["debug"]}
+                                         for i in range(2)])
+    monkeypatch.setattr(commands, "make_client", lambda: fake)
+    spec = tmp_path / "s.toml"
+    spec.write_text((REPO / "jobspecs/tiny_slurm.toml").read_text().replace(
+        'name = "tiny_slurm"', f'name = "s"\noutput_dir = "{tmp_path / "job"}"'))
+    with JobDirLock(tmp_path / "job"):
+        assert main(["submit", str(spec)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"relax-hpc submit: job directory {tmp_path / 'job'} is in use")
+    assert f"pid {os.getpid()} on host " in err and fake.submitted == []
 
 
 def test_status_of_an_unknown_job_argument(capsys: pytest.CaptureFixture[str]) -> None:

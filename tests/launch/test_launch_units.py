@@ -4,19 +4,22 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import stat
+import subprocess
 from pathlib import Path
 
 import pytest
 
+from relax_hpc.driver.jobdir import JobDirBusyError, JobDirLock
 from relax_hpc.launch import incluster
-from relax_hpc.launch.container import container_prefix
+from relax_hpc.launch.container import container_prefix, env_file_text
 from relax_hpc.launch.incluster import ray_start_command, write_cluster_json
 from relax_hpc.launch.jobs import PreflightError, find_job, job_status, pin_paths, submit_spec
 from relax_hpc.launch.ports import PORT_HIGH, PORT_LOW, SLOTS_PER_JOB, ray_ports, ray_temp_dir
 from relax_hpc.launch.preflight import gpus_of, preflight_problems
 from relax_hpc.launch.slurm_client import FakeSlurmClient, JobComponent
-from relax_hpc.spec import ContainerSpec, SpecError, load_spec, parse_spec
+from relax_hpc.spec import ContainerSpec, JobSpec, SpecError, load_spec, parse_spec, spec_to_toml
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "jobspecs" / "tiny_slurm.toml"
@@ -83,8 +86,23 @@ def test_container_prefix_nv_only_for_gpu_components() -> None:
     gpu, cpu = container_prefix(c, 8), container_prefix(c, 0)
     assert gpu[:3] == ["apptainer", "exec", "--nv"] and "--nv" not in cpu
     assert gpu[-1] == "/img/relax.sif"
-    assert "/data:/d:ro" in gpu and "'B=x y'" in gpu and '"$JOB_DIR"' in gpu
+    assert "/data:/d:ro" in gpu and '"$JOB_DIR"' in gpu
+    assert gpu[-3:-1] == ["--env-file", '"$JOB_DIR/container.env"'] and "'B=x y'" not in gpu
+    assert "--env-file" not in container_prefix(dataclasses.replace(c, env=[]), 8)
     assert container_prefix(ContainerSpec(), 8) == []
+
+
+def test_env_file_values_arrive_verbatim_and_run_nothing(tmp_path: Path) -> None:
+    # Apptainer evaluates the file as POSIX shell with every assignment exported (set -a) and
+    # command execution off; bash reading it the same way must give back each value as written.
+    values = {"A": "1", "B": "x y, z", "C": "it's $(touch pwned) `id` $HOME \\n", "D": ""}
+    text = env_file_text(ContainerSpec(image="i.sif", env=[f"{k}={v}" for k, v in values.items()]))
+    env_file = tmp_path / "container.env"
+    env_file.write_text(text)
+    shown = subprocess.run(["bash", "-c", 'set -a; . "$0"; printf "%s\\0" "$A" "$B" "$C" "$D"', str(env_file)],
+                           cwd=tmp_path, capture_output=True, text=True, check=True)
+    assert shown.stdout.split("\0")[:-1] == list(values.values())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["container.env"]  # $(touch pwned) did not run
 
 
 def test_spec_rejects_bad_container_env_and_grace_beyond_time_limit() -> None:
@@ -128,6 +146,39 @@ def test_preflight_accepts_a_fitting_spec_and_names_each_impossible_request() ->
     assert missing[0].startswith("cluster.trainer.partition = 'gpu': no such partition; known: cpu")
 
 
+def _with_partition(spec: JobSpec, component: str, partition: str, **changes: int) -> JobSpec:
+    c = dataclasses.replace(getattr(spec.cluster, component), partition=partition, **changes)
+    return dataclasses.replace(spec, cluster=dataclasses.replace(spec.cluster, **{component: c}))
+
+
+def test_preflight_checks_each_name_of_a_partition_list() -> None:
+    spec = load_spec(QWEN)  # trainer and rollout in "gpu", 8 GPUs per node each
+    long_nodes = [{"name": "l1", "cpus": 64, "gres": "gpu:4", "partitions": ["gpu-long"]}]
+    assert preflight_problems(_with_partition(spec, "trainer", "gpu,gpu-long"), NODES + long_nodes) == []
+    # One unknown name is enough for sbatch to refuse the job: name it.
+    problems = preflight_problems(_with_partition(spec, "trainer", "gpu,gpu-lng"), NODES + long_nodes)
+    assert problems == [("cluster.trainer.partition = 'gpu,gpu-lng': no such partition 'gpu-lng'; "
+                         "known: cpu, gpu, gpu-long")]
+    # The job runs in one of the listed partitions: it must fit one; when none fits, each says why.
+    too_big = _with_partition(spec, "trainer", "cpu,gpu-long")
+    assert preflight_problems(too_big, NODES + long_nodes) == [
+        ("cluster.trainer.gpus_per_node = 8: the nodes of partition 'cpu' carry at most 0 GPU(s); "
+         "lower gpus_per_node or choose another partition"),
+        "cluster.trainer.cpus_per_node = 64: the nodes of partition 'cpu' have at most 8 CPUs",
+        ("cluster.trainer.gpus_per_node = 8: the nodes of partition 'gpu-long' carry at most 4 GPU(s); "
+         "lower gpus_per_node or choose another partition"),
+    ]
+    # Distinct nodes are counted over the union of the listed partitions.
+    both = _with_partition(_with_partition(spec, "trainer", "gpu,gpu-long", gpus_per_node=4), "rollout",
+                           "gpu,gpu-long", gpus_per_node=4, nodes=3)
+    assert preflight_problems(both, NODES + long_nodes) == [
+        "cluster.rollout.nodes = 3: partition 'gpu' has only 2 node(s)",
+        "cluster.rollout.nodes = 3: partition 'gpu-long' has only 1 node(s)",
+        ("cluster.*.nodes: the components rollout, trainer need 4 distinct nodes together (Slurm never "
+         "shares a node between components of one job), but partition 'gpu,gpu-long' has 3"),
+    ]
+
+
 def test_preflight_of_a_colocated_spec_needs_no_rollout_nodes() -> None:
     spec = load_spec(TINY)
     assert any("need 2 distinct nodes" in p for p in preflight_problems(spec, NODES[2:]))
@@ -158,6 +209,83 @@ def test_submit_writes_job_dir_and_refuses_before_sbatch(tmp_path: Path) -> None
     assert fake_one_node.submitted == []
 
 
+def _mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def _one_node_per_component() -> FakeSlurmClient:
+    return FakeSlurmClient(node_records=[{"name": f"n{i}", "cpus": 2, "gres": "", "partitions": ["debug"]}
+                                         for i in range(2)])
+
+
+def test_submit_writes_an_owner_only_job_dir_and_keeps_env_values_off_the_script(tmp_path: Path) -> None:
+    spec_path = tmp_path / "t.toml"
+    spec_path.write_text(TINY.read_text() + '\n[container]\nimage = "/img/x.sif"\n'
+                         'env = ["WANDB_API_KEY=s3cret value", "HF_HUB_OFFLINE=1"]\n')
+    old_umask = os.umask(0o022)  # a common default: without care every file would be world-readable
+    try:
+        done = submit_spec(load_spec(spec_path), spec_path, _one_node_per_component(), base=tmp_path)
+    finally:
+        os.umask(old_umask)
+    job_dir = done.job_dir
+    assert _mode(job_dir) == 0o700 and _mode(job_dir / "logs") == 0o700
+    files = sorted(p.name for p in job_dir.iterdir() if p.is_file())
+    assert files == [".lock", "container.env", "job.sbatch", "slurm_job_id", "spec.original.toml", "spec.submit.toml"]
+    assert {name: _mode(job_dir / name) for name in files} == dict.fromkeys(files, 0o600)
+    assert (job_dir / "container.env").read_text().splitlines()[1:] == [
+        "WANDB_API_KEY='s3cret value'", "HF_HUB_OFFLINE=1"]
+    script = done.script.read_text()
+    assert "s3cret" not in script and '--env-file "$JOB_DIR/container.env"' in script
+    # Without env the file is gone: no earlier submission's secret stays behind unused.
+    spec_path.write_text(TINY.read_text() + '\n[container]\nimage = "/img/x.sif"\n')
+    submit_spec(load_spec(spec_path), spec_path, _one_node_per_component(), base=tmp_path)
+    assert not (job_dir / "container.env").exists() and "--env-file" not in done.script.read_text()
+
+
+def test_submit_keeps_the_mode_of_an_existing_job_dir(tmp_path: Path) -> None:
+    job_dir = tmp_path / "runs" / "tiny_slurm"
+    job_dir.mkdir(parents=True)
+    job_dir.chmod(0o750)  # e.g. shared with the group on purpose
+    spec_path = tmp_path / "t.toml"
+    spec_path.write_text(TINY.read_text())
+    submit_spec(load_spec(spec_path), spec_path, _one_node_per_component(), base=tmp_path)
+    assert _mode(job_dir) == 0o750 and _mode(job_dir / "spec.submit.toml") == 0o600
+
+
+def test_submit_refuses_a_job_dir_a_run_holds_and_writes_nothing(tmp_path: Path) -> None:
+    spec_path = tmp_path / "t.toml"
+    spec_path.write_text(TINY.read_text())
+    job_dir = tmp_path / "runs" / "tiny_slurm"
+    fake = _one_node_per_component()
+    with JobDirLock(job_dir):  # what `relax-hpc run` holds for its whole run
+        with pytest.raises(JobDirBusyError, match=rf"job directory {job_dir} is in use .*\(pid {os.getpid()} on host"):
+            submit_spec(load_spec(spec_path), spec_path, fake, base=tmp_path)
+        assert fake.submitted == [] and sorted(p.name for p in job_dir.iterdir()) == [".lock"]
+    # Free again: submit takes the lock only to look, and leaves it for the job's own run.
+    submit_spec(load_spec(spec_path), spec_path, fake, base=tmp_path)
+    with JobDirLock(job_dir):
+        pass
+
+
+def test_submit_refuses_a_job_dir_slurm_cannot_name_before_writing(tmp_path: Path) -> None:
+    spec_path = tmp_path / "t.toml"
+    spec_path.write_text(TINY.read_text().replace('name = "tiny_slurm"', 'name = "tiny_slurm"\noutput_dir = "a\\\\b"'))
+    fake = _one_node_per_component()
+    with pytest.raises(ValueError, match="contains a backslash"):
+        submit_spec(load_spec(spec_path), spec_path, fake, base=tmp_path)
+    assert fake.submitted == [] and not (tmp_path / "a\\b").exists()
+
+
+def test_find_job_reads_the_job_dir_from_the_output_pattern_with_percent(tmp_path: Path) -> None:
+    job_dir = tmp_path / "100% done"
+    job_dir.mkdir()
+    (job_dir / "slurm_job_id").write_text("7\n")
+    logs = str(job_dir).replace("%", "%%") + "/logs"
+    for reported in (f"{job_dir}/logs/slurm-7.out", f"{logs}/slurm-%j.out"):  # expanded, or as submitted
+        fake = FakeSlurmClient(jobs={"7": [JobComponent("7", 0, "RUNNING", "n1", stdout=reported)]})
+        assert find_job("7", fake, search_roots=[tmp_path / "runs"]) == ("7", job_dir)
+
+
 def test_status_reads_slurm_and_the_job_dir(tmp_path: Path) -> None:
     (tmp_path / "logs" / "restart-0").mkdir(parents=True)
     (tmp_path / "logs" / "restart-1").mkdir()
@@ -165,7 +293,8 @@ def test_status_reads_slurm_and_the_job_dir(tmp_path: Path) -> None:
     fake = FakeSlurmClient(jobs={"7": [JobComponent("7", 0, "RUNNING", "n1"), JobComponent("8", 1, "RUNNING", "n2")]})
     status = job_status("7", tmp_path, fake)
     text = "\n".join(status.lines())
-    assert "trainer  7" in text and "rollout  8" in text and "RUNNING" in text
+    # No spec.submit.toml to name the groups: numbers, not a guess that may be wrong.
+    assert "group 0  7" in text and "group 1  8" in text and "RUNNING" in text
     assert "step 2, reward 0.500, restarts 1" in text
     gone = job_status("9", tmp_path, FakeSlurmClient(accounted={"9": [JobComponent("9", 0, "COMPLETED", "n1")]}))
     assert gone.source == "sacct" and gone.components[0][1].state == "COMPLETED"
@@ -177,3 +306,12 @@ def test_pin_paths_keeps_absolute_paths(tmp_path: Path) -> None:
     pinned = pin_paths(spec, tmp_path)
     assert pinned.model.path == "/models/Qwen3-Omni-30B-A3B-Instruct"
     assert pinned.job.output_dir == str(tmp_path / "runs" / "qwen3_omni")
+
+
+def test_status_names_the_groups_from_the_submitted_spec(tmp_path: Path) -> None:
+    spec = load_spec(REPO / "tests/launch/specs/colocate_1node.toml")
+    (tmp_path / "spec.submit.toml").write_text(spec_to_toml(spec))
+    fake = FakeSlurmClient(jobs={"7": [JobComponent("7", 0, "RUNNING", "g1"), JobComponent("8", 1, "RUNNING", "g2"),
+                                       JobComponent("9", 2, "RUNNING", "g3")]})
+    names = [name for name, _ in job_status("7", tmp_path, fake).components]
+    assert names == ["trainer", "forward", "group 2"]  # colocated: group 1 is forward, not rollout

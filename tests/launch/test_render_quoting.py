@@ -120,8 +120,20 @@ def _with_dir(spec: JobSpec, output_dir: str) -> JobSpec:
     return dataclasses.replace(spec, job=dataclasses.replace(spec.job, output_dir=output_dir))
 
 
-# Valid: no control characters. Spaces, quotes, "#", "$(...)", backticks and backslashes in a path.
-AWKWARD_DIR = "/scratch/My Runs/it's \"#1\" $(touch pwned) `id` a\\b"
+def slurm_expand(pattern: str, job_id: int) -> str:
+    """The file name Slurm makes of an --output ``pattern`` (the symbols relax-hpc can meet).
+
+    A port of expand_stdio_fields() in Slurm's src/common/print_fields.c: a backslash anywhere
+    turns replacement off and every backslash is dropped; "%%" is one "%", "%j" the job id, and
+    (like Slurm) any other "%x" is left as it is.
+    """
+    if "\\" in pattern:
+        return pattern.replace("\\", "")
+    return re.sub(r"%(.)", lambda m: {"%": "%", "j": str(job_id)}.get(m.group(1), m.group(0)), pattern)
+
+
+# Valid: no control characters. Spaces, quotes, "#", "%", "$(...)" and backticks in a path.
+AWKWARD_DIR = "/scratch/My Runs/it's \"#1\" 100%j $(touch pwned) `id` 5%%"
 
 
 def test_an_awkward_job_dir_is_quoted_for_sbatch_and_for_bash(tmp_path: Path) -> None:
@@ -130,7 +142,10 @@ def test_an_awkward_job_dir_is_quoted_for_sbatch_and_for_bash(tmp_path: Path) ->
     job_dir = str(spec.job_dir())
     text = render_sbatch(spec, job_dir, f"{job_dir}/spec.submit.toml")
     (output,) = [line for line in text.splitlines() if line.startswith("#SBATCH") and "--output" in line]
-    assert sbatch_arguments(output) == [f"--output={job_dir}/logs/slurm-%j.out"]
+    (argument,) = sbatch_arguments(output)
+    assert argument == "--output=" + job_dir.replace("%", "%%") + "/logs/slurm-%j.out"
+    # Slurm's pattern replacement gives back the directory as written, and only %j is replaced.
+    assert slurm_expand(argument.removeprefix("--output="), 42) == f"{job_dir}/logs/slurm-42.out"
     # Every #SBATCH line is exactly one option (nothing leaks into a second word).
     assert all(len(sbatch_arguments(line)) == 1 for line in text.splitlines() if line.startswith("#SBATCH "))
     # bash reads JOB_DIR and SPEC back verbatim and runs nothing while doing so.
@@ -144,6 +159,17 @@ def test_an_awkward_job_dir_is_quoted_for_sbatch_and_for_bash(tmp_path: Path) ->
     # The installed sbatch client, when there is one, reads the lines as the port does.
     ours = [word for line in text.splitlines() if line.startswith("#SBATCH") for word in sbatch_arguments(line)]
     assert real_sbatch_arguments(text, tmp_path / "sbatch") == [word for word in ours if word != "hetjob"]
+
+
+def test_the_slurm_pattern_port_reads_percent_and_backslash() -> None:
+    assert slurm_expand("/a/%%j-%j-%u.out", 7) == "/a/%j-7-%u.out"
+    assert slurm_expand("/a\\b/%j.out", 7) == "/ab/%j.out"  # the reason a backslash is refused
+
+
+def test_a_backslash_in_the_job_dir_is_refused_with_the_key_to_change() -> None:
+    spec = load_spec(TINY)
+    with pytest.raises(ValueError, match=r"contains a backslash.*\[job\] output_dir"):
+        render_sbatch(spec, "/scratch/a\\b", "/scratch/a\\b/spec.submit.toml")
 
 
 def test_plain_values_stay_unquoted() -> None:
@@ -190,7 +216,7 @@ def test_container_words_are_shell_quoted() -> None:
     container = dataclasses.replace(spec.container, image="/img dir/$(id).sif", binds=["/a b:/c"],
                                     env=["X=$(touch pwned); echo"])
     text = render_sbatch(dataclasses.replace(spec, container=container), "/j", "/j/s.toml")
-    assert "'/img dir/$(id).sif'" in text and "'/a b:/c'" in text and "'X=$(touch pwned); echo'" in text
+    assert "'/img dir/$(id).sif'" in text and "'/a b:/c'" in text and "pwned" not in text  # env: in the env file
     assert subprocess.run(["bash", "-n"], input=text, capture_output=True, text=True, check=False).returncode == 0
 
 
