@@ -31,9 +31,6 @@ class EngineHost:
     def pid(self) -> int:
         return os.getpid()
 
-    def eos_id(self) -> int:
-        return self.engine.eos_id
-
     def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int | None) -> list[Generation]:
         return self.engine.generate(prompts, params, seed)
 

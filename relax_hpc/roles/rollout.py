@@ -96,13 +96,11 @@ def build_router(cfg: RolloutConfig, engines: list[RolloutEngine] | None = None,
     """The router over the engines rollout drives: `engines` given (tests), `EngineHost` actors
     (`engine_hosts`, started by the driver), or else `cfg.num_engines` engines built here."""
     if engine_hosts:
-        import ray
-
         from relax_hpc.roles.engine_host import RayEngineClient
 
         clients = [RayEngineClient(f"engine-{i}", h) for i, h in enumerate(engine_hosts)]
-        eos_id = ray.get(engine_hosts[0].eos_id.remote())
-        return EngineRouter(clients, load_tokenizer(cfg.model_path), eos_id)
+        tokenizer = load_tokenizer(cfg.model_path)  # the engines' own: they load the same directory
+        return EngineRouter(clients, tokenizer, tokenizer.eos_token_id)
     if not engines:
         engines = [make_engine(cfg.engine, cfg.model_path, cfg.dtype, cfg.device) for _ in range(cfg.num_engines)]
     clients_local = [LocalEngineClient(f"engine-{i}", e) for i, e in enumerate(engines)]

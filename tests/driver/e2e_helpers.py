@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any, Iterator
 
 REPO = Path(__file__).resolve().parents[2]
 DATA = REPO / "jobspecs" / "data" / "tiny_sum.jsonl"
@@ -44,3 +46,28 @@ save_interval = {save_interval}
 keep_last = 2
 {extra}
 """
+
+
+@contextmanager
+def ray_roles(spec: Any, num_processes: int = 1, timeout_s: float = 600.0) -> Iterator[tuple[Any, Path]]:
+    """`RayRoles` for `spec` on a fresh local Ray, as `relax-hpc run` builds them (CPU, no queue
+    roles); yields (roles, job_dir) and shuts the roles and Ray down afterwards."""
+    import ray
+
+    from relax_hpc.driver.run import prepare_job_dir, role_configs, start_ray
+    from relax_hpc.roles.handles import RayRoles
+    from relax_hpc.transfer.queue import queue_capacity
+
+    job_dir = prepare_job_dir(spec)
+    rollout, actor = role_configs(spec, job_dir, "cpu")
+    r = spec.rollout
+    start_ray(None)
+    try:
+        capacity = queue_capacity(r.prompts_per_step, spec.algorithm.max_staleness, r.n_samples_per_prompt)
+        roles = RayRoles(rollout, actor, num_processes, [], capacity, timeout_s=timeout_s)
+        try:
+            yield roles, job_dir
+        finally:
+            roles.shutdown()
+    finally:
+        ray.shutdown()

@@ -10,17 +10,14 @@ import signal
 from pathlib import Path
 
 import pytest
-from e2e_helpers import tiny_spec_text
+from e2e_helpers import ray_roles, tiny_spec_text
 
 from relax_hpc.data.dataset import DataCursor, load_dataset
 from relax_hpc.driver.loop import LoopConfig, StopFlag, run_loop
-from relax_hpc.driver.run import prepare_job_dir, role_configs, start_ray
 from relax_hpc.models.hf import load_tokenizer
 from relax_hpc.ops.archive import read_archive
 from relax_hpc.ops.metrics import FanOut
-from relax_hpc.roles.handles import RayRoles
 from relax_hpc.spec import parse_spec
-from relax_hpc.transfer.queue import queue_capacity
 
 pytestmark = pytest.mark.slow
 
@@ -32,17 +29,11 @@ KILL_AFTER = 2
 def test_killing_one_of_two_engines_loses_no_prompt_and_trains_none_twice(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    import ray
-
     text = tiny_spec_text(tiny_model_dir, tmp_path / "job", steps=STEPS, save_interval=100,
                           extra="[metrics]\ntrajectory_archive = true\n")
     text = text.replace("max_new_tokens = 4", "max_new_tokens = 4\nnum_engines = 2")
     spec = parse_spec(text)
-    job_dir = prepare_job_dir(spec)
-    rollout, actor = role_configs(spec, job_dir, "cpu")
-    start_ray(None)
-    try:
-        roles = RayRoles(rollout, actor, 1, [], queue_capacity(PROMPTS, 0, N))
+    with ray_roles(spec) as (roles, job_dir):
         victim = roles.engine_pids()[1]
         seen_engines: list[float] = []
 
@@ -51,14 +42,9 @@ def test_killing_one_of_two_engines_loses_no_prompt_and_trains_none_twice(
             if step == KILL_AFTER:  # rollout is generating the next step by now
                 os.kill(victim, signal.SIGKILL)
 
-        try:
-            result = run_loop(LoopConfig(total_steps=STEPS, max_staleness=0, save_interval=100, resume=False),
-                              roles, FanOut([]), StopFlag(), on_step)
-            engines = roles.engine_report()
-        finally:
-            roles.shutdown()
-    finally:
-        ray.shutdown()
+        result = run_loop(LoopConfig(total_steps=STEPS, max_staleness=0, save_interval=100, resume=False),
+                          roles, FanOut([]), StopFlag(), on_step)
+        engines = roles.engine_report()
 
     assert result.end_step == STEPS and result.samples_trained == STEPS * PROMPTS * N
     assert [e["alive"] for e in engines] == [True, False], engines

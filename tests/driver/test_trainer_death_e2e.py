@@ -9,18 +9,16 @@ import signal
 from pathlib import Path
 
 import pytest
-from e2e_helpers import tiny_spec_text
+from e2e_helpers import ray_roles, tiny_spec_text
 
 from relax_hpc.driver.loop import LoopConfig, StopFlag, run_loop
-from relax_hpc.driver.run import prepare_job_dir, role_configs, start_ray
 from relax_hpc.ops.metrics import FanOut
-from relax_hpc.roles.handles import RayRoles, RoleDiedError
+from relax_hpc.roles.handles import RoleDiedError
 from relax_hpc.spec import parse_spec
-from relax_hpc.transfer.queue import queue_capacity
 
 pytestmark = pytest.mark.slow
 
-STEPS, PROMPTS, N = 6, 16, 16
+STEPS = 6
 KILL_AFTER = 1
 
 
@@ -28,16 +26,10 @@ KILL_AFTER = 1
 def test_killing_a_trainer_rank_mid_step_fails_the_loop_naming_that_rank(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    import ray
-
     text = tiny_spec_text(tiny_model_dir, tmp_path / "job", steps=STEPS, save_interval=100)
     spec = parse_spec(text.replace("micro_batch_size = 256", "micro_batch_size = 64\nnum_processes = 2"))
-    job_dir = prepare_job_dir(spec)
-    rollout, actor = role_configs(spec, job_dir, "cpu")
-    start_ray(None)
-    try:
-        # The queue timeout (and gloo's collective timeout, 30 min) are far past the test's.
-        roles = RayRoles(rollout, actor, 2, [], queue_capacity(PROMPTS, 0, N), timeout_s=3600.0)
+    # The queue timeout (and gloo's collective timeout, 30 min) are far past the test's.
+    with ray_roles(spec, num_processes=2, timeout_s=3600.0) as (roles, _):
         victim = roles.trainer_pids()[1]
         finished: list[int] = []
 
@@ -46,14 +38,9 @@ def test_killing_a_trainer_rank_mid_step_fails_the_loop_naming_that_rank(
             if step == KILL_AFTER:  # step 1 is submitted: both ranks wait for its rows or train it
                 os.kill(victim, signal.SIGKILL)
 
-        try:
-            with pytest.raises(RoleDiedError) as caught:
-                run_loop(LoopConfig(total_steps=STEPS, max_staleness=0, save_interval=100, resume=False),
-                         roles, FanOut([]), StopFlag(), on_step)
-        finally:
-            roles.shutdown()
-    finally:
-        ray.shutdown()
+        with pytest.raises(RoleDiedError) as caught:
+            run_loop(LoopConfig(total_steps=STEPS, max_staleness=0, save_interval=100, resume=False),
+                     roles, FanOut([]), StopFlag(), on_step)
 
     # The step that fails is the one after the last finished: step 1, unless both ranks were
     # through it before the kill landed (then step 2).
