@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,15 @@ from relax_hpc.models.tiny import write_tiny_model
 # Ray enables token auth when ~/.ray/auth_token exists; the tests start their own local clusters
 # without one, also when pytest is run directly rather than through tools/run-tests.
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+# Every listener of a job requires the job secret (docs/security.md, "Authentication"); roles
+# started by a test, and the Ray workers they run in, find it through this variable.
+if "RELAX_HPC_SECRET_FILE" not in os.environ:
+    from relax_hpc.auth import JobSecret, write_job_secret
+
+    os.environ["RELAX_HPC_SECRET_FILE"] = str(
+        write_job_secret(Path(tempfile.mkdtemp(prefix="relax-test-secret-")), JobSecret.generate())
+    )
 
 
 # The tiny model's matrices are far too small to gain from intra-op threads, and on a shared,
