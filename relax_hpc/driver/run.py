@@ -28,10 +28,12 @@ from typing import Any
 
 from relax_hpc.agents.config import agentic_from_spec
 from relax_hpc.algos import LossConfig, normalizes_std
+from relax_hpc.auth import SECRET_ENV
 from relax_hpc.backends.base import require_backend
 from relax_hpc.backends.torch_backend import OptimConfig
 from relax_hpc.ckpt.fs import atomic_write_text
 from relax_hpc.ckpt.permissions import PRIVATE_FILE_MODE
+from relax_hpc.driver.credentials import job_secret_env
 from relax_hpc.driver.jobdir import JobDirLock, create_private_file, make_private_dir
 from relax_hpc.driver.loop import LoopConfig, LoopResult, StopFlag, run_loop
 from relax_hpc.engines.base import SamplingParams
@@ -209,8 +211,10 @@ def install_stop_handlers(stop: StopFlag) -> None:
 def start_ray(address: str | None) -> None:
     import ray
 
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    env = {"RAY_AUTH_MODE": os.environ["RAY_AUTH_MODE"], "TOKENIZERS_PARALLELISM": "false"}
+    # Every Ray worker of the job finds the secret (and Ray's token) by path, never by value.
+    names = (SECRET_ENV, "RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH")  # never RAY_AUTH_TOKEN's value
+    env = {name: os.environ[name] for name in names if name in os.environ}
+    env["TOKENIZERS_PARALLELISM"] = "false"
     if address:
         ray.init(address=address, runtime_env={"env_vars": env}, log_to_driver=False)
     else:
@@ -235,6 +239,13 @@ def run_locked(spec: JobSpec, job_dir: Path, in_process: bool, ray_address: str 
     """The run itself, in a job directory whose lock the caller holds."""
     t_start = time.perf_counter()
     ensure_model(spec)
+    with job_secret_env(job_dir, joining=bool(ray_address)):
+        return run_authenticated(spec, job_dir, in_process, ray_address, progress, t_start)
+
+
+def run_authenticated(spec: JobSpec, job_dir: Path, in_process: bool, ray_address: str | None,
+                      progress: bool, t_start: float) -> RunReport:
+    """The run, once every process it starts can find the job secret."""
     device = resolve_device(spec.train.device)
     rollout_cfg, actor_cfg = role_configs(spec, job_dir, device)
     if not in_process:

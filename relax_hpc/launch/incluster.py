@@ -17,19 +17,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import secrets
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from relax_hpc.auth import SECRET_ENV
 from relax_hpc.launch.ports import RayPorts, ray_ports, ray_temp_dir
 
-__all__ = ["main", "node_address", "ray_start_command", "write_cluster_json"]
+__all__ = ["claim_private_dir", "main", "node_address", "ray_start_command", "write_cluster_json"]
 
 EXIT_FAILED = 1
 
@@ -101,6 +102,11 @@ def _cmd_node(args: argparse.Namespace) -> int:
     temp_dir = ray_temp_dir(args.job_id, slot)
     node = os.environ.get("SLURMD_NODENAME", socket.gethostname())
     ip = node_address(node)
+    problem = claim_private_dir(Path(temp_dir))
+    if problem:
+        print(f"relax-hpc node: {args.component} node {node} (slot {slot}) of job {args.job_id} cannot start "
+              f"Ray: {problem}", file=sys.stderr)
+        return EXIT_FAILED
     busy = _busy_ports(ip, ports.all_ports())
     if busy:
         print(f"relax-hpc node: {args.component} node {node} (slot {slot}) of job {args.job_id} cannot start "
@@ -113,8 +119,33 @@ def _cmd_node(args: argparse.Namespace) -> int:
     cmd = ray_start_command(_ray_executable(), ports, temp_dir, ip, head_address=head,
                             num_cpus=args.num_cpus, num_gpus=args.num_gpus, resources=resources)
     print(f"relax-hpc node: {args.component} slot {slot} on {node} ({ip}): {' '.join(cmd)}", flush=True)
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("RAY_AUTH_MODE", "token")  # the job script sets it, and the token's path
     return _run_until_stopped(cmd, temp_dir)
+
+
+def claim_private_dir(path: Path) -> str | None:
+    """Create ``path`` 0700, or accept it when it is already ours and closed to others; else
+    the problem, in words.
+
+    Ray keeps its sockets and session files in its temp dir: one another user created first
+    (the name is predictable from the job id) or can write into would let them redirect or
+    read the job's Ray traffic.
+    """
+    try:
+        path.mkdir(mode=0o700)
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        return f"cannot create its temp dir {path} ({exc.strerror})"
+    st = path.lstat()
+    if not stat.S_ISDIR(st.st_mode):
+        return f"its temp dir {path} exists and is not a directory; remove it"
+    if st.st_uid != os.getuid():
+        return (f"its temp dir {path} exists and belongs to uid {st.st_uid}, not to you: someone may be "
+                "trying to take over this job's Ray; ask the admins, or resubmit (a new job id, a new path)")
+    if stat.S_IMODE(st.st_mode) & 0o077:
+        os.chmod(path, 0o700)  # ours: close it before Ray writes anything into it
+    return None
 
 
 def _run_until_stopped(cmd: list[str], temp_dir: str) -> int:
@@ -213,7 +244,8 @@ def _cmd_wait(args: argparse.Namespace) -> int:
             "job_id": args.job_id, "head_address": args.address, "nodes": alive,
             "restart": int(os.environ.get("SLURM_RESTART_COUNT", "0")),
             "rest_url": None,  # filled in once the REST API exists
-            "token": secrets.token_hex(16), "written_at": time.time(),
+            # Clients authenticate with tokens derived from this file (docs/security.md).
+            "secret_file": os.environ.get(SECRET_ENV), "written_at": time.time(),
         }
         write_cluster_json(Path(args.cluster_json), content)
     print(f"relax-hpc wait: {alive} Ray nodes joined at {args.address}", flush=True)

@@ -7,12 +7,15 @@ Job directory of a submitted job (``[job] output_dir``, default runs/<name>, mad
     job.sbatch           the rendered batch script that was submitted
     container.env        the [container] env assignments (only with an image and env)
     slurm_job_id         the job id (one line; a resubmission replaces it)
-    cluster.json         head address, REST URL, access token (0600), once Ray is up
+    .secret              the job secret (0600): every listener of the job requires it
+    .ray_token           Ray's token, derived from it (0600; RAY_AUTH_TOKEN_PATH)
+    cluster.json         head address, REST URL, the secret file's path (0600), once Ray is up
     logs/restart-<n>/    batch.log, driver.log, ray-*.log of attempt n (SLURM_RESTART_COUNT)
     ... plus what `relax-hpc run` writes: checkpoints/, metrics.jsonl, summary.json, ...
 
 Submit creates the directory and logs/ 0700 (an existing directory keeps its mode) and every
-file above 0600: the spec copies and container.env may hold secrets. It refuses a directory
+file above 0600: the spec copies and container.env may hold secrets. Each submission writes
+a fresh job secret; a requeued attempt keeps it. It refuses a directory
 that a `relax-hpc run` holds (relax_hpc/driver/jobdir.py).
 """
 
@@ -25,8 +28,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from relax_hpc.auth import JobSecret, write_job_secret
 from relax_hpc.ckpt.fs import atomic_write_text
-from relax_hpc.driver.jobdir import JobDirLock, make_private_dir
+from relax_hpc.driver.jobdir import JobDirBusyError, JobDirLock, make_private_dir
 from relax_hpc.launch.container import ENV_FILE, env_file_text
 from relax_hpc.launch.preflight import preflight_problems
 from relax_hpc.launch.render import components, render_sbatch
@@ -83,6 +87,7 @@ def submit_spec(spec: JobSpec, spec_path: Path, client: SlurmClient, base: Path 
     # looked at: the job's own run takes it.
     with JobDirLock(job_dir):  # creates the directory 0700 when it is missing
         pass
+    refuse_if_job_active(job_dir, client)
     make_private_dir(job_dir / "logs")
     atomic_write_text(job_dir / "spec.original.toml", spec_path.read_text(encoding="utf-8"))
     atomic_write_text(job_dir / SUBMIT_SPEC, spec_to_toml(pinned))
@@ -90,6 +95,7 @@ def submit_spec(spec: JobSpec, spec_path: Path, client: SlurmClient, base: Path 
         atomic_write_text(job_dir / ENV_FILE, env_file_text(spec.container))
     else:
         (job_dir / ENV_FILE).unlink(missing_ok=True)  # an earlier submission's values, unused now
+    write_job_secret(job_dir, JobSecret.generate())  # read by path in the job, never on a command line
     script = job_dir / SCRIPT
     atomic_write_text(script, text)
     env = dict(os.environ)
@@ -98,6 +104,31 @@ def submit_spec(spec: JobSpec, spec_path: Path, client: SlurmClient, base: Path 
     job_id = client.sbatch(script, base, env)
     atomic_write_text(job_dir / JOB_ID_FILE, job_id + "\n")
     return Submission(job_id, job_dir, script)
+
+
+# Slurm states after which a job never runs again (squeue keeps showing them for MinJobAge).
+_FINISHED_STATES = frozenset({"COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
+                              "BOOT_FAIL", "DEADLINE", "PREEMPTED", "REVOKED", "SPECIAL_EXIT"})
+
+
+def refuse_if_job_active(job_dir: Path, client: SlurmClient) -> None:
+    """JobDirBusyError when the job this directory was last submitted as is still queued or
+    running: a pending job holds no lock yet, and a new submission would change the spec and
+    the secret its next start reads."""
+    id_file = job_dir / JOB_ID_FILE
+    if not id_file.is_file():
+        return
+    job_id = id_file.read_text(encoding="utf-8").strip()
+    if not job_id:
+        return
+    active = sorted({c.state for c in client.job_components(job_id)
+                     if c.state.split()[0].rstrip("+") not in _FINISHED_STATES})
+    if active:
+        raise JobDirBusyError(
+            f"job directory {job_dir} belongs to Slurm job {job_id}, still {'/'.join(active)}; a new submission "
+            f"would change the spec and the secret it starts with: wait for it, cancel it (`relax-hpc cancel "
+            f"{job_id}`), or set [job] output_dir to another directory"
+        )
 
 
 def find_job(job: str, client: SlurmClient | None = None,

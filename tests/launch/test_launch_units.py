@@ -11,15 +11,35 @@ from pathlib import Path
 
 import pytest
 
+from relax_hpc.auth import JobSecret
 from relax_hpc.driver.jobdir import JobDirBusyError, JobDirLock
 from relax_hpc.launch import incluster
 from relax_hpc.launch.container import container_prefix, env_file_text
 from relax_hpc.launch.incluster import ray_start_command, write_cluster_json
-from relax_hpc.launch.jobs import PreflightError, find_job, job_status, pin_paths, submit_spec
-from relax_hpc.launch.ports import PORT_HIGH, PORT_LOW, SLOTS_PER_JOB, ray_ports, ray_temp_dir
+from relax_hpc.launch.jobs import (
+    PreflightError,
+    find_job,
+    job_status,
+    pin_paths,
+    submit_spec,
+)
+from relax_hpc.launch.ports import (
+    PORT_HIGH,
+    PORT_LOW,
+    SLOTS_PER_JOB,
+    ray_ports,
+    ray_temp_dir,
+)
 from relax_hpc.launch.preflight import gpus_of, preflight_problems
 from relax_hpc.launch.slurm_client import FakeSlurmClient, JobComponent
-from relax_hpc.spec import ContainerSpec, JobSpec, SpecError, load_spec, parse_spec, spec_to_toml
+from relax_hpc.spec import (
+    ContainerSpec,
+    JobSpec,
+    SpecError,
+    load_spec,
+    parse_spec,
+    spec_to_toml,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "jobspecs" / "tiny_slurm.toml"
@@ -65,6 +85,7 @@ def test_node_advertises_the_resources_of_colocated_components(monkeypatch: pyte
     started: list[list[str]] = []
     monkeypatch.setattr(incluster, "node_address", lambda node: "10.0.0.1")
     monkeypatch.setattr(incluster, "_busy_ports", lambda ip, ports: [])
+    monkeypatch.setattr(incluster, "claim_private_dir", lambda path: None)
     monkeypatch.setattr(incluster, "_run_until_stopped", lambda cmd, temp_dir: started.append(cmd) or 0)
     args = ["node", "--job-id", "7", "--first-slot", "0", "--component", "trainer", "--resource", "4",
             "--num-cpus", "16", "--num-gpus", "4", "--head"]
@@ -73,11 +94,39 @@ def test_node_advertises_the_resources_of_colocated_components(monkeypatch: pyte
     assert '--resources={"rollout": 4.0, "trainer": 4.0}' in started[1]
 
 
+def test_ray_temp_dir_is_made_private_and_a_foreign_one_refused(tmp_path: Path) -> None:
+    fresh = tmp_path / "relax-7-0"
+    assert incluster.claim_private_dir(fresh) is None and stat.S_IMODE(fresh.stat().st_mode) == 0o700
+    opened = tmp_path / "relax-7-1"
+    opened.mkdir()
+    os.chmod(opened, 0o777)  # ours, left open by an earlier attempt: closed again
+    assert incluster.claim_private_dir(opened) is None and stat.S_IMODE(opened.stat().st_mode) == 0o700
+    (tmp_path / "relax-7-2").write_text("")
+    assert "not a directory" in (incluster.claim_private_dir(tmp_path / "relax-7-2") or "")
+    if os.getuid() == 0:  # only root can make a directory another user owns
+        planted = tmp_path / "relax-7-3"
+        planted.mkdir()
+        os.chown(planted, 4242, 4242)
+        problem = incluster.claim_private_dir(planted) or ""
+        assert "belongs to uid 4242" in problem and "resubmit" in problem
+
+
+def test_node_refuses_to_start_ray_in_a_dir_it_cannot_claim(monkeypatch: pytest.MonkeyPatch,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    started: list[list[str]] = []
+    monkeypatch.setattr(incluster, "node_address", lambda node: "10.0.0.1")
+    monkeypatch.setattr(incluster, "claim_private_dir", lambda path: f"its temp dir {path} belongs to uid 1")
+    monkeypatch.setattr(incluster, "_run_until_stopped", lambda cmd, temp_dir: started.append(cmd) or 0)
+    args = ["node", "--job-id", "7", "--first-slot", "0", "--component", "trainer", "--num-cpus", "2", "--head"]
+    assert incluster.main(args) == incluster.EXIT_FAILED and not started
+    assert "cannot start Ray: its temp dir /tmp/relax-7-0 belongs to uid 1" in capsys.readouterr().err
+
+
 def test_cluster_json_is_owner_only(tmp_path: Path) -> None:
     target = tmp_path / "cluster.json"
-    write_cluster_json(target, {"head_address": "h:1", "token": "t"})
+    write_cluster_json(target, {"head_address": "h:1", "secret_file": "/j/.secret"})
     assert stat.S_IMODE(target.stat().st_mode) == 0o600
-    assert json.loads(target.read_text())["token"] == "t"
+    assert json.loads(target.read_text())["secret_file"] == "/j/.secret"
     assert not (tmp_path / "cluster.json.tmp").exists()
 
 
@@ -230,8 +279,15 @@ def test_submit_writes_an_owner_only_job_dir_and_keeps_env_values_off_the_script
     job_dir = done.job_dir
     assert _mode(job_dir) == 0o700 and _mode(job_dir / "logs") == 0o700
     files = sorted(p.name for p in job_dir.iterdir() if p.is_file())
-    assert files == [".lock", "container.env", "job.sbatch", "slurm_job_id", "spec.original.toml", "spec.submit.toml"]
+    assert files == [".lock", ".ray_token", ".secret", "container.env", "job.sbatch", "slurm_job_id",
+                     "spec.original.toml", "spec.submit.toml"]
     assert {name: _mode(job_dir / name) for name in files} == dict.fromkeys(files, 0o600)
+    # The job secret and Ray's token reach the job by path only, never in the script.
+    secret = JobSecret.load(job_dir / ".secret")
+    script_text = done.script.read_text()
+    assert secret.hex() not in script_text and secret.token("ray") not in script_text
+    assert 'RELAX_HPC_SECRET_FILE="$JOB_DIR/.secret"' in script_text
+    assert 'RAY_AUTH_TOKEN_PATH="$JOB_DIR/.ray_token"' in script_text and "RAY_AUTH_MODE=token" in script_text
     assert (job_dir / "container.env").read_text().splitlines()[1:] == [
         "WANDB_API_KEY='s3cret value'", "HF_HUB_OFFLINE=1"]
     script = done.script.read_text()
@@ -240,6 +296,7 @@ def test_submit_writes_an_owner_only_job_dir_and_keeps_env_values_off_the_script
     spec_path.write_text(TINY.read_text() + '\n[container]\nimage = "/img/x.sif"\n')
     submit_spec(load_spec(spec_path), spec_path, _one_node_per_component(), base=tmp_path)
     assert not (job_dir / "container.env").exists() and "--env-file" not in done.script.read_text()
+    assert JobSecret.load(job_dir / ".secret") != secret  # each submission gets a fresh secret
 
 
 def test_submit_keeps_the_mode_of_an_existing_job_dir(tmp_path: Path) -> None:
@@ -265,6 +322,21 @@ def test_submit_refuses_a_job_dir_a_run_holds_and_writes_nothing(tmp_path: Path)
     submit_spec(load_spec(spec_path), spec_path, fake, base=tmp_path)
     with JobDirLock(job_dir):
         pass
+
+
+def test_submit_refuses_a_job_dir_whose_job_is_still_queued(tmp_path: Path) -> None:
+    spec_path = tmp_path / "t.toml"
+    spec_path.write_text(TINY.read_text())
+    fake = _one_node_per_component()
+    first = submit_spec(load_spec(spec_path), spec_path, fake, base=tmp_path)  # PENDING in the fake
+    written = {p.name: p.read_bytes() for p in first.job_dir.iterdir() if p.is_file()}
+    with pytest.raises(JobDirBusyError, match=rf"Slurm job {first.job_id}, still PENDING.*relax-hpc cancel {first.job_id}"):
+        submit_spec(load_spec(spec_path), spec_path, fake, base=tmp_path)
+    assert len(fake.submitted) == 1
+    assert {p.name: p.read_bytes() for p in first.job_dir.iterdir() if p.is_file()} == written  # secret included
+    fake.jobs[first.job_id] = [dataclasses.replace(c, state="COMPLETED") for c in fake.jobs[first.job_id]]
+    second = submit_spec(load_spec(spec_path), spec_path, fake, base=tmp_path)
+    assert second.job_id != first.job_id and len(fake.submitted) == 2
 
 
 def test_submit_refuses_a_job_dir_slurm_cannot_name_before_writing(tmp_path: Path) -> None:

@@ -106,7 +106,8 @@ def test_submit_runs_one_hetjob_with_one_ray_cluster_and_completes(
     cluster = job_dir / "cluster.json"
     assert stat.S_IMODE(cluster.stat().st_mode) == 0o600
     info = json.loads(cluster.read_text())
-    assert info["job_id"] == int(job_id) and len(info["token"]) == 32 and "rest_url" in info
+    assert info["job_id"] == int(job_id) and info["secret_file"] == str(job_dir / ".secret") and "rest_url" in info
+    assert "token" not in info and (job_dir / ".secret").read_text().strip() not in cluster.read_text()
     assert "finished step 30" in relax_hpc(dev_slurm, "logs", job_id)
 
     # The DCP -> HF export as a one-node Slurm job through submitit.
