@@ -42,12 +42,14 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from relax_hpc.auth import JobSecret  # noqa: E402
 from relax_hpc.transfer.zmq_client import TransferQueueClient  # noqa: E402
 from relax_hpc.transfer.zmq_server import TransferQueueServer  # noqa: E402
 
 KIB = 1024
 MIB = 1024 * KIB
 FORK = mp.get_context("fork")  # children inherit imports; each builds its own zmq context
+SECRET = JobSecret.generate()  # the queue's job secret, inherited by the forked server and clients
 
 
 @dataclass(frozen=True)
@@ -135,7 +137,7 @@ def bench_raw(size: int, count: int, two_hops: bool = False) -> Result:
 
 # --------------------------------------------------------------------------- queue
 def _serve(bind: str, capacity: int, address_out: Any, stop: Event) -> None:
-    server = TransferQueueServer(bind, capacity=capacity)
+    server = TransferQueueServer(bind, secret=SECRET, capacity=capacity)
     address_out.send(server.start())
     stop.wait()
     server.stop()
@@ -167,7 +169,7 @@ def _latency_producer(address: str, plan: Plan, go: Event) -> None:
 
 
 def _client(address: str, plan: Plan) -> TransferQueueClient:
-    client = TransferQueueClient(address, shm=plan.shm)
+    client = TransferQueueClient(address, secret=SECRET, shm=plan.shm)
     if plan.shm and client.shm_dir is None:
         raise SystemExit("the server offers no shared-memory directory here (is /dev/shm mounted? RELAX_TQ_SHM=0?)")
     return client

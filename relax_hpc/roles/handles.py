@@ -333,13 +333,14 @@ class RayRoles:
                  timeout_s: float = 600.0) -> None:
         import ray
 
+        from relax_hpc.auth import job_secret
         from relax_hpc.transfer.zmq_client import TransferQueueClient
         from relax_hpc.transfer.zmq_server import TransferQueueServer
 
         host = ray.util.get_node_ip_address()
-        self._server = TransferQueueServer(f"tcp://{host}:0", capacity=capacity)
+        self._server = TransferQueueServer(f"tcp://{host}:0", capacity=capacity, secret=job_secret())
         self.queue_address = self._server.start()
-        self._queue = TransferQueueClient(self.queue_address, consumer_id="driver")
+        self._queue = TransferQueueClient(self.queue_address, secret=job_secret(), consumer_id="driver")
         self.timeout_s = timeout_s
         self._ticket: _RayTicket | None = None  # the last submitted training step
         self._total_steps = 0  # set by start_rollout: the trainer prefetches up to the last step
@@ -385,7 +386,9 @@ class RayRoles:
              *((f"trainer rank {rank}", a.pid.remote()) for rank, a in enumerate(self._actors))],
             "starting (placed by Ray, loading its model)", ROLE_START_TIMEOUT_S)
         self._trainer_pids: list[int] = started[len(started) - num_processes:]
-        # Trainer rank 0 broadcasts to every engine (and ActorFwd) over gloo / NCCL in buckets.
+        # Trainer rank 0 broadcasts to every engine (and ActorFwd) over gloo / NCCL in buckets. It
+        # hosts the channel's store on its own node, on the interface that routes to this one (`host`),
+        # and tells the driver that address for the receivers.
         fwd = [(h, f) for h, f in zip(self._queue_roles, queue_roles)
                if isinstance(f, ForwardConfig) and f.kind == "actor_fwd"]
         self.weights = DistributedWeightSync(

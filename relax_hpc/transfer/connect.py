@@ -9,9 +9,11 @@ from relax_hpc.transfer.queue import TransferQueue
 
 
 def connect_queue(target: InMemoryTransferQueue | str, consumer_id: str) -> TransferQueue:
-    """A new session on the queue; open one per thread (ZMQ sockets are not thread safe)."""
+    """A new session on the queue; open one per thread (ZMQ sockets are not thread safe). A ZMQ
+    address is reached with this job's secret (``RELAX_HPC_SECRET_FILE``)."""
     if isinstance(target, InMemoryTransferQueue):
         return target.open_session(consumer_id)
+    from relax_hpc.auth import job_secret
     from relax_hpc.transfer.zmq_client import TransferQueueClient
 
-    return TransferQueueClient(target, consumer_id=consumer_id)
+    return TransferQueueClient(target, secret=job_secret(), consumer_id=consumer_id)

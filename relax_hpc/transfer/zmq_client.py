@@ -20,6 +20,9 @@ On the server's host the payloads go through shared memory instead (see
 references; a get reads them into new tensors that own their memory. The client decides at
 connect time: the server must advertise a shm directory, report this host's id, and the
 directory must be readable and writable here; ``shm=False`` or ``RELAX_TQ_SHM=0`` keeps TCP.
+
+Every connection is a CURVE one with the job's client keys (:mod:`relax_hpc.transfer.curve`);
+a server that refuses them ends the connect with :class:`TransferAuthError` at once.
 """
 
 from __future__ import annotations
@@ -35,6 +38,14 @@ from typing import Any
 
 import zmq
 
+from relax_hpc.auth import JobSecret
+from relax_hpc.transfer.curve import (
+    HandshakeWatch,
+    TransferAuthError,
+    queue_keys,
+    refused_message,
+    set_client_keys,
+)
 from relax_hpc.transfer.limits import HEARTBEAT_S, HEARTBEAT_TIMEOUT_S, fit_frames
 from relax_hpc.transfer.queue import (
     Batch,
@@ -61,7 +72,7 @@ from relax_hpc.transfer.wire import (
     encode_blocks,
     materialize_blocks,
 )
-from relax_hpc.transfer.zmq_requests import Reply, RequestPipe
+from relax_hpc.transfer.zmq_requests import Reply, RequestPipe, unreachable_message
 
 
 log = logging.getLogger(__name__)
@@ -108,7 +119,9 @@ def _stream_key(partition: str, task: str, fields: Sequence[str], batch_size: in
 class TransferQueueClient:
     """Connect to a :class:`~relax_hpc.transfer.zmq_server.TransferQueueServer`.
 
-    ``connect_timeout``: how long the first ping may take. ``request_timeout``: how long a
+    ``secret``: the job secret the server was started with (``job_secret()`` in a role); with
+    another one the connect raises :class:`TransferAuthError`.
+    ``connect_timeout``: how long the handshake, and then the first ping, may take. ``request_timeout``: how long a
     reply may take beyond the call's own blocking timeout; a request is sent ``1 + retries``
     times before :class:`TransferUnreachableError`. ``shm``: use the same-host shared-memory
     path when the server offers it and this process can see it (None: unless ``RELAX_TQ_SHM=0``;
@@ -119,6 +132,7 @@ class TransferQueueClient:
         self,
         address: str,
         *,
+        secret: JobSecret,
         consumer_id: str = "",
         connect_timeout: float = 10.0,
         request_timeout: float = 30.0,
@@ -146,6 +160,8 @@ class TransferQueueClient:
         self._sock.setsockopt(zmq.HEARTBEAT_IVL, int(HEARTBEAT_S * 1000))
         self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(HEARTBEAT_TIMEOUT_S * 1000))
         self._sock.setsockopt(zmq.HEARTBEAT_TTL, int(HEARTBEAT_TIMEOUT_S * 1000))
+        set_client_keys(self._sock, queue_keys(secret))
+        handshakes = HandshakeWatch(self._sock)
         self._sock.connect(address)
         self.endpoint = address  # where requests go: a same-host client moves to ipc:// after the ping
         self._pipe = RequestPipe(self._sock, address, self.session, consumer_id)
@@ -155,10 +171,18 @@ class TransferQueueClient:
         self._pool: SegmentPool | None = None
         self._maps: ShmMaps | None = None
         try:
+            self._await_handshake(handshakes, address, connect_timeout)
             reply, _ = self._request({"op": "ping"}, (), wait=0.0, timeout=connect_timeout, retries=0)
+            self._apply_ping(reply, shm, shm_min_bytes, handshakes, connect_timeout)
         except BaseException:
+            handshakes.close()  # before the socket it watches
             self.close()
             raise
+        handshakes.close()
+
+    def _apply_ping(self, reply: dict[str, Any], shm: bool | None, shm_min_bytes: int | None,
+                    handshakes: HandshakeWatch, connect_timeout: float) -> None:
+        """Take what the ping reply says; on the server's host, move to shm and ipc://."""
         self.capacity: int | None = reply.get("capacity")
         limits = reply.get("limits") or {}  # the server drops a larger frame, refuses a larger header
         self._max_frame: int | None = limits.get("frame")
@@ -171,7 +195,10 @@ class TransferQueueClient:
         if self.shm_dir is not None:
             self._pool = SegmentPool(self.shm_dir)
             self._maps = ShmMaps(self.shm_dir)
-            self._move_to_same_host_endpoint(same_host_endpoint(self.shm_dir, reply.get("ipc")))
+            endpoint = same_host_endpoint(self.shm_dir, reply.get("ipc"))
+            if endpoint is not None:
+                self._move_to_same_host_endpoint(endpoint)
+                self._await_handshake(handshakes, endpoint, connect_timeout)
 
     # ----------------------------------------------------------------- the interface
     def put(self, partition: str, rows: Sequence[Row], timeout: float = 60.0) -> list[int]:
@@ -340,11 +367,18 @@ class TransferQueueClient:
         self.close()
 
     # ----------------------------------------------------------------- transport
-    def _move_to_same_host_endpoint(self, endpoint: str | None) -> None:
+    def _await_handshake(self, handshakes: HandshakeWatch, endpoint: str, timeout: float) -> None:
+        """Return once the server accepted this client's keys on ``endpoint``; raise at once
+        when it refuses them, or after ``timeout`` when nobody answers."""
+        verdict = handshakes.wait(endpoint, timeout)
+        if verdict is None:
+            raise TransferUnreachableError(unreachable_message(self.address, timeout, 1, "ping"))
+        if verdict != "ok":
+            raise TransferAuthError(refused_message(self.address, verdict))
+
+    def _move_to_same_host_endpoint(self, endpoint: str) -> None:
         """Send requests over the server's Unix socket instead of TCP (same host, nothing in
         flight yet); ``address`` stays the TCP one that error messages name."""
-        if endpoint is None:
-            return
         self._sock.disconnect(self.address)
         self._sock.connect(endpoint)
         self.endpoint = endpoint

@@ -103,10 +103,7 @@ class RequestPipe:
             if left <= 0:
                 if flight.attempts_left <= 0:
                     raise TransferUnreachableError(
-                        f"transfer queue at {self._address} did not answer within {flight.timeout_s:g}s "
-                        f"({flight.attempts} attempt(s)) to {flight.op!r}; is the driver running? Check the "
-                        "driver's log, and that this address (from the job's cluster.json) is reachable "
-                        "from this node"
+                        unreachable_message(self._address, flight.timeout_s, flight.attempts, flight.op)
                     )
                 flight.attempts_left -= 1
                 self._sock.send_multipart([flight.head, *flight.frames], copy=False)
@@ -121,6 +118,14 @@ class RequestPipe:
             return None, None
         got = reply.get("id")
         return (got if isinstance(got, int) else None), (reply, frames[1:])
+
+
+def unreachable_message(address: str, timeout_s: float, attempts: int, op: str) -> str:
+    return (
+        f"transfer queue at {address} did not answer within {timeout_s:g}s ({attempts} attempt(s)) to "
+        f"{op!r}; is the driver running? Check the driver's log, and that this address (from the job's "
+        "cluster.json) is reachable from this node"
+    )
 
 
 def check_reply(answer: Reply, op: str, address: str) -> Reply:

@@ -14,6 +14,11 @@ a silent peer, and every ``heartbeat_s`` the server drops the parked requests wh
 no longer knows (:meth:`TransferQueueServer._drop_vanished`; why a probe rather than the socket
 monitor: docs/transfer-queue.md, "Limits").
 
+Only the job's processes get in: the socket is a CURVE server with keys derived from the job
+secret, and a ZAP handler answered by the same loop admits only the job's client key, on the
+tcp and the ipc:// endpoint alike (:mod:`relax_hpc.transfer.curve`). A session's consumer id
+is fixed by its first request (:mod:`relax_hpc.transfer.sessions`).
+
 Same-host clients move payloads through shared memory instead (see
 :mod:`relax_hpc.transfer.shm`): the server advertises its host id and shm directory in the ping
 reply, stores only the references a put/write carries, and deletes the payload files when the
@@ -21,7 +26,8 @@ partition is cleared and on stop. A get from a client that cannot see the direct
 field ``m`` absent or false) is answered with the bytes inlined as frames.
 
 Run standalone: ``python -m relax_hpc.transfer.zmq_server --bind tcp://0.0.0.0:0 --capacity N``
-(prints the address to connect to, serves until interrupted).
+(prints the address to connect to, serves until interrupted; the job secret comes from
+``RELAX_HPC_SECRET_FILE``).
 """
 
 from __future__ import annotations
@@ -38,6 +44,8 @@ from typing import Any
 
 import zmq
 
+from relax_hpc.auth import JobSecret, job_secret
+from relax_hpc.transfer.curve import ZapHandler, queue_keys, set_server_keys
 from relax_hpc.transfer.limits import (
     DEFAULT_MAX_FRAME_BYTES,
     DEFAULT_MAX_HEADER_BYTES,
@@ -47,6 +55,7 @@ from relax_hpc.transfer.limits import (
     request_rows,
 )
 from relax_hpc.transfer.queue import TransferQueueError, check_name
+from relax_hpc.transfer.sessions import ConsumerMismatchError, SessionConsumers
 from relax_hpc.transfer.shm import ShmStore, shm_enabled_by_env
 from relax_hpc.transfer.state import Owner, QueueState
 from relax_hpc.transfer.wire import (
@@ -105,6 +114,8 @@ class _Refused(Exception):
 class TransferQueueServer:
     """Serve a transfer queue on ``address`` (``tcp://host:0`` picks a free port).
 
+    ``secret``: the job secret; only clients built with the same one get in (CURVE keys derived
+    from it, see :mod:`relax_hpc.transfer.curve`).
     ``shm``: offer the same-host shared-memory path (None: on unless ``RELAX_TQ_SHM=0``; it is
     also off when ``shm_root`` does not exist). ``shm_root``: where the per-server directory
     ``relax-tq-<id>`` is created. ``max_frame_bytes``: the largest frame a peer may send
@@ -119,6 +130,7 @@ class TransferQueueServer:
         address: str = "tcp://127.0.0.1:0",
         capacity: int | None = None,
         *,
+        secret: JobSecret,
         poll_interval_s: float = 0.05,
         shm: bool | None = None,
         shm_root: str = "/dev/shm",
@@ -133,6 +145,8 @@ class TransferQueueServer:
                 f"got {max_frame_bytes}, {max_header_bytes}, {heartbeat_s}, {heartbeat_timeout_s}"
             )
         self._bind = address
+        self._keys = queue_keys(secret)
+        self._sessions = SessionConsumers()
         self._want_shm = shm_enabled_by_env() if shm is None else shm
         self._shm_root = shm_root
         self._shm: ShmStore | None = None
@@ -192,7 +206,9 @@ class TransferQueueServer:
     def serve_forever(self) -> None:
         """Run the event loop in the calling thread until :meth:`stop`."""
         ctx = zmq.Context()
+        zap = ZapHandler(ctx, self._keys)  # before the bind: no connection is ever let in unasked
         sock = ctx.socket(zmq.ROUTER)
+        set_server_keys(sock, self._keys)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 0)  # a vanished client's reply is dropped, not an error
         sock.setsockopt(zmq.MAXMSGSIZE, self._max_frame_bytes)
@@ -206,6 +222,7 @@ class TransferQueueServer:
             self._error = exc
             self._ready.set()
             sock.close(0)
+            zap.close()
             ctx.term()
             return
         if self._want_shm:
@@ -217,9 +234,10 @@ class TransferQueueServer:
                 self._ipc = self._bind_same_host(sock, self._shm.ipc_address)
         self._ready.set()
         try:
-            self._loop(sock)
+            self._loop(sock, zap)
         finally:
             sock.close(0)
+            zap.close()
             ctx.term()
             if self._shm is not None:
                 self._shm.close()
@@ -238,15 +256,19 @@ class TransferQueueServer:
         return address
 
     # ----------------------------------------------------------------- event loop
-    def _loop(self, sock: zmq.Socket[Any]) -> None:
+    def _loop(self, sock: zmq.Socket[Any], zap: ZapHandler) -> None:
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
+        poller.register(zap.socket, zmq.POLLIN)
         next_probe = time.monotonic() + self._heartbeat_s
         while not self._stop.is_set():
             wait = self._poll_interval_s
             if self._parked:
                 wait = min(wait, max(0.0, min(r.deadline for r in self._parked) - time.monotonic()))
-            if poller.poll(wait * 1000):
+            ready = dict(poller.poll(wait * 1000))
+            if zap.socket in ready:  # a connection waits for its handshake
+                zap.answer_pending()
+            if sock in ready:
                 changed = False
                 for _ in range(256):  # drain a burst, then look at parked requests once
                     try:
@@ -276,6 +298,12 @@ class TransferQueueServer:
             req.session = session if isinstance(session, str) and session else None
             if req.header.get("v") != WIRE_VERSION:
                 raise WireError(f"wire version {req.header.get('v')!r} is not {WIRE_VERSION}; upgrade the client")
+            if req.session is not None:
+                try:
+                    self._sessions.bind(req.session, req.header)
+                except ConsumerMismatchError:
+                    req.session = None  # not cached as that session's reply to this request id
+                    raise
             if self._is_duplicate(sock, req):
                 return False
             op = arg(req.header, "op", str)
@@ -524,10 +552,7 @@ class TransferQueueServer:
     def _owner(self, req: _Request) -> Owner:
         if req.session is None:
             raise WireError("header field 's' (session id) is required for get and ack")
-        consumer = req.header.get("c", "")
-        if not isinstance(consumer, str) or len(consumer) > 200:
-            raise WireError("header field 'c' (consumer id) must be a str of at most 200 characters")
-        return (consumer, req.session)
+        return (req.header.get("c", ""), req.session)  # checked and bound in _handle
 
     def _is_duplicate(self, sock: zmq.Socket[Any], req: _Request) -> bool:
         """A client retry of a request it has not had the answer to: resend it, or wait for it."""
@@ -605,7 +630,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--bind", default="tcp://0.0.0.0:0", help="ZMQ address; port 0 picks a free port")
     parser.add_argument("--capacity", type=int, default=None, help="row bound (default: unbounded)")
     args = parser.parse_args(argv)
-    server = TransferQueueServer(args.bind, args.capacity)
+    server = TransferQueueServer(args.bind, args.capacity, secret=job_secret())
     server.start()
     print(server.address, flush=True)
     try:

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from relax_hpc.auth import job_secret
 from relax_hpc.data.rows import sample_to_row
 from relax_hpc.data.sample import Sample
 from relax_hpc.models.hf import load_causal_lm
@@ -19,6 +20,7 @@ from relax_hpc.roles.forward import ForwardConfig, ForwardWorker, response_log_p
 from relax_hpc.transfer import TransferQueueClient, TransferQueueServer, partition_name
 
 ROWS, MICRO = 64, 8
+SECRET = job_secret()  # the roles connect with the job's secret (tests/conftest.py sets it)
 
 
 @pytest.fixture(scope="module")
@@ -40,10 +42,10 @@ def _samples() -> list[Sample]:
 
 @pytest.fixture()
 def queue_with_rows() -> tuple[str, list[Sample]]:
-    server = TransferQueueServer("tcp://127.0.0.1:0")
+    server = TransferQueueServer("tcp://127.0.0.1:0", secret=SECRET)
     address = server.start()
     samples = _samples()
-    producer = TransferQueueClient(address, consumer_id="rollout")
+    producer = TransferQueueClient(address, secret=SECRET, consumer_id="rollout")
     producer.put(partition_name(0), [sample_to_row(s) for s in samples])
     producer.complete(partition_name(0), ROWS)
     producer.close()
@@ -53,7 +55,7 @@ def queue_with_rows() -> tuple[str, list[Sample]]:
 
 def _trainer_view(address: str, field: str) -> dict[int, torch.Tensor]:
     """What the trainer would get: every row with the role's field, once."""
-    consumer = TransferQueueClient(address, consumer_id="actor-rank0")
+    consumer = TransferQueueClient(address, secret=SECRET, consumer_id="actor-rank0")
     got: dict[int, torch.Tensor] = {}
     while True:
         batch = consumer.get(partition_name(0), "actor", ["tokens", field], 16, timeout=30)
@@ -125,8 +127,8 @@ def test_actor_fwd_waits_for_the_weights_of_its_step(model_dir: Path, queue_with
     address, _ = queue_with_rows
     worker = ForwardWorker(ForwardConfig(kind="actor_fwd", model_path=str(model_dir), micro_batch_size=MICRO))
     worker.start(address, 1, 2)  # step 1 needs weight version 1
-    probe = TransferQueueClient(address, consumer_id="probe")
-    producer = TransferQueueClient(address, consumer_id="rollout2")
+    probe = TransferQueueClient(address, secret=SECRET, consumer_id="probe")
+    producer = TransferQueueClient(address, secret=SECRET, consumer_id="rollout2")
     rows = [sample_to_row(s) for s in _samples()[:MICRO]]
     producer.put(partition_name(1), rows)
     producer.complete(partition_name(1), MICRO)

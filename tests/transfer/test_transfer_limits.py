@@ -16,7 +16,9 @@ import torch
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
+from relax_hpc.auth import JobSecret
 from relax_hpc.transfer import TransferQueueError
+from relax_hpc.transfer.curve import queue_keys, set_client_keys
 from relax_hpc.transfer.limits import MAX_REQUEST_ROWS, MAX_REQUEST_VALUES
 from relax_hpc.transfer.queue import Batch
 from relax_hpc.transfer.wire import MAX_FIELDS, WIRE_VERSION
@@ -24,11 +26,12 @@ from relax_hpc.transfer.zmq_client import TransferQueueClient
 from relax_hpc.transfer.zmq_server import TransferQueueServer
 
 MiB = 1 << 20
+SECRET = JobSecret.generate()  # the servers' job secret; clients and raw sockets use its keys
 
 
 @pytest.fixture
 def server() -> Iterator[TransferQueueServer]:
-    srv = TransferQueueServer("tcp://127.0.0.1:0", capacity=100, shm=False, max_header_bytes=64 * 1024)
+    srv = TransferQueueServer("tcp://127.0.0.1:0", secret=SECRET, capacity=100, shm=False, max_header_bytes=64 * 1024)
     srv.start()
     yield srv
     srv.stop()
@@ -37,6 +40,7 @@ def server() -> Iterator[TransferQueueServer]:
 def dealer(address: str) -> zmq.Socket[Any]:
     sock: zmq.Socket[Any] = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    set_client_keys(sock, queue_keys(SECRET))
     sock.connect(address)
     return sock
 
@@ -53,7 +57,7 @@ def head(**fields: Any) -> bytes:
 
 def assert_serves(address: str) -> None:
     """A normal client can still put and get."""
-    client = TransferQueueClient(address, shm=False, request_timeout=10.0)
+    client = TransferQueueClient(address, secret=SECRET, shm=False, request_timeout=10.0)
     try:
         client.put("healthy", [{"x": torch.arange(3)}])
         got = client.get("healthy", f"check-{time.monotonic_ns()}", ["x"], 1, timeout=10).rows[0]["x"]
@@ -93,7 +97,7 @@ def test_amplification_header_is_refused_before_any_row_is_built(capacity: int |
     header = msgpack.packb({"v": WIRE_VERSION, "id": 1, "op": "put", "p": "t",
                             "blocks": [{"n": 1 << 24, "cols": {}}] * 2})
     assert len(header) < 62
-    with TransferQueueServer("tcp://127.0.0.1:0", capacity=capacity, shm=False) as srv:
+    with TransferQueueServer("tcp://127.0.0.1:0", secret=SECRET, capacity=capacity, shm=False) as srv:
         raw = dealer(srv.address)
         ask(raw, [head(op="ping", id=0)])  # connected, everything imported
         reset_peak_rss()
@@ -156,7 +160,7 @@ def test_hostile_requests_are_refused_and_the_server_keeps_serving(
     assert reply["ok"] is False and reply["kind"] == kind, reply
     assert message in reply["error"], reply["error"]
     assert_serves(server.address)
-    probe = TransferQueueClient(server.address, shm=False)
+    probe = TransferQueueClient(server.address, secret=SECRET, shm=False)
     assert probe.partitions() == []  # nothing of the refused requests was stored
     probe.close()
 
@@ -166,7 +170,7 @@ def test_too_many_values_are_refused_from_the_header_alone() -> None:
     fields = MAX_REQUEST_VALUES // rows + 1
     # The columns are junk: the count is refused before any of them is read.
     blocks = [{"n": rows, "cols": {f"f{i}": 0 for i in range(fields)}}]
-    with TransferQueueServer("tcp://127.0.0.1:0", shm=False) as srv:
+    with TransferQueueServer("tcp://127.0.0.1:0", secret=SECRET, shm=False) as srv:
         raw = dealer(srv.address)
         reply = ask(raw, [head(op="put", id=1, p="t", timeout=0, blocks=blocks)])
         raw.close(0)
@@ -183,7 +187,7 @@ def test_an_error_reply_does_not_echo_a_huge_request(server: TransferQueueServer
 
 
 def test_a_frame_over_the_limit_drops_the_connection_and_the_server_keeps_serving() -> None:
-    with TransferQueueServer("tcp://127.0.0.1:0", shm=False) as srv:  # default limit: 256 MiB
+    with TransferQueueServer("tcp://127.0.0.1:0", secret=SECRET, shm=False) as srv:  # default limit: 256 MiB
         raw = dealer(srv.address)
         monitor = raw.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         ask(raw, [head(op="ping", id=0)])
@@ -198,14 +202,14 @@ def test_a_frame_over_the_limit_drops_the_connection_and_the_server_keeps_servin
         raw.close(0)
         del big
         assert_serves(srv.address)
-        client = TransferQueueClient(srv.address, shm=False)
+        client = TransferQueueClient(srv.address, secret=SECRET, shm=False)
         assert client.partitions() == []  # the put never reached the queue
         client.close()
 
 
 def test_clients_keep_their_frames_within_the_servers_limit() -> None:
-    with TransferQueueServer("tcp://127.0.0.1:0", shm=False, max_frame_bytes=MiB) as srv:
-        client = TransferQueueClient(srv.address, shm=False)
+    with TransferQueueServer("tcp://127.0.0.1:0", secret=SECRET, shm=False, max_frame_bytes=MiB) as srv:
+        client = TransferQueueClient(srv.address, secret=SECRET, shm=False)
         # 64 rows of 32 KiB would be joined into one 2 MiB frame: they go one frame per row
         rows = [{"x": torch.full((8192,), float(i))} for i in range(64)]
         assert client.put("train_0", rows) == list(range(64))
@@ -222,7 +226,7 @@ def test_clients_keep_their_frames_within_the_servers_limit() -> None:
 @pytest.fixture
 def quick() -> Iterator[TransferQueueServer]:
     """A server that looks for vanished clients every 0.1 s."""
-    srv = TransferQueueServer("tcp://127.0.0.1:0", capacity=1, shm=False, heartbeat_s=0.1)
+    srv = TransferQueueServer("tcp://127.0.0.1:0", secret=SECRET, capacity=1, shm=False, heartbeat_s=0.1)
     srv.start()
     yield srv
     srv.stop()
@@ -243,7 +247,7 @@ def test_a_parked_get_of_a_vanished_client_is_dropped(quick: TransferQueueServer
     second = dealer(quick.address)
     second.send_multipart([get])
     wait_for(lambda: parked(quick) == 1, "the resent get to be parked")
-    producer = TransferQueueClient(quick.address, shm=False)
+    producer = TransferQueueClient(quick.address, secret=SECRET, shm=False)
     producer.put("train_0", [{"x": 1}])
     # ... and is answered, over the live connection
     assert second.poll(30_000)
@@ -254,7 +258,7 @@ def test_a_parked_get_of_a_vanished_client_is_dropped(quick: TransferQueueServer
 
 
 def test_a_parked_put_of_a_vanished_client_is_never_applied(quick: TransferQueueServer) -> None:
-    producer = TransferQueueClient(quick.address, shm=False)
+    producer = TransferQueueClient(quick.address, secret=SECRET, shm=False)
     producer.put("train_0", [{"x": 0}])  # capacity 1: the queue is full
     raw = dealer(quick.address)
     blocks = [{"n": 1, "cols": {"x": ["n", "float32", [[MiB // 4]], 0]}}]
@@ -268,14 +272,14 @@ def test_a_parked_put_of_a_vanished_client_is_never_applied(quick: TransferQueue
 
 
 def test_a_live_client_keeps_its_parked_get_through_the_probes(quick: TransferQueueServer) -> None:
-    consumer = TransferQueueClient(quick.address, shm=False)
+    consumer = TransferQueueClient(quick.address, secret=SECRET, shm=False)
     got: list[Batch] = []
     waiting = threading.Thread(target=lambda: got.append(consumer.get("train_0", "actor", ["x"], 1, timeout=60)))
     waiting.start()
     wait_for(lambda: parked(quick) == 1, "the get to be parked")
     time.sleep(0.5)  # several probes reach the waiting client, which ignores them
     assert parked(quick) == 1
-    producer = TransferQueueClient(quick.address, shm=False)
+    producer = TransferQueueClient(quick.address, secret=SECRET, shm=False)
     producer.put("train_0", [{"x": 7}])
     waiting.join(30)
     assert [b.rows for b in got] == [[{"x": 7}]]

@@ -13,24 +13,27 @@ import pytest
 import torch
 import zmq
 
+from relax_hpc.auth import JobSecret
 from relax_hpc.transfer import TransferQueueError, shm
+from relax_hpc.transfer.curve import queue_keys, set_client_keys
 from relax_hpc.transfer.wire import WIRE_VERSION, WireError
 from relax_hpc.transfer.zmq_client import TransferQueueClient
 from relax_hpc.transfer.zmq_server import TransferQueueServer
 
 SAMPLE = 64 * 1024 // 4  # float32 elements in a 64 KiB sample
+SECRET = JobSecret.generate()  # the servers' job secret; clients and raw sockets use its keys
 
 
 @pytest.fixture
 def server() -> Iterator[TransferQueueServer]:
-    srv = TransferQueueServer("tcp://127.0.0.1:0", capacity=1000, shm=True)
+    srv = TransferQueueServer("tcp://127.0.0.1:0", secret=SECRET, capacity=1000, shm=True)
     srv.start()
     yield srv
     srv.stop()
 
 
 def client(server: TransferQueueServer, **kwargs: Any) -> TransferQueueClient:
-    return TransferQueueClient(server.address, request_timeout=5.0, **kwargs)
+    return TransferQueueClient(server.address, secret=SECRET, request_timeout=5.0, **kwargs)
 
 
 def payload_files(server: TransferQueueServer) -> list[str]:
@@ -57,6 +60,7 @@ def one_sample_reply(name: str) -> list[dict[str, Any]]:
 def raw_put(server: TransferQueueServer, partition: str, desc: list[Any], req_id: int = 1) -> dict[str, Any]:
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    set_client_keys(sock, queue_keys(SECRET))
     sock.connect(server.address)
     head = {"v": WIRE_VERSION, "s": f"raw-{req_id}", "c": "", "id": req_id, "op": "put", "p": partition,
             "blocks": [{"n": 1, "cols": {"x": desc}}], "timeout": 1.0}
@@ -96,11 +100,11 @@ def test_clear_releases_the_partition_files_and_received_tensors_stay_valid(serv
 
 
 def test_stop_removes_the_directory() -> None:
-    srv = TransferQueueServer("tcp://127.0.0.1:0", shm=True)
+    srv = TransferQueueServer("tcp://127.0.0.1:0", secret=SECRET, shm=True)
     srv.start()
     directory = srv.shm_dir
     assert directory is not None and directory.startswith("/dev/shm/relax-tq-")
-    q = TransferQueueClient(srv.address)
+    q = TransferQueueClient(srv.address, secret=SECRET)
     q.put("train_0", samples(2))
     q.close()
     srv.stop()
@@ -197,13 +201,13 @@ def test_a_file_owned_by_another_partition_is_refused(server: TransferQueueServe
 
 
 def test_server_without_shm_refuses_references() -> None:
-    srv = TransferQueueServer("tcp://127.0.0.1:0", shm=False)
+    srv = TransferQueueServer("tcp://127.0.0.1:0", secret=SECRET, shm=False)
     srv.start()
     try:
         assert srv.shm_dir is None
         reply = raw_put(srv, "train_0", ["s", "t", "float32", [[2]], "data", [0]])
         assert reply["ok"] is False and "without a shared-memory directory" in reply["error"]
-        assert TransferQueueClient(srv.address).shm_dir is None
+        assert TransferQueueClient(srv.address, secret=SECRET).shm_dir is None
     finally:
         srv.stop()
 
@@ -389,8 +393,10 @@ def test_a_killed_servers_directory_is_removed_by_the_next_server(tmp_path: Any)
     root.mkdir()
     script = (
         "import sys, time\n"
+        "from relax_hpc.auth import JobSecret\n"
         "from relax_hpc.transfer.zmq_server import TransferQueueServer\n"
-        f"srv = TransferQueueServer('tcp://127.0.0.1:0', shm=True, shm_root={str(root)!r})\n"
+        "secret = JobSecret.generate()\n"
+        f"srv = TransferQueueServer('tcp://127.0.0.1:0', secret=secret, shm=True, shm_root={str(root)!r})\n"
         "srv.start()\n"
         "print(srv.shm_dir, flush=True)\n"
         "time.sleep(600)\n"
@@ -406,13 +412,13 @@ def test_a_killed_servers_directory_is_removed_by_the_next_server(tmp_path: Any)
     (root / "relax-tq-noowner").mkdir()
     (root / "relax-tq-elsewhere").mkdir()
     (root / "relax-tq-elsewhere" / shm.OWNER_FILE).write_text("1 4026531836-not-this-namespace\n")
-    live = TransferQueueServer("tcp://127.0.0.1:0", shm=True, shm_root=str(root))
+    live = TransferQueueServer("tcp://127.0.0.1:0", shm=True, shm_root=str(root), secret=SECRET)
     live.start()
     try:
         assert not os.path.exists(killed_dir)
         assert (root / "relax-tq-noowner").is_dir() and (root / "relax-tq-elsewhere").is_dir()
         # A live server's directory survives the next server's start.
-        other = TransferQueueServer("tcp://127.0.0.1:0", shm=True, shm_root=str(root))
+        other = TransferQueueServer("tcp://127.0.0.1:0", shm=True, shm_root=str(root), secret=SECRET)
         other.start()
         assert live.shm_dir is not None and os.path.isdir(live.shm_dir)
         other.stop()

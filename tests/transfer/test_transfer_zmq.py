@@ -14,16 +14,19 @@ import pytest
 import torch
 import zmq
 
+from relax_hpc.auth import JobSecret
 from relax_hpc.transfer import TransferQueueError, TransferUnreachableError
+from relax_hpc.transfer.curve import queue_keys, set_client_keys
 from relax_hpc.transfer.queue import TransferTimeoutError
 from relax_hpc.transfer.wire import WIRE_VERSION
 from relax_hpc.transfer.zmq_client import TransferQueueClient
 from relax_hpc.transfer.zmq_server import TransferQueueServer
 
+SECRET = JobSecret.generate()  # the servers' job secret; clients and raw sockets use its keys
 
 @pytest.fixture
 def server() -> Iterator[TransferQueueServer]:
-    srv = TransferQueueServer("tcp://127.0.0.1:0", capacity=100)
+    srv = TransferQueueServer("tcp://127.0.0.1:0", secret=SECRET, capacity=100)
     srv.start()
     yield srv
     srv.stop()
@@ -34,6 +37,7 @@ def raw(server: TransferQueueServer) -> Iterator[zmq.Socket[Any]]:
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    set_client_keys(sock, queue_keys(SECRET))
     sock.connect(server.address)
     yield sock
     sock.close(0)
@@ -65,7 +69,7 @@ def test_unreachable_server_error_says_what_to_check() -> None:
     address = f"tcp://127.0.0.1:{free_port()}"
     t0 = time.monotonic()
     with pytest.raises(TransferUnreachableError) as err:
-        TransferQueueClient(address, connect_timeout=0.3)
+        TransferQueueClient(address, secret=SECRET, connect_timeout=0.3)
     assert time.monotonic() - t0 < 3
     message = str(err.value)
     assert f"transfer queue at {address} did not answer within 0.3s" in message
@@ -73,7 +77,7 @@ def test_unreachable_server_error_says_what_to_check() -> None:
 
 
 def test_server_gone_mid_session_raises_after_retries(server: TransferQueueServer) -> None:
-    client = TransferQueueClient(server.address, request_timeout=0.2, retries=1)
+    client = TransferQueueClient(server.address, secret=SECRET, request_timeout=0.2, retries=1)
     server.stop()
     with pytest.raises(TransferUnreachableError, match=r"0.2s \(2 attempt"):
         client.partitions()
@@ -107,7 +111,7 @@ MALFORMED: list[tuple[str, list[bytes]]] = [
 def test_malformed_messages_get_an_error_and_the_server_keeps_serving(
     server: TransferQueueServer, raw: zmq.Socket[Any], frames: list[bytes]
 ) -> None:
-    client = TransferQueueClient(server.address, request_timeout=5.0)
+    client = TransferQueueClient(server.address, secret=SECRET, request_timeout=5.0)
     client.put("train_0", [{"x": torch.ones(2)}])
     if frames:
         reply, _ = exchange(raw, frames)
@@ -126,7 +130,7 @@ def test_retried_put_is_applied_once(server: TransferQueueServer, raw: zmq.Socke
     first, _ = exchange(raw, put)
     again, _ = exchange(raw, put)  # as if the first reply was lost
     assert first == again and first["idx"] == [0]
-    client = TransferQueueClient(server.address)
+    client = TransferQueueClient(server.address, secret=SECRET)
     assert [p.rows for p in client.partitions()] == [1]
     got = client.get("train_0", "actor", ["x"], 1, timeout=1).rows[0]["x"]
     np.testing.assert_array_equal(got, data)
@@ -151,7 +155,7 @@ def test_each_of_several_requests_in_flight_is_answered_once_on_retry(
     assert answers == {1: [0], 2: [1]}
     assert exchange(raw, first)[0]["idx"] == [0]  # both replies lost: each retry gets its answer
     assert exchange(raw, second)[0]["idx"] == [1]
-    client = TransferQueueClient(server.address)
+    client = TransferQueueClient(server.address, secret=SECRET)
     assert [p.rows for p in client.partitions()] == [2]  # applied once each
     # once the client says it has every reply before id 3, a request 1 counts as new
     assert exchange(raw, put(3, 3, 3.0))[0]["idx"] == [2]
@@ -160,12 +164,12 @@ def test_each_of_several_requests_in_flight_is_answered_once_on_retry(
 
 
 def test_put_async_keeps_puts_in_flight_and_a_complete_waits_for_them(server: TransferQueueServer) -> None:
-    producer = TransferQueueClient(server.address)
+    producer = TransferQueueClient(server.address, secret=SECRET)
     pending = [producer.put_async("train_0", [{"x": torch.full((3,), float(i))}] * 2) for i in range(6)]
     producer.complete("train_0", 12)  # waits for the puts still in flight
     assert all(p.done for p in pending)
     assert sorted(i for p in pending for i in p.result()) == list(range(12))
-    consumer = TransferQueueClient(server.address)
+    consumer = TransferQueueClient(server.address, secret=SECRET)
     batch = consumer.get("train_0", "actor", ["x"], 12, timeout=5)
     assert batch.end and [float(r["x"][0]) for r in batch.rows] == [i // 2 for i in range(12)]  # type: ignore[index]
     producer.close()
@@ -173,7 +177,8 @@ def test_put_async_keeps_puts_in_flight_and_a_complete_waits_for_them(server: Tr
 
 
 def test_close_waits_for_the_puts_still_in_flight(server: TransferQueueServer) -> None:
-    producer, actor = TransferQueueClient(server.address), TransferQueueClient(server.address)
+    producer = TransferQueueClient(server.address, secret=SECRET)
+    actor = TransferQueueClient(server.address, secret=SECRET)
     full = producer.put_async("train_0", [{"x": 1}] * 100)  # capacity 100
     parked = producer.put_async("train_1", [{"x": 2}])  # waits on the server for room
     clearing = threading.Timer(0.3, lambda: actor.clear("train_0"))
@@ -188,7 +193,7 @@ def test_close_waits_for_the_puts_still_in_flight(server: TransferQueueServer) -
 
 
 def test_a_refused_put_async_raises_at_its_result_or_at_the_next_call(server: TransferQueueServer) -> None:
-    producer = TransferQueueClient(server.address)
+    producer = TransferQueueClient(server.address, secret=SECRET)
     too_big = producer.put_async("train_0", [{"x": 1}] * 101)  # capacity 100
     fine = producer.put_async("train_0", [{"x": 1}])
     with pytest.raises(TransferQueueError, match="can never fit"):
@@ -203,11 +208,11 @@ def test_a_refused_put_async_raises_at_its_result_or_at_the_next_call(server: Tr
 
 
 def test_a_prefetched_reply_collected_after_its_deadline_is_still_taken(server: TransferQueueServer) -> None:
-    producer = TransferQueueClient(server.address)
+    producer = TransferQueueClient(server.address, secret=SECRET)
     producer.put("train_0", [{"x": float(i)} for i in range(4)])
     producer.complete("train_0", 4)
     # no retries and a short reply timeout: a slow caller must not turn a waiting reply into an error
-    consumer = TransferQueueClient(server.address, request_timeout=0.2, retries=0)
+    consumer = TransferQueueClient(server.address, secret=SECRET, request_timeout=0.2, retries=0)
     seen = []
     for batch in consumer.stream("train_0", "actor", ["x"], 2, timeout=0.1):
         seen.extend(batch.indices)
@@ -219,8 +224,8 @@ def test_a_prefetched_reply_collected_after_its_deadline_is_still_taken(server: 
 
 def test_a_stream_and_writes_share_one_client(server: TransferQueueServer) -> None:
     """A role's pattern: the next get waits on the server while the role writes its field."""
-    producer = TransferQueueClient(server.address)
-    role = TransferQueueClient(server.address)
+    producer = TransferQueueClient(server.address, secret=SECRET)
+    role = TransferQueueClient(server.address, secret=SECRET)
     feeding = producer.put_async("train_0", [{"x": float(i)} for i in range(3)])
     written = []
     for batch in role.stream("train_0", "fwd", ["x"], 2, timeout=5):
@@ -231,21 +236,21 @@ def test_a_stream_and_writes_share_one_client(server: TransferQueueServer) -> No
             producer.put("train_0", [{"x": 3.0}])
             producer.complete("train_0", 4)
     assert feeding.result() == [0, 1, 2] and written == [0, 1, 2, 3]
-    got = TransferQueueClient(server.address).get("train_0", "actor", ["y"], 4, timeout=5)
+    got = TransferQueueClient(server.address, secret=SECRET).get("train_0", "actor", ["y"], 4, timeout=5)
     assert [r["y"] for r in got.rows] == [0.0, 10.0, 20.0, 30.0]
     producer.close()
     role.close()
 
 
 def test_error_reply_for_refused_request(server: TransferQueueServer) -> None:
-    client = TransferQueueClient(server.address)
+    client = TransferQueueClient(server.address, secret=SECRET)
     with pytest.raises(TransferQueueError, match="can never fit in a queue of capacity 100"):
         client.put("train_0", [{"x": 1}] * 101)
     client.close()
 
 
 def test_received_tensors_are_writable_and_independent(server: TransferQueueServer) -> None:
-    client = TransferQueueClient(server.address)
+    client = TransferQueueClient(server.address, secret=SECRET)
     client.put("train_0", [{"x": torch.zeros(64 * 1024)}])
     a = client.get("train_0", "t1", ["x"], 1, timeout=1).rows[0]["x"]
     b = client.get("train_0", "t2", ["x"], 1, timeout=1).rows[0]["x"]
@@ -255,12 +260,12 @@ def test_received_tensors_are_writable_and_independent(server: TransferQueueServ
 
 
 def test_many_parked_gets_do_not_stall_other_clients(server: TransferQueueServer) -> None:
-    waiters = [TransferQueueClient(server.address) for _ in range(3)]
+    waiters = [TransferQueueClient(server.address, secret=SECRET) for _ in range(3)]
     for i, w in enumerate(waiters):  # park three gets on the server, then talk to it
         w._sock.send_multipart(
             [head(s=f"waiter{i}", op="get", id=1, p="train_9", task=f"t{i}", fields=["x"], n=1, timeout=5.0)]
         )
-    client = TransferQueueClient(server.address, request_timeout=1.0, retries=0)
+    client = TransferQueueClient(server.address, secret=SECRET, request_timeout=1.0, retries=0)
     t0 = time.monotonic()
     assert client.partitions() == []
     assert time.monotonic() - t0 < 0.5
@@ -274,9 +279,9 @@ def test_many_parked_gets_do_not_stall_other_clients(server: TransferQueueServer
 
 
 def test_prefetch_sends_the_get_before_the_stream_asks(server: TransferQueueServer) -> None:
-    first = TransferQueueClient(server.address, consumer_id="first")
-    other = TransferQueueClient(server.address, consumer_id="other")
-    producer = TransferQueueClient(server.address)
+    first = TransferQueueClient(server.address, secret=SECRET, consumer_id="first")
+    other = TransferQueueClient(server.address, secret=SECRET, consumer_id="other")
+    producer = TransferQueueClient(server.address, secret=SECRET)
     try:
         first.prefetch("train_0", "actor", ["x"], 4, timeout=5)
         producer.put("train_0", [{"x": torch.tensor([float(i)])} for i in range(4)])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from relax_hpc.auth import JobSecret
 from relax_hpc.transfer import InMemoryTransferQueue, TransferQueue
 
 
@@ -14,6 +15,7 @@ class QueueHarness:
         self._memory: InMemoryTransferQueue | None = None
         self._server: object | None = None
         self.address = ""
+        self.secret = JobSecret.generate()  # the queue's job secret: every handle is built with it
 
     def start(self, capacity: int | None = None) -> TransferQueue:
         """Create the queue; returns a first handle."""
@@ -25,7 +27,9 @@ class QueueHarness:
 
         # "zmq": TCP only (as a client on another host sees it); "zmq-shm": same-host shared
         # memory for every payload, however small, so the whole contract runs through it.
-        server = TransferQueueServer("tcp://127.0.0.1:0", capacity=capacity, shm=self.kind == "zmq-shm")
+        server = TransferQueueServer(
+            "tcp://127.0.0.1:0", capacity=capacity, shm=self.kind == "zmq-shm", secret=self.secret
+        )
         self.address = server.start()
         self._server = server
         return self.handle()
@@ -39,7 +43,8 @@ class QueueHarness:
             from relax_hpc.transfer.zmq_client import TransferQueueClient
 
             handle = TransferQueueClient(
-                self.address, consumer_id=consumer_id, connect_timeout=5.0, request_timeout=5.0, shm_min_bytes=0
+                self.address, secret=self.secret, consumer_id=consumer_id, connect_timeout=5.0,
+                request_timeout=5.0, shm_min_bytes=0,
             )
             if self.kind == "zmq-shm":
                 assert handle.shm_dir is not None, "the zmq-shm harness expects the shared-memory path"
