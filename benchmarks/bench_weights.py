@@ -3,8 +3,9 @@
 Run: ``python benchmarks/bench_weights.py [--quick]``
 
 Three processes on this host (the sender, i.e. trainer rank 0, and 2 receivers) share one
-TCPStore. For each model size (100 MB and 500 MB of float32 parameters shaped like a small
-transformer: embedding, per-layer attention and MLP matrices, norms and biases) it alternates:
+TCPStore and one job secret made here (its values sealed, as in a job). For each model size
+(100 MB and 500 MB of float32 parameters shaped like a small transformer: embedding, per-layer
+attention and MLP matrices, norms and biases) it alternates:
 
 * raw: one ``broadcast`` of a preallocated flat tensor holding the same number of bytes, on a
   group of the same backend built the same way (the ceiling for any channel);
@@ -36,6 +37,8 @@ import time
 from typing import Any
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from relax_hpc.auth import JobSecret  # noqa: E402
 
 MB = 1_000_000
 MIB = 1 << 20
@@ -82,7 +85,7 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-def _rank_main(rank: int, port: int, args: argparse.Namespace, size: int, out: Any) -> None:
+def _rank_main(rank: int, port: int, args: argparse.Namespace, size: int, secret: JobSecret, out: Any) -> None:
     import datetime
 
     import torch
@@ -102,11 +105,13 @@ def _rank_main(rank: int, port: int, args: argparse.Namespace, size: int, out: A
     if rank == 0:
         chan: Any = WeightChannelSender(
             "127.0.0.1", port, n, bucket_bytes=args.bucket_mib * MIB, timeout_s=300, device=str(device),
-            direct_bytes=int(args.direct_mb * MB),
+            direct_bytes=int(args.direct_mb * MB), secret=secret,
         )
         store = chan.store
     else:
-        chan = WeightChannelReceiver("127.0.0.1", port, rank, n, timeout_s=300, device=str(device))
+        chan = WeightChannelReceiver(
+            "127.0.0.1", port, rank, n, timeout_s=300, device=str(device), secret=secret
+        )
         store = chan.store
     raw_group = TorchBroadcastGroup(
         store, rank, 1 + n, "nccl" if device.type == "cuda" else "gloo", 300, "127.0.0.1", device, name="raw"
@@ -185,7 +190,10 @@ def measure(args: argparse.Namespace, size: int) -> str:
     ctx = _context(args.device)
     out = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, port, args, size, out)) for r in range(args.receivers + 1)]
+    secret = JobSecret.generate()  # one for the whole channel, as a job's ranks share theirs
+    procs = [
+        ctx.Process(target=_rank_main, args=(r, port, args, size, secret, out)) for r in range(args.receivers + 1)
+    ]
     for p in procs:
         p.start()
     try:

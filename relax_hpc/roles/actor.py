@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from relax_hpc.algos import LossConfig
+from relax_hpc.auth import JobSecret, job_secret
 from relax_hpc.backends.base import TrainBackend, make_backend
 from relax_hpc.backends.batch import pack_rows
 from relax_hpc.backends.parallel import Strategy, rank_device, ray_gpu_ids
@@ -36,6 +37,8 @@ from relax_hpc.spec.schema import AlgorithmSpec, ModelSpec, RolloutSpec, TrainSp
 from relax_hpc.transfer.connect import connect_queue
 from relax_hpc.transfer.queue import TransferQueue, partition_name
 from relax_hpc.weights.endpoints import WeightSenderEndpoint
+from relax_hpc.weights.group import host_store
+from relax_hpc.weights.sealed_store import SealedStore, keep_until_exit, seal_store
 
 # How long every trainer rank waits for the others to reach the group's TCP store at start.
 RENDEZVOUS_TIMEOUT = timedelta(minutes=10)
@@ -83,6 +86,20 @@ def rendezvous_address() -> str:
     return f"{host}:{port}"
 
 
+def trainer_store(host: str, port: int, rank: int, world_size: int, secret: JobSecret) -> SealedStore:
+    """The trainer group's store: rank 0 hosts it listening on `host` only (the address the other
+    ranks are given). Every key, the process group's rendezvous included, lives under the job
+    secret's prefix and every value is sealed with it (docs/weights.md, "Who can reach the store").
+
+    Kept alive until the process exits: `init_process_group` holds only the C++ half of a store
+    written in Python, and the default group lives that long (weights/sealed_store.py)."""
+    if rank == 0:
+        raw = host_store(host, port, world_size, RENDEZVOUS_TIMEOUT, wait_for_workers=True)
+    else:
+        raw = dist.TCPStore(host, port, world_size, is_master=False, timeout=RENDEZVOUS_TIMEOUT)
+    return keep_until_exit(seal_store(raw, secret, "trainer"))
+
+
 def local_rank_on_node(store: dist.Store, rank: int) -> int:
     """How many lower trainer ranks run on this host: this rank's device index there.
 
@@ -104,14 +121,13 @@ class ActorWorker(WeightSenderEndpoint):
         the one `[train] backend` names, here."""
         if cfg.num_threads > 0:
             torch.set_num_threads(cfg.num_threads)
-        store: dist.TCPStore | None = None
+        store: dist.Store | None = None
         local_rank = 0
         if world_size > 1:
             if not master:
                 raise ValueError("a trainer with several ranks needs the rendezvous address of rank 0")
             host, port = master.rsplit(":", 1)
-            store = dist.TCPStore(host, int(port), world_size, is_master=rank == 0,
-                                  timeout=RENDEZVOUS_TIMEOUT)
+            store = trainer_store(host, int(port), rank, world_size, job_secret())
             local_rank = local_rank_on_node(store, rank)
         self.device = rank_device(cfg.device, local_rank, ray_gpu_ids=ray_gpu_ids())
         if self.device.startswith("cuda"):

@@ -1,7 +1,11 @@
 """The bucketed, versioned weight channel: trainer rank 0 broadcasts parameters to every receiver.
 
-One sender (rank 0, the trainer's first rank; it hosts the channel's TCPStore) and
-`num_receivers` receivers (ranks 1..n: rollout engines, ActorFwd, Reference). One broadcast:
+One sender (rank 0, the trainer's first rank; it hosts the channel's TCPStore on the address
+the receivers are given) and `num_receivers` receivers (ranks 1..n: rollout engines, ActorFwd,
+Reference). The channel reaches the store through `seal_store(..., secret, "weights")`: every key
+below, the gloo/NCCL rendezvous included, lives under the job secret's prefix, and every value is
+sealed with a key derived from the secret, so a client without it can neither read nor forge one
+(docs/weights.md, "Who can reach the store"). One broadcast:
 
 1. the sender writes the JSON header (version, sequence number, backend, bucket layout) to the
    store under ``header/<seq>``; every receiver announces ``ready/<seq>/<rank>`` and reads it;
@@ -31,6 +35,7 @@ from typing import Callable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
+from relax_hpc.auth import JobSecret
 from relax_hpc.weights.flat import FlatWeights
 from relax_hpc.weights.group import (
     BroadcastGroup, PendingOp, TorchBroadcastGroup, backend_for, local_address_towards, open_store,
@@ -38,6 +43,7 @@ from relax_hpc.weights.group import (
 from relax_hpc.weights.layout import (
     Bucket, Header, as_bytes, decode_header, dtype_name, encode_header, pack_bucket, plan_buckets, unpack_bucket,
 )
+from relax_hpc.weights.sealed_store import SealedStore, seal_store
 
 MIB = 1 << 20
 DEFAULT_BUCKET_BYTES = 512 * MIB
@@ -104,21 +110,24 @@ class PendingBroadcast:
 
 
 class WeightChannelSender:
-    """Rank 0 of the weight channel; hosts the TCPStore at `host:port` (`port=0` picks a free one)."""
+    """Rank 0 of the weight channel; hosts the TCPStore at `host:port` (`port=0` picks a free one),
+    listening on `host`'s address only; `secret` is the job's (`relax_hpc.auth.job_secret()`)."""
 
     def __init__(
         self, host: str, port: int, num_receivers: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-        timeout_s: float = DEFAULT_TIMEOUT_S, device: str = "cpu", *, direct_bytes: int = DEFAULT_DIRECT_BYTES,
-        store: dist.Store | None = None, group_factory: GroupFactory | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S, device: str = "cpu", *, secret: JobSecret,
+        direct_bytes: int = DEFAULT_DIRECT_BYTES, store: dist.Store | None = None,
+        group_factory: GroupFactory | None = None,
     ) -> None:
         if num_receivers < 1:
             raise ValueError(f"num_receivers={num_receivers}: the weight channel needs at least one receiver")
         self.num_receivers, self.bucket_bytes, self.direct_bytes = num_receivers, bucket_bytes, direct_bytes
         self.timeout_s, self.device = timeout_s, torch.device(device)
         self.backend = backend_for(self.device)
-        self.store = store if store is not None else open_store(host, port, 1 + num_receivers, True, timeout_s)
+        raw = store if store is not None else open_store(host, port, 1 + num_receivers, True, timeout_s)
         self.host = host
-        self.port = int(getattr(self.store, "port", port))
+        self.port = int(getattr(raw, "port", port))
+        self.store: SealedStore = seal_store(raw, secret, "weights")
         self._group_factory = group_factory or (
             lambda backend: TorchBroadcastGroup(
                 self.store, 0, 1 + num_receivers, backend, timeout_s, bind_host=host, device=self.device
@@ -268,7 +277,8 @@ class WeightChannelSender:
 
 
 class WeightChannelReceiver:
-    """Rank `rank` (1..num_receivers) of the weight channel; joins the sender's store at `host:port`.
+    """Rank `rank` (1..num_receivers) of the weight channel; joins the sender's store at `host:port`
+    with the job's `secret` (the sender's, or it finds none of the channel's keys).
 
     With `pipeline=True` (default) it holds two bucket buffers so the next bucket arrives while
     the current one is applied; `pipeline=False` holds one (memory: one bucket, slower).
@@ -276,7 +286,7 @@ class WeightChannelReceiver:
 
     def __init__(
         self, host: str, port: int, rank: int, num_receivers: int, timeout_s: float = DEFAULT_TIMEOUT_S,
-        device: str = "cpu", *, pipeline: bool = True, store: dist.Store | None = None,
+        device: str = "cpu", *, secret: JobSecret, pipeline: bool = True, store: dist.Store | None = None,
         group_factory: GroupFactory | None = None,
     ) -> None:
         if not 1 <= rank <= num_receivers:
@@ -284,7 +294,8 @@ class WeightChannelReceiver:
         self.rank, self.num_receivers, self.timeout_s = rank, num_receivers, timeout_s
         self.device, self.pipeline = torch.device(device), pipeline
         self.backend = backend_for(self.device)
-        self.store = store if store is not None else open_store(host, port, 1 + num_receivers, False, timeout_s)
+        raw = store if store is not None else open_store(host, port, 1 + num_receivers, False, timeout_s)
+        self.store: SealedStore = seal_store(raw, secret, "weights")
         bind = local_address_towards(host, port) if store is None else ""
         self._group_factory = group_factory or (
             lambda backend: TorchBroadcastGroup(

@@ -11,6 +11,9 @@
   `stage_weights` / `commit_weights` / `weights_failed` to keep a broadcast apart until it is
   complete (the roles do, through a `WeightInbox`).
 
+Both ends key the channel's store with `job_secret()`, read in the role's own process from the
+file ``RELAX_HPC_SECRET_FILE`` names: the secret never travels in a Ray call.
+
 A receiver stages bucket after bucket and switches to the new version only after the last
 bucket (`commit_weights`), so a failed broadcast never leaves an engine claiming, or running,
 a version it does not fully hold. The receiving runs on one of the actor's threads while its
@@ -28,10 +31,14 @@ from typing import Callable, Iterable
 
 import torch
 
+from relax_hpc.auth import job_secret
 from relax_hpc.weights.channel import (
     DEFAULT_BUCKET_BYTES, DEFAULT_TIMEOUT_S, PendingBroadcast, WeightChannelReceiver, WeightChannelSender,
 )
 from relax_hpc.weights.flat import FlatWeights
+from relax_hpc.weights.group import local_address_towards
+
+_ROUTE_PROBE_PORT = 9  # any port: local_address_towards only looks up the route, it sends nothing
 
 
 class WeightSenderEndpoint(abc.ABC):
@@ -50,13 +57,22 @@ class WeightSenderEndpoint(abc.ABC):
         return None
 
     def open_weight_channel(
-        self, host: str, port: int, num_receivers: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        self, peer: str, port: int, num_receivers: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         timeout_s: float = DEFAULT_TIMEOUT_S, device: str = "cpu",
-    ) -> int:
-        """Host the channel's store at host:port (0 = any free port); returns the port receivers join."""
+    ) -> tuple[str, int]:
+        """Host the channel's store on this node at `port` (0 = any free port); returns the
+        (host, port) receivers join.
+
+        The store listens on this node's address on the interface that routes to `peer` (the
+        driver's node): the trainer's rank 0, which hosts it, may run on another node than the
+        driver, and a store listens only on an address of its own node.
+        """
         self.close_weight_channel()
-        self._weight_sender = WeightChannelSender(host, port, num_receivers, bucket_bytes, timeout_s, device)
-        return self._weight_sender.port
+        host = local_address_towards(peer, _ROUTE_PROBE_PORT)
+        self._weight_sender = WeightChannelSender(
+            host, port, num_receivers, bucket_bytes, timeout_s, device, secret=job_secret()
+        )
+        return host, self._weight_sender.port
 
     def start_send_weights(self, version: int) -> None:
         """Snapshot the weights now and broadcast them in the background (returns at once)."""
@@ -108,7 +124,8 @@ class WeightReceiverEndpoint(abc.ABC):
     ) -> None:
         self.close_weight_channel()
         self._weight_receiver = WeightChannelReceiver(
-            host, port, rank, num_receivers, timeout_s, device, pipeline=pipeline
+            host, port, rank, num_receivers, timeout_s, device, secret=job_secret(),
+            pipeline=pipeline,
         )
 
     def stage_weights(self, bucket: list[tuple[str, torch.Tensor]]) -> None:

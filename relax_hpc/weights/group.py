@@ -11,15 +11,19 @@ handle with `wait()`). Two implementations:
 * `LocalBroadcastGroup`: threads of one process sharing a `LocalBroadcastHub` (unit tests).
 
 The store is any `torch.distributed.Store`: a `TCPStore` hosted by the sender (trainer rank 0)
-in production, a `HashStore` in process for tests.
+in production, a `HashStore` in process for tests. `host_store` hosts a TCPStore that listens
+only on the address its peers connect to (the trainer's rendezvous store uses it too); the
+channel and the trainer reach it through a `SealedStore` (`weights.sealed_store`): keys under the
+job secret's prefix, values sealed with it (docs/weights.md, "Who can reach the store").
 """
 
 from __future__ import annotations
 
 import datetime
+import ipaddress
 import socket
 import threading
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -65,12 +69,65 @@ def local_address_towards(host: str, port: int) -> str:
         return socket.gethostname()
 
 
+def _listen_address(host: str, port: int) -> tuple[socket.AddressFamily, tuple[Any, ...]]:
+    """The socket family and address to listen on for `host` (a name resolves to its first address).
+
+    A wildcard (``0.0.0.0``, ``::``, empty) is refused: a store listens on the one address its
+    peers are given, never on every interface of the node.
+    """
+    wildcard = ValueError(
+        f"store host {host!r}: give the address peers connect to (the node's route address, e.g. "
+        "ray.util.get_node_ip_address()), not a wildcard that listens on every interface"
+    )
+    if not host:
+        raise wildcard
+    try:
+        family, _, _, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as exc:
+        raise ConnectionError(f"cannot resolve store host {host!r} to an address ({exc})") from exc
+    if ipaddress.ip_address(str(sockaddr[0]).split("%")[0]).is_unspecified:
+        raise wildcard
+    return family, sockaddr
+
+
+def host_store(host: str, port: int, world_size: int, timeout: datetime.timedelta,
+               wait_for_workers: bool = False) -> dist.TCPStore:
+    """Host a TCPStore listening only on `host`'s address; `port=0` picks a free port (`.port`).
+
+    The listening socket is made here and handed to the store (`master_listen_fd`, which the
+    libuv backend accepts): left to itself, TCPStore listens on every interface.
+    """
+    family, sockaddr = _listen_address(host, port)
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as TCPStore does: rebind after a restart
+        sock.bind(sockaddr)
+        sock.listen(socket.SOMAXCONN)
+        bound_port = int(sock.getsockname()[1])
+    except OSError as exc:
+        sock.close()
+        raise OSError(
+            exc.errno, f"cannot listen on {sockaddr[0]}:{port} ({exc.strerror}); the address must be one "
+            "of this node's and the port free (0 picks one)"
+        ) from exc
+    # The store owns the descriptor from here on: it closes it when it is destroyed, and also when
+    # its own construction fails, so the Python socket must not close it a second time.
+    fd = sock.detach()
+    return dist.TCPStore(
+        sockaddr[0], bound_port, world_size, True, timeout=timeout, wait_for_workers=wait_for_workers,
+        master_listen_fd=fd, use_libuv=True,
+    )
+
+
 def open_store(host: str, port: int, world_size: int, is_sender: bool, timeout_s: float) -> dist.TCPStore:
-    """The channel's TCPStore: hosted by the sender (`port=0` picks a free port), joined by receivers."""
+    """The channel's TCPStore: hosted by the sender on `host`'s address only (`port=0` picks a free
+    port), joined by receivers. The channel puts every key under the job secret's prefix."""
     timeout = datetime.timedelta(seconds=timeout_s)
     try:
+        if is_sender:
+            return host_store(host, port, world_size, timeout)
         return dist.TCPStore(
-            host, port, world_size, is_sender, timeout=timeout, wait_for_workers=False, use_libuv=True
+            host, port, world_size, False, timeout=timeout, wait_for_workers=False, use_libuv=True
         )
     except (RuntimeError, OSError) as exc:
         role = "host" if is_sender else "reach"
@@ -88,6 +145,9 @@ class TorchBroadcastGroup:
         bind_host: str = "", device: torch.device | None = None, name: str = "channel",
     ) -> None:
         self.rank, self.size, self.backend = rank, size, backend
+        # Kept for as long as the group: a store written in Python (`SealedStore`) reaches C++ only
+        # as long as its Python object lives (weights/sealed_store.py).
+        self.store = store
         timeout = datetime.timedelta(seconds=timeout_s)
         # `name` keeps several groups on one store apart (their rendezvous keys would collide).
         prefixed = dist.PrefixStore(f"pg/{name}/{backend}/", store)

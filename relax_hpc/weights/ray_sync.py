@@ -20,7 +20,9 @@ ActorFwd wait at their batch boundary for the version the staleness bound requir
 (docs/weights.md, "Overlap").
 
 The channel is opened lazily on the first sync and rebuilt (new store port) on the next sync
-after a failure, e.g. once a restarted engine is back.
+after a failure, e.g. once a restarted engine is back. The sender hosts its store on its own
+node, on the interface that routes to `host` (the driver's node), and answers with the address
+it listens on, which the receivers are given: trainer rank 0 need not share the driver's node.
 """
 
 from __future__ import annotations
@@ -105,7 +107,11 @@ class PendingSync:
 
 
 class DistributedWeightSync:
-    """`WeightSync` over the bucketed torch.distributed channel between Ray actors."""
+    """`WeightSync` over the bucketed torch.distributed channel between Ray actors.
+
+    `host` is the driver's node address: the sender hosts the channel on the interface of its own
+    node that routes there (module docstring); `port` is the store's port there (0: any free one).
+    """
 
     def __init__(
         self, sender: Any, receivers: Sequence[Any], host: str, port: int = 0,
@@ -116,6 +122,7 @@ class DistributedWeightSync:
             raise ValueError("DistributedWeightSync needs at least one receiver actor")
         self.sender, self.receivers = sender, list(receivers)
         self.host, self.port, self.bucket_bytes = host, port, bucket_bytes
+        self.address = ""  # host:port of the open channel, as the sender answered
         self.timeout_s, self.device = timeout_s, device
         self.receiver_devices = list(receiver_devices or [device] * len(self.receivers))
         self.labels = list(labels or [f"receiver {i}" for i in range(len(self.receivers))])
@@ -130,22 +137,23 @@ class DistributedWeightSync:
         if self._connected:
             return
         n, deadline = len(self.receivers), self.timeout_s + _RAY_GRACE_S
-        port = ray.get(
+        host, port = ray.get(
             self.sender.open_weight_channel.remote(
                 self.host, self.port, n, self.bucket_bytes, self.timeout_s, self.device
             ),
             timeout=deadline,
         )
+        self.address = f"{host}:{port}"
         joins = [
-            r.join_weight_channel.remote(self.host, port, i + 1, n, self.timeout_s, dev)
+            r.join_weight_channel.remote(host, port, i + 1, n, self.timeout_s, dev)
             for i, (r, dev) in enumerate(zip(self.receivers, self.receiver_devices))
         ]
         _, late = ray.wait(joins, num_returns=len(joins), timeout=deadline)
         if late:
             names = [self.labels[joins.index(ref)] for ref in late]
             raise WeightChannelError(
-                f"weight channel at {self.host}:{port}: {names} did not join within {deadline:.0f} s; "
-                "check that they can reach the trainer head"
+                f"weight channel at {self.address} (trainer rank 0's node): {names} did not join within "
+                f"{deadline:.0f} s; check that they can reach that node's address and port"
             )
         ray.get(joins)
         self._connected = True

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from weights_harness import make_weights
 
+from relax_hpc.auth import JobSecret
 from relax_hpc.weights.channel import WeightChannelReceiver, WeightChannelSender, WeightChannelTimeout
 from relax_hpc.weights.group import LocalBroadcastHub
 from relax_hpc.weights.layout import (
@@ -61,14 +62,17 @@ class LocalChannel:
 
     def __init__(self, n: int, timeout_s: float = 5.0, **sender_kw: Any) -> None:
         self.hub, self.store = LocalBroadcastHub(1 + n, timeout_s), dist.HashStore()
+        self.secret = JobSecret.generate()
         self.sender = WeightChannelSender(
-            "", 0, n, timeout_s=timeout_s, store=self.store, group_factory=lambda _b: self.hub.group(0), **sender_kw
+            "", 0, n, timeout_s=timeout_s, secret=self.secret, store=self.store,
+            group_factory=lambda _b: self.hub.group(0), **sender_kw,
         )
         self.receivers = [self.join(r, n, timeout_s) for r in range(1, n + 1)]
 
     def join(self, rank: int, n: int, timeout_s: float) -> WeightChannelReceiver:
         return WeightChannelReceiver(
-            "", 0, rank, n, timeout_s=timeout_s, store=self.store, group_factory=lambda _b: self.hub.group(rank)
+            "", 0, rank, n, timeout_s=timeout_s, secret=self.secret, store=self.store,
+            group_factory=lambda _b: self.hub.group(rank),
         )
 
     def receive_on_threads(self, ranks: list[int], targets: dict[str, torch.Tensor] | None = None) -> dict[int, Any]:
@@ -155,10 +159,12 @@ def test_receiver_without_a_sender_times_out_naming_the_sender() -> None:
 
 
 def test_invalid_arguments_are_refused_with_the_allowed_values() -> None:
-    store = dist.HashStore()
+    store, secret = dist.HashStore(), JobSecret.generate()
     with pytest.raises(ValueError, match="allowed are 1..2"):
-        WeightChannelReceiver("", 0, 0, 2, store=store, group_factory=lambda _b: LocalBroadcastHub(3).group(0))
+        WeightChannelReceiver(
+            "", 0, 0, 2, secret=secret, store=store, group_factory=lambda _b: LocalBroadcastHub(3).group(0)
+        )
     with pytest.raises(ValueError, match="at least one receiver"):
-        WeightChannelSender("", 0, 0, store=store)
+        WeightChannelSender("", 0, 0, secret=secret, store=store)
     with pytest.raises(ValueError, match="'cpu' \\(gloo\\) and 'cuda"):
-        WeightChannelSender("", 0, 1, store=store, device="meta")
+        WeightChannelSender("", 0, 1, secret=secret, store=store, device="meta")

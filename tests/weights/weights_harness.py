@@ -56,10 +56,11 @@ def sender_main(
 
     `flat`: send a `snapshot` (refilling the previous one) instead of loose tensors.
     """
+    from relax_hpc.auth import job_secret
     from relax_hpc.weights.channel import WeightChannelSender
 
     torch.set_num_threads(1)
-    sender = WeightChannelSender("127.0.0.1", 0, n, timeout_s=timeout_s, device=device)
+    sender = WeightChannelSender("127.0.0.1", 0, n, timeout_s=timeout_s, device=device, secret=job_secret())
     port_out.put(sender.port)
     outcomes: list[tuple[str, Any]] = []
     snapshot = None
@@ -86,11 +87,14 @@ def receiver_main(
 
     `flat`: receive into a flat buffer (the previous one when it fits) instead of applying buckets.
     """
+    from relax_hpc.auth import job_secret
     from relax_hpc.weights.channel import WeightChannelReceiver
 
     torch.set_num_threads(1)
     try:
-        receiver = WeightChannelReceiver("127.0.0.1", port, rank, n, timeout_s=timeout_s, device=device)
+        receiver = WeightChannelReceiver(
+            "127.0.0.1", port, rank, n, timeout_s=timeout_s, device=device, secret=job_secret()
+        )
         if broadcasts == 0:
             results.put((rank, "joined", None))
             CTX.Event().wait(timeout_s * 4)
