@@ -1,7 +1,11 @@
 """An OpenAI-compatible HTTP proxy in front of a rollout engine that records every completion.
 
-Serves `POST /v1/chat/completions`, `GET /v1/chat/completions/{id}` and `GET /v1/models`. Each
-agent session gets its own API key (see `sessions.py`); the proxy applies the model's chat
+Serves `POST /v1/chat/completions`, `GET /v1/chat/completions/{id}` and `GET /v1/models`. Every
+request, any route, must carry `Authorization: Bearer <token>` or `Bearer <token>.<session>`
+(401 otherwise, before routing reads anything of the body); `token` is the owner's, in a job
+`proxy_token()`. Each agent session gets its own API key `<token>.<session>` (see `sessions.py`),
+which the completion routes also require, and which the agent gets as its OpenAI `api_key`
+(`workflow.py`); `/v1/models` takes the bare token too. The proxy applies the model's chat
 template to the request's messages, generates through the `EngineBatcher` (so concurrent
 sessions share engine calls) and keeps the prompt and response token ids and log-probs of each
 completion for training. Sampling uses the rollout's configured temperature/top-p/top-k (the
@@ -9,7 +13,7 @@ trainer recomputes log-probs at that temperature); a request may lower `max_toke
 `stop` strings. Requests that cannot be served get a 4xx with a message saying why: a body over
 `max_body_bytes` gets 413 before it is read whole, one nested deeper than `max_json_depth` 400.
 
-    proxy = AgentProxy(batcher, tokenizer, sampling, model_name="policy", ttl_s=600)
+    proxy = AgentProxy(batcher, tokenizer, sampling, token=proxy_token(), model_name="policy", ttl_s=600)
     await proxy.start()                 # in the event loop that owns the batcher
     session = proxy.sessions.open()     # session.api_key, proxy.base_url
     ...
@@ -28,17 +32,55 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from relax_hpc.agents.batcher import EngineBatcher
 from relax_hpc.agents.export import CompletionRecord
 from relax_hpc.agents.sessions import SessionAuthError, SessionStore
+from relax_hpc.auth import bearer_matches, job_secret
 from relax_hpc.engines.base import SamplingParams
+from relax_hpc.engines.http_auth import check_token
 from relax_hpc.engines.http_server import JsonBodyError, load_json_body
 
 # A chat request's body: 8 MiB is about 2M tokens of text, far beyond any model's context.
 MAX_BODY_BYTES = 8 * 1024 * 1024
 # Messages with text parts nest 5 levels; the limit leaves room for fields the proxy ignores.
 MAX_JSON_DEPTH = 32
+PROXY_TOKEN_PURPOSE = "agent-proxy"
+PROXY_AUTH_MESSAGE = (
+    "missing or wrong bearer token: agent code gets its key as the api_key argument (inline agents) or "
+    "OPENAI_API_KEY (subproc agents) and sends it as 'Authorization: Bearer <key>'; the proxy's token is "
+    f"JobSecret.token('{PROXY_TOKEN_PURPOSE}') of the job secret"
+)
+
+
+def proxy_token() -> str:
+    """This job's proxy token (RELAX_HPC_SECRET_FILE names the secret)."""
+    return job_secret().token(PROXY_TOKEN_PURPOSE)
+
+
+def _error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    kind = "authentication_error" if status == 401 else "invalid_request_error"
+    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status,
+                        headers=headers)
+
+
+class RequireToken:
+    """ASGI middleware: 401 for every request whose bearer value is not `token` or
+    `token.<anything>`, answered before routing, so no body is read."""
+
+    def __init__(self, app: ASGIApp, token: str) -> None:
+        self.app, self.token = app, token
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            header = Headers(scope=scope).get("authorization")
+            # "Bearer <token>.<session>" -> "Bearer <token>"; a token has no ".".
+            if not bearer_matches(header.partition(".")[0] if header else None, self.token):
+                await _error(401, PROXY_AUTH_MESSAGE, {"WWW-Authenticate": "Bearer"})(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 class RequestError(Exception):
@@ -129,7 +171,7 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
 class AgentProxy:
     """The HTTP proxy; start it inside the event loop that owns `batcher`."""
 
-    def __init__(self, batcher: EngineBatcher, tokenizer: Any, sampling: SamplingParams,
+    def __init__(self, batcher: EngineBatcher, tokenizer: Any, sampling: SamplingParams, *, token: str,
                  model_name: str = "policy", ttl_s: float = 600.0, host: str = "127.0.0.1",
                  max_context_tokens: int | None = None, max_body_bytes: int = MAX_BODY_BYTES,
                  max_json_depth: int = MAX_JSON_DEPTH) -> None:
@@ -137,7 +179,10 @@ class AgentProxy:
         self.model_name, self.host = model_name, host
         self.max_context_tokens = max_context_tokens
         self.max_body_bytes, self.max_json_depth = max_body_bytes, max_json_depth
-        self.sessions = SessionStore(ttl_s)
+        if "." in check_token(token, "AgentProxy"):
+            raise ValueError("AgentProxy token must not contain '.', which separates it from a session's part")
+        self.token = token
+        self.sessions = SessionStore(ttl_s, key_prefix=token + ".")
         self.port = 0
         self.app = self._build_app()
         self._server: Any = None
@@ -171,10 +216,7 @@ class AgentProxy:
     def _build_app(self) -> FastAPI:
         # FastAPI reads the handlers' annotations, so Request must be importable at module level.
         app = FastAPI(title="relax-hpc agent proxy", docs_url=None, redoc_url=None, openapi_url=None)
-
-        def error(status: int, message: str) -> JSONResponse:
-            kind = "authentication_error" if status == 401 else "invalid_request_error"
-            return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
+        app.add_middleware(RequireToken, token=self.token)
 
         def key_of(request: Request) -> str | None:
             header = request.headers.get("authorization", "")
@@ -182,11 +224,7 @@ class AgentProxy:
             return token.strip() if scheme.lower() == "bearer" and token.strip() else None
 
         @app.get("/v1/models")
-        async def models(request: Request) -> JSONResponse:
-            try:
-                self.sessions.lookup(key_of(request))
-            except SessionAuthError as e:
-                return error(401, str(e))
+        async def models() -> JSONResponse:  # the token (RequireToken) is enough: nothing per session
             return JSONResponse({"object": "list", "data": [
                 {"id": self.model_name, "object": "model", "created": 0, "owned_by": "relax-hpc"}]})
 
@@ -195,10 +233,10 @@ class AgentProxy:
             try:
                 session = self.sessions.lookup(key_of(request))
             except SessionAuthError as e:
-                return error(401, str(e))
+                return _error(401, str(e))
             record = session.find(completion_id)
             if record is None:  # another session's id looks exactly like an unknown one
-                return error(404, f"no completion {completion_id!r} in this session")
+                return _error(404, f"no completion {completion_id!r} in this session")
             return JSONResponse(self._response(record))
 
         @app.post("/v1/chat/completions")
@@ -206,7 +244,7 @@ class AgentProxy:
             try:
                 session = self.sessions.lookup(key_of(request))
             except SessionAuthError as e:
-                return error(401, str(e))
+                return _error(401, str(e))
             try:
                 raw = await read_body(request, self.max_body_bytes)
                 try:
@@ -216,11 +254,11 @@ class AgentProxy:
                 req = parse_chat_request(body)
                 record = await self._complete(req, session=id(session))
             except RequestError as e:
-                return error(e.status, e.message)
+                return _error(e.status, e.message)
             try:
                 session = self.sessions.lookup(key_of(request))  # it may have expired meanwhile
             except SessionAuthError as e:
-                return error(401, str(e))
+                return _error(401, str(e))
             session.completions.append(record)
             return JSONResponse(self._response(record))
 

@@ -18,7 +18,7 @@ from relax_hpc.agents.config import AgenticConfig
 from relax_hpc.agents.dotted import load_dotted
 from relax_hpc.agents.export import assign_rewards, export_concat, export_individual
 from relax_hpc.agents.multiturn import GenerateArgs, generate_with_env, run_generate
-from relax_hpc.agents.proxy import AgentProxy
+from relax_hpc.agents.proxy import AgentProxy, proxy_token
 from relax_hpc.agents.workflow import AgentRunner, SessionResult
 from relax_hpc.data.sample import Sample
 from relax_hpc.engines.base import RolloutEngine, SamplingParams
@@ -37,8 +37,8 @@ class AgenticRollout:
         self.proxy: AgentProxy | None = None
         self.runner: AgentRunner | None = None
         if cfg.agent:
-            self.proxy = AgentProxy(self.batcher, tokenizer, sampling, ttl_s=cfg.session_timeout_s,
-                                    max_context_tokens=max_context_tokens)
+            self.proxy = AgentProxy(self.batcher, tokenizer, sampling, token=proxy_token(),
+                                    ttl_s=cfg.session_timeout_s, max_context_tokens=max_context_tokens)
             self._call(self.proxy.start())
             self.runner = AgentRunner(cfg.agent, cfg.agent_mode, self.proxy,  # type: ignore[arg-type]
                                       cfg.subproc_max_workers)

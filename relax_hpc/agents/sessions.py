@@ -1,7 +1,8 @@
 """Agent sessions: one API key each, the completions made under it, and expiry.
 
-The store lives in the proxy's event loop (no locks needed). A key is a random 32-byte token;
-only the key identifies a session, so no request can name another session's data.
+The store lives in the proxy's event loop (no locks needed). A key is `key_prefix` (the proxy's
+bearer token and a dot) and a random 32-byte part; only the key identifies a session, so no
+request can name another session's data.
 """
 
 from __future__ import annotations
@@ -30,17 +31,18 @@ class Session:
 
 
 class SessionStore:
-    def __init__(self, ttl_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, ttl_s: float, clock: Callable[[], float] = time.monotonic, key_prefix: str = "") -> None:
         if ttl_s <= 0:
             raise ValueError(f"session ttl must be > 0 seconds, got {ttl_s}")
-        self.ttl_s, self._clock = ttl_s, clock
+        self.ttl_s, self._clock, self._key_prefix = ttl_s, clock, key_prefix
         self._by_key: dict[str, Session] = {}
         self._expired: set[str] = set()
         self._counter = 0
 
     def open(self) -> Session:
         self._counter += 1
-        session = Session(f"s{self._counter}-{secrets.token_hex(4)}", "sk-relax-" + secrets.token_urlsafe(32),
+        session = Session(f"s{self._counter}-{secrets.token_hex(4)}",
+                          f"{self._key_prefix}sk-relax-{secrets.token_urlsafe(32)}",
                           self._clock() + self.ttl_s)
         self._by_key[session.api_key] = session
         return session

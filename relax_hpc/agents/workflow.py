@@ -15,6 +15,9 @@ Modes:
   `AsyncOpenAI(base_url=base_url, api_key=api_key, http_client=http_client)`.
 - "subproc": it runs in a process pool (`agent_subproc_max_workers` processes); `OPENAI_BASE_URL`
   and `OPENAI_API_KEY` are set in its environment, so `OpenAI()` works unchanged.
+
+`api_key` is the session's key, `<proxy token>.<session part>`: the proxy requires its token on
+every request (proxy.py), so an agent authenticates by using the key it was given as is.
 """
 
 from __future__ import annotations

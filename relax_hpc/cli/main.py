@@ -97,7 +97,23 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve_engine_token() -> tuple[str, str]:
+    """The server's bearer token and where it comes from: the job's, when RELAX_HPC_SECRET_FILE
+    names a job secret, else a fresh one for this run."""
+    import os  # here, like the other imports of the commands: `relax-hpc validate` starts fast
+
+    from relax_hpc.auth import SECRET_ENV, JobSecret
+    from relax_hpc.engines.http_auth import ENGINE_TOKEN_PURPOSE, engine_token
+
+    if os.environ.get(SECRET_ENV):
+        return engine_token(), f"the job's, from {SECRET_ENV}"
+    return JobSecret.generate().token(ENGINE_TOKEN_PURPOSE), "new for this run"
+
+
 def _cmd_serve_engine(args: argparse.Namespace) -> int:
+    import signal
+
+    from relax_hpc.engines.http_auth import default_token_file, write_token_file
     from relax_hpc.engines.http_server import EngineServer, ServerLimits, exposure_warning
     from relax_hpc.engines.native import NativeEngine
 
@@ -106,23 +122,41 @@ def _cmd_serve_engine(args: argparse.Namespace) -> int:
               "max_request_prompt_tokens": args.max_prompt_tokens,
               "max_request_new_tokens": args.max_new_tokens}
     limits = ServerLimits(**{k: v for k, v in chosen.items() if v is not None})  # the rest: its defaults
+    token, origin = _serve_engine_token()
     engine = NativeEngine(args.model_dir, dtype=args.dtype, device=args.device)
     info = {"model_path": str(args.model_dir), "tokenizer_path": str(args.model_dir)}
     try:
-        server = EngineServer(engine, host=args.host, port=args.port, model_info=info,
+        server = EngineServer(engine, token=token, host=args.host, port=args.port, model_info=info,
                               vocab_size=int(engine.model.config.vocab_size), limits=limits)
     except OSError as e:
         raise ValueError(f"cannot listen on {args.host}:{args.port} ({e.strerror}); "
                          "pick another --port, or --port 0 for a free one") from e
+    token_file = Path(args.token_file) if args.token_file else default_token_file(server.port)
+    try:
+        token_file = write_token_file(token_file, token)
+    except OSError as e:
+        server.stop()
+        raise ValueError(f"cannot write the token file {token_file} ({e.strerror}); pass --token-file PATH "
+                         "in a directory of yours") from e
     warning = exposure_warning(args.host, server.port)
     if warning:
         print(f"relax-hpc serve-engine: {warning}", file=sys.stderr, flush=True)
+    print(f"relax-hpc serve-engine: bearer token ({origin}) in {token_file} (mode 0600, removed at exit); "
+          "clients send 'Authorization: Bearer <its contents>'", file=sys.stderr, flush=True)
     print(server.url, flush=True)  # the first line of output: scripts read it to find a free port
+    previous = signal.signal(signal.SIGTERM, _interrupt)  # kill and scancel end it like Ctrl-C
     try:
         server.serve_forever()
     except KeyboardInterrupt:
         pass
+    finally:
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+        token_file.unlink(missing_ok=True)
     return 0
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -171,8 +205,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve-engine", help="serve MODEL_DIR over HTTP (POST /generate, GET /health); prints the URL")
     p.add_argument("model_dir", help="local Hugging Face model directory")
     p.add_argument("--host", default="127.0.0.1",
-                   help="address to listen on (default 127.0.0.1; 0.0.0.0 for all, with a warning: the server "
-                        "has no authentication yet)")
+                   help="address to listen on (default 127.0.0.1; 0.0.0.0 for all, with a warning: plain HTTP "
+                        "shows the bearer token to anyone watching the network)")
+    p.add_argument("--token-file", default=None, metavar="PATH",
+                   help="where to write the bearer token clients must send, mode 0600 (default "
+                        "~/.relax-hpc/engine-<host>-<port>.token); the token is the job's when "
+                        "RELAX_HPC_SECRET_FILE is set, else new for this run")
     p.add_argument("--port", type=int, default=0, help="port (default 0: a free one, printed at start)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0 (default cpu)")

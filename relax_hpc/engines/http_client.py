@@ -5,12 +5,15 @@ server: both speak SGLang's native API. Token ids go in and come out, so the cal
 with the served model's tokenizer. Used for judges (GenRM) and other frozen models: the weights
 of a remote engine are the server's business, and `update_weights` refuses.
 
-    engine = HttpEngine("http://judge-node:30000", timeout_s=60, retries=3)
+    engine = HttpEngine("http://judge-node:30000", token=engine_token(), timeout_s=60, retries=3)
     gens = engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=8), seed=0)
 
-Connection errors, timeouts, HTTP 429 and 5xx are retried with exponential backoff; other 4xx
-replies mean the request is wrong and fail at once with the server's message. Every error
-names the URL.
+Every request carries `Authorization: Bearer <token>`: `engine_token()` (http_auth.py) of the
+job, the token file of a `serve-engine` run by hand, SGLang's `--api-key`, or None for a server
+that wants none. Connection errors, timeouts, HTTP 429 and 5xx are retried with exponential
+backoff; a 401 (`EngineAuthError`) says the token does not match; other 4xx replies mean the
+request is wrong and fail at once with the server's message. Every error names the URL.
+Redirects are not followed, so the token goes to `base_url` only.
 """
 
 from __future__ import annotations
@@ -25,11 +28,25 @@ import torch
 
 from relax_hpc.engines.base import FinishReason, Generation, SamplingParams
 
-__all__ = ["EngineHttpError", "HttpEngine", "parse_generate_reply"]
+__all__ = ["EngineAuthError", "EngineHttpError", "HttpEngine", "parse_generate_reply"]
 
 
 class EngineHttpError(RuntimeError):
     """The engine server could not be reached or gave an answer this client cannot use."""
+
+
+class EngineAuthError(EngineHttpError):
+    """The engine server refused this client's bearer token (HTTP 401)."""
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    """Redirects become errors: following one would send the token to another address."""
+
+    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+_OPENER = urllib.request.build_opener(_NoRedirect())
 
 
 def _weight_version(value: Any) -> int:
@@ -107,6 +124,8 @@ class HttpEngine:
     def __init__(
         self,
         base_url: str,
+        *,
+        token: str | None,
         timeout_s: float = 60.0,
         retries: int = 3,
         backoff_s: float = 0.5,
@@ -116,7 +135,11 @@ class HttpEngine:
             raise ValueError(f"engine URL {base_url!r} must start with http:// or https://, e.g. http://node1:30000")
         if timeout_s <= 0 or retries < 0:
             raise ValueError(f"HttpEngine needs timeout_s > 0 and retries >= 0, got {timeout_s} and {retries}")
+        if token is not None and (not token or not token.isascii() or any(c.isspace() for c in token)):
+            raise ValueError("HttpEngine token must be a non-empty ASCII string without spaces (the server's "
+                             "bearer token), or None for a server that takes none")
         self.base_url = base_url.rstrip("/")
+        self._token = token
         self.timeout_s, self.retries = timeout_s, retries
         self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
         self._version = 0
@@ -133,10 +156,13 @@ class HttpEngine:
         )
 
     def health(self) -> bool:
-        """True when GET /health answers 200 (one attempt, no retries)."""
+        """True when GET /health answers 200 (one attempt, no retries); EngineAuthError when the
+        server is up but refuses the token."""
         try:
             self._send("GET", "/health", None, attempts=1)
             return True
+        except EngineAuthError:
+            raise
         except EngineHttpError:
             return False
 
@@ -174,6 +200,8 @@ class HttpEngine:
                 return self._once(method, url, data)
             except urllib.error.HTTPError as e:
                 last = f"HTTP {e.code}: {_error_message(e)}"
+                if e.code == 401:
+                    raise EngineAuthError(self._auth_problem(url, last)) from e
                 if e.code != 429 and e.code < 500:
                     raise EngineHttpError(f"engine at {url} rejected the request: {last}") from e
             except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as e:
@@ -188,10 +216,18 @@ class HttpEngine:
             f"reachable from here? timeout_s = {self.timeout_s}"
         )
 
+    def _auth_problem(self, url: str, reply: str) -> str:
+        sent = "sent no token" if self._token is None else "sent a bearer token that does not match the server's"
+        return (f"engine at {url} refused this client ({reply}): it {sent}. Pass HttpEngine(token=...) the "
+                "server's token: JobSecret.token('engine-http') of the job secret the server was started with, "
+                "or the contents of the token file `relax-hpc serve-engine` printed")
+
     def _once(self, method: str, url: str, data: bytes | None) -> Any:
         headers = {"Content-Type": "application/json"} if data is not None else {}
+        if self._token is not None:
+            headers["Authorization"] = f"Bearer {self._token}"
         request = urllib.request.Request(url, data=data, method=method, headers=headers)
-        with urllib.request.urlopen(request, timeout=self.timeout_s) as reply:
+        with _OPENER.open(request, timeout=self.timeout_s) as reply:
             raw = reply.read()
         return json.loads(raw.decode("utf-8")) if raw.strip() else {}
 

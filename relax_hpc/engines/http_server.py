@@ -7,7 +7,8 @@ serialised because engines are not required to be thread-safe.
 
 `ServerLimits` bounds what one client can take: connections (one thread each), the time a
 request may take to arrive, the body's size and nesting, and the prompts and tokens of one
-`/generate`. There is no authentication yet: anyone who can reach the port can generate.
+`/generate`. Every request needs `Authorization: Bearer <token>` (`http_auth.py`): without it,
+any path or method, the answer is 401 before the body is read.
 
 Routes (see docs/engines.md for the full field list):
 
@@ -19,8 +20,8 @@ Routes (see docs/engines.md for the full field list):
 
 Run it as `relax-hpc serve-engine MODEL_DIR --port 0`, or in a test:
 
-    with EngineServer(engine, model_info={"model_path": str(path)}) as server:
-        HttpEngine(server.url).generate(...)
+    with EngineServer(engine, token=token, model_info={"model_path": str(path)}) as server:
+        HttpEngine(server.url, token=token).generate(...)
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from relax_hpc.engines.base import Generation, RolloutEngine, SamplingParams
+from relax_hpc.engines.http_auth import ENGINE_AUTH_MESSAGE, BearerAuthHandler, check_token
 
 __all__ = [
     "GREEDY_TEMPERATURE",
@@ -149,9 +151,9 @@ def exposure_warning(host: str, port: int) -> str | None:
     except ValueError:  # a host name: it may resolve to any interface
         pass
     return (
-        f"warning: the engine server listens on {host}:{port}, which is not a loopback address, and it has "
-        f"no authentication yet: anyone who can reach port {port} can generate with this model and read "
-        "its model_info. Use it only on a network where every host is trusted, or serve on 127.0.0.1 "
+        f"warning: the engine server listens on {host}:{port}, which is not a loopback address, and speaks "
+        "plain HTTP: anyone who can watch the network between it and a client can read the bearer token "
+        "and the prompts. Use it only on a network where every host is trusted, or serve on 127.0.0.1 "
         "(the default) and reach it through an SSH tunnel (ssh -L)."
     )
 
@@ -393,11 +395,16 @@ class _DeadlineReader(io.RawIOBase):
 
 
 class EngineServer:
-    """An HTTP server in front of one engine; `start()` serves from a background thread."""
+    """An HTTP server in front of one engine; `start()` serves from a background thread.
+
+    `token` is the bearer token every request must carry: `engine_token()` (http_auth.py) in a
+    job, a fresh one for `relax-hpc serve-engine` run by hand."""
 
     def __init__(
         self,
         engine: RolloutEngine,
+        *,
+        token: str,
         host: str = "127.0.0.1",
         port: int = 0,
         model_info: dict[str, Any] | None = None,
@@ -405,6 +412,7 @@ class EngineServer:
         limits: ServerLimits | None = None,
     ) -> None:
         self.engine = engine
+        self.token = check_token(token, "EngineServer")
         self.model_info = dict(model_info or {})
         self.vocab_size = vocab_size
         self.limits = limits or ServerLimits()
@@ -467,8 +475,9 @@ class EngineServer:
 def _make_handler(server: EngineServer) -> type[BaseHTTPRequestHandler]:
     limits = server.limits
 
-    class Handler(BaseHTTPRequestHandler):
+    class Handler(BearerAuthHandler):  # 401 before the body is read; see parse_request there
         protocol_version = "HTTP/1.1"  # keep-alive: a client may send many requests on one socket
+        auth_token, auth_message = server.token, ENGINE_AUTH_MESSAGE
         timeout = limits.request_timeout_s  # the socket's timeout (setup() sets it): bounds every write
 
         def setup(self) -> None:
@@ -521,7 +530,7 @@ def _make_handler(server: EngineServer) -> type[BaseHTTPRequestHandler]:
                 self.close_connection = True  # the unread rest of the body would poison the socket
                 self._error(e.status, str(e))
                 if e.status == HTTPStatus.REQUEST_ENTITY_TOO_LARGE:
-                    self._discard_body()
+                    self.discard_refused_body()
                 return
             try:
                 self._reply(HTTPStatus.OK, server.generate(body))
@@ -564,11 +573,11 @@ def _make_handler(server: EngineServer) -> type[BaseHTTPRequestHandler]:
             elif length:
                 self.rfile.read(length)
 
-        def _discard_body(self) -> None:
+        def discard_refused_body(self) -> None:
             """Read and drop a refused body, within the request's deadline and up to LINGER_BYTES.
 
             Most clients read the reply only after sending the whole body; closing on them
-            mid-body breaks their pipe, and they would report that instead of the 413."""
+            mid-body breaks their pipe, and they would report that instead of the 413 or 401."""
             try:
                 left = min(self._length(), LINGER_BYTES)
                 while left > 0:

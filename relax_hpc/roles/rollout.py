@@ -13,6 +13,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Iterable
 
 import torch
@@ -25,6 +26,7 @@ from relax_hpc.data.rows import sample_to_row
 from relax_hpc.data.sample import Sample
 from relax_hpc.engines.base import Generator, RolloutEngine, SamplingParams
 from relax_hpc.engines.factory import make_engine
+from relax_hpc.engines.http_auth import engine_token, read_token_file
 from relax_hpc.engines.http_client import HttpEngine
 from relax_hpc.engines.router import EngineRouter, LocalEngineClient
 from relax_hpc.models.hf import load_tokenizer
@@ -69,7 +71,8 @@ def build_genrm_judge(reward: RewardSettings, dtype: str, device: str) -> tuple[
     """The GenRM judge engine and its tokenizer from [reward], or (None, None) when none is set.
 
     genrm_url: an engine server (frozen weights), tokenizer from genrm_tokenizer_path (required:
-    the server takes token ids). genrm_model_path: a native engine in this process on rollout's
+    the server takes token ids), bearer token from genrm_token_file (else the job's own engine
+    token: a server started with this job's RELAX_HPC_SECRET_FILE). genrm_model_path: a native engine in this process on rollout's
     device, tokenizer from the same directory unless genrm_tokenizer_path overrides it.
     """
     model_path: str | None = getattr(reward, "genrm_model_path", None)
@@ -83,7 +86,9 @@ def build_genrm_judge(reward: RewardSettings, dtype: str, device: str) -> tuple[
         # A judge call, retries and their backoffs (0.5 s, 1 s) included, must fit in the reward
         # pool's per-sample timeout; split what the backoffs leave over the 3 attempts.
         per_attempt = max((reward.timeout_s - 1.5) / 3, 0.1)
-        engine = HttpEngine(url, timeout_s=per_attempt, retries=2, backoff_s=0.5)
+        token_file: str | None = getattr(reward, "genrm_token_file", None)
+        token = read_token_file(Path(token_file)) if token_file else engine_token()
+        engine = HttpEngine(url, token=token, timeout_s=per_attempt, retries=2, backoff_s=0.5)
         return engine, load_tokenizer(tokenizer_path)
     if model_path:
         native = make_engine("native", model_path, dtype=dtype, device=device)

@@ -163,10 +163,15 @@ def _opd_has_a_teacher(spec: Resolved) -> list[SpecProblem]:
 
 
 def _genrm_has_a_judge(spec: Resolved) -> list[SpecProblem]:
-    got = spec.get("reward.function", "reward.genrm_model_path", "reward.genrm_url", "reward.genrm_tokenizer_path")
+    got = spec.get("reward.function", "reward.genrm_model_path", "reward.genrm_url", "reward.genrm_tokenizer_path",
+                   "reward.genrm_token_file")
     if got is None:
         return []
-    function, model_path, url, tokenizer_path = got
+    function, model_path, url, tokenizer_path, token_file = got
+    if token_file is not None and url is None:
+        message = ("is only used with reward.genrm_url (the judge server's bearer token); remove it, or set "
+                   "genrm_url to the server it belongs to")
+        return [SpecProblem(key="reward.genrm_token_file", value=show_value(token_file), message=message)]
     if model_path is not None and url is not None:
         message = ("cannot be set together with reward.genrm_model_path: the judge is either served in the "
                    "rollout process (genrm_model_path) or by an engine server (genrm_url); keep one")

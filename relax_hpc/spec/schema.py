@@ -207,6 +207,8 @@ class RewardSpec:
     genrm_url: str | None = setting(None, non_empty, plain_text)
     # the judge's tokenizer; required with genrm_url
     genrm_tokenizer_path: str | None = setting(None, non_empty, plain_text)
+    # the judge server's bearer token (what `serve-engine --token-file` wrote); None: the job's own
+    genrm_token_file: str | None = setting(None, non_empty, plain_text)
 
 
 @dataclass(frozen=True, kw_only=True)

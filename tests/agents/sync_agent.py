@@ -12,7 +12,10 @@ class SyncEnvAgent:
     def run(self, data: dict) -> float:
         from openai import OpenAI
 
-        assert os.environ["OPENAI_API_KEY"].startswith("sk-relax-")
+        from relax_hpc.auth import job_secret
+
+        # The session's key carries the proxy's token (the spawned worker inherits the job secret).
+        assert os.environ["OPENAI_API_KEY"].startswith(job_secret().token("agent-proxy") + ".sk-relax-")
         client = OpenAI()
         msgs = list(data["messages"])
         first = client.chat.completions.create(model="policy", messages=msgs)

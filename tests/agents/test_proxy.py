@@ -1,4 +1,5 @@
-"""The OpenAI-compatible proxy: the official SDK in both modes, recorded tokens, security."""
+"""The OpenAI-compatible proxy: the official SDK in both modes, recorded tokens, security (the
+proxy's bearer token on every route, per-session keys, bounded bodies)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,10 @@ import httpx
 import pytest
 
 from relax_hpc.agents.config import AgenticConfig
-from relax_hpc.agents.proxy import RequestError, parse_chat_request
+from relax_hpc.agents.proxy import PROXY_AUTH_MESSAGE, RequestError, parse_chat_request, proxy_token
 from relax_hpc.agents.service import AgenticRollout
 from relax_hpc.agents.sessions import SessionAuthError, SessionStore
+from relax_hpc.auth import JobSecret
 from relax_hpc.engines.base import SamplingParams
 from agent_doubles import ScriptedEngine, tiny_tokenizer
 
@@ -124,6 +126,10 @@ def test_security_401_cross_session_expiry_and_malformed_requests() -> None:
         assert post(None, body).status_code == 401
         assert post("sk-wrong", body).status_code == 401
         assert httpx.get(f"{url}/models", timeout=30).status_code == 401
+        # The proxy's token alone passes its check but names no session.
+        r = post(proxy_token(), body)
+        assert r.status_code == 401 and "invalid API key" in r.json()["error"]["message"]
+        assert post(f"{proxy_token()}.sk-relax-guessed", body).status_code == 401
         ok = post(a.api_key, body)
         assert ok.status_code == 200
         cid = ok.json()["id"]
@@ -149,6 +155,50 @@ def test_security_401_cross_session_expiry_and_malformed_requests() -> None:
         svc.proxy.sessions.close(a)
         r = post(a.api_key, body)
         assert r.status_code == 401 and "expired" in r.json()["error"]["message"]
+    finally:
+        svc.close()
+
+
+PROXY_ROUTES = [("GET", "/v1/models"), ("POST", "/v1/chat/completions"), ("GET", "/v1/chat/completions/x"),
+                ("GET", "/v1/nowhere"), ("GET", "/docs"), ("DELETE", "/v1/models")]
+
+
+def test_every_route_needs_the_proxys_token() -> None:
+    svc, engine = service("agent_doubles:ChatAgent", ["ab"])
+    try:
+        assert svc.proxy is not None
+        root = f"http://127.0.0.1:{svc.proxy.port}"
+        session = svc.proxy.sessions.open()
+        assert session.api_key.startswith(proxy_token() + ".")  # what the agent gets as api_key
+        # A key of the same shape under another token, and the token under another scheme.
+        forged = JobSecret.generate().token("agent-proxy") + session.api_key[len(proxy_token()):]
+        body = json.dumps({"model": "policy", "messages": [{"role": "user", "content": "hi"}]})
+        for header in (None, "Bearer sk-wrong", f"Bearer {forged}", f"Basic {proxy_token()}",
+                       f"Basic {session.api_key}", "Bearer"):
+            for method, path in PROXY_ROUTES:
+                r = httpx.request(method, root + path, content=body,
+                                  headers={"Authorization": header} if header else {}, timeout=30)
+                assert r.status_code == 401, (header, method, path, r.status_code)
+                assert r.headers["WWW-Authenticate"] == "Bearer"
+                assert r.json()["error"] == {"message": PROXY_AUTH_MESSAGE, "type": "authentication_error",
+                                             "code": 401}
+        assert engine.produced == []
+        # The right token: the model list needs nothing more; completions need the session's key.
+        for key in (proxy_token(), session.api_key):
+            r = httpx.get(f"{root}/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=30)
+            assert r.status_code == 200 and r.json()["data"][0]["id"] == "policy"
+        r = httpx.post(f"{root}/v1/chat/completions", content=body, timeout=30,
+                       headers={"Authorization": f"Bearer {session.api_key}"})
+        assert r.status_code == 200 and len(engine.produced) == 1
+        # 100 MiB announced with a wrong token, one byte sent: the 401 comes back, the body unread.
+        with socket.create_connection(("127.0.0.1", svc.proxy.port), timeout=30) as sock:
+            sock.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {forged}\r\n"
+                         f"Content-Type: application/json\r\nContent-Length: {100 << 20}\r\n\r\n{{".encode())
+            reply = b""
+            while chunk := sock.recv(65536):  # the proxy answers, then closes the connection
+                reply += chunk
+        assert reply.startswith(b"HTTP/1.1 401 ")
+        assert json.loads(reply.split(b"\r\n\r\n", 1)[1])["error"]["message"] == PROXY_AUTH_MESSAGE
     finally:
         svc.close()
 

@@ -17,12 +17,15 @@ from typing import Any, Iterator
 import pytest
 
 from relax_hpc.engines.base import SamplingParams
+from relax_hpc.engines.http_auth import engine_token
 from relax_hpc.engines.http_client import EngineHttpError, HttpEngine, parse_generate_reply
 from relax_hpc.engines.http_server import EngineServer
 from relax_hpc.engines.memory import ScriptedEngine
 from relax_hpc.engines.native import NativeEngine
 
 PROMPT_TEXTS = ("7", "1+2=", "<|im_start|>user:5+4=<|im_end|><|im_start|>assistant:")
+TOKEN = engine_token()  # the test job's (tests/conftest.py), as a server inside a job has it
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +36,7 @@ def engine(tiny_model_dir: Path) -> NativeEngine:
 @pytest.fixture(scope="module")
 def server(engine: NativeEngine, tiny_model_dir: Path) -> Iterator[EngineServer]:
     info = {"model_path": str(tiny_model_dir), "tokenizer_path": str(tiny_model_dir)}
-    with EngineServer(engine, model_info=info, vocab_size=int(engine.model.config.vocab_size)) as running:
+    with EngineServer(engine, token=TOKEN, model_info=info, vocab_size=int(engine.model.config.vocab_size)) as running:
         yield running
 
 
@@ -43,7 +46,8 @@ def prompts(engine: NativeEngine) -> list[list[int]]:
 
 
 def _post(url: str, data: bytes) -> tuple[int, Any]:
-    request = urllib.request.Request(url, data=data, method="POST", headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(url, data=data, method="POST", headers={"Content-Type": "application/json",
+                                                                             **AUTH})
     try:
         with urllib.request.urlopen(request, timeout=30) as reply:
             return reply.status, json.loads(reply.read())
@@ -53,7 +57,7 @@ def _post(url: str, data: bytes) -> tuple[int, Any]:
 
 def _get(url: str) -> tuple[int, Any]:
     try:
-        with urllib.request.urlopen(url, timeout=30) as reply:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=AUTH), timeout=30) as reply:
             return reply.status, json.loads(reply.read())
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read())
@@ -77,7 +81,7 @@ def test_http_generations_equal_in_process(
     engine: NativeEngine, server: EngineServer, prompts: list[list[int]], params: SamplingParams
 ) -> None:
     local = engine.generate(prompts, params, seed=11)
-    remote = HttpEngine(server.url).generate(prompts, params, seed=11)
+    remote = HttpEngine(server.url, token=TOKEN).generate(prompts, params, seed=11)
     assert len(remote) == len(local) == 3
     for got, want in zip(remote, local):
         assert got.prompt_ids == want.prompt_ids
@@ -102,7 +106,7 @@ def test_reply_has_sglangs_shape(server: EngineServer, prompts: list[list[int]])
 
 
 def test_weight_version_is_reported(engine: NativeEngine, server: EngineServer, prompts: list[list[int]]) -> None:
-    client = HttpEngine(server.url)
+    client = HttpEngine(server.url, token=TOKEN)
     engine.update_weights([], version=3)  # no tensors: only the version changes
     try:
         gens = client.generate(prompts[:1], SamplingParams(max_new_tokens=2), seed=0)
@@ -114,7 +118,7 @@ def test_weight_version_is_reported(engine: NativeEngine, server: EngineServer, 
 
 def test_health_and_model_info(server: EngineServer, tiny_model_dir: Path) -> None:
     assert _get(server.url + "/health") == (200, {"status": "ok"})
-    client = HttpEngine(server.url + "/")  # a trailing slash is fine
+    client = HttpEngine(server.url + "/", token=TOKEN)  # a trailing slash is fine
     assert client.health()
     info = client.model_info()
     assert info["model_path"] == str(tiny_model_dir) and info["is_generation"] is True
@@ -164,27 +168,27 @@ def test_unknown_routes_and_methods(server: EngineServer) -> None:
 
 def test_engine_failure_is_a_short_500_and_the_client_retries(engine: NativeEngine) -> None:
     flaky = ScriptedEngine(engine.tokenizer, ["7"], fail_first=1)
-    with EngineServer(flaky) as server:
+    with EngineServer(flaky, token=TOKEN) as server:
         status, reply = _post(server.url + "/generate", b'{"input_ids": [1]}')
         assert status == 500
         assert reply["error"]["message"] == "engine failed: RuntimeError: out of memory (simulated)"
         assert "Traceback" not in json.dumps(reply)
         flaky.fail_first = len(flaky.calls) + 1  # the next call fails too, the one after succeeds
-        gens = HttpEngine(server.url, retries=2, backoff_s=0.01).generate([[1, 2]], SamplingParams())
+        gens = HttpEngine(server.url, token=TOKEN, retries=2, backoff_s=0.01).generate([[1, 2]], SamplingParams())
         produced = flaky.produced[-1]
         assert len(flaky.calls) == 3
         assert (gens[0].token_ids, gens[0].logprobs) == (produced.token_ids, produced.logprobs)
 
 
 def test_client_gives_up_with_the_servers_message_on_4xx(server: EngineServer) -> None:
-    client = HttpEngine(server.url, retries=3, backoff_s=10.0)  # a retry would take 10 s
+    client = HttpEngine(server.url, token=TOKEN, retries=3, backoff_s=10.0)  # a retry would take 10 s
     with pytest.raises(EngineHttpError, match=r"rejected the request: HTTP 400: input_ids\[0\] holds 100000"):
         client.generate([[1, 100000]], SamplingParams())
 
 
 def test_connection_refused_names_the_url() -> None:
     url = f"http://127.0.0.1:{_free_port()}"
-    client = HttpEngine(url, timeout_s=2, retries=1, backoff_s=0.01)
+    client = HttpEngine(url, token=TOKEN, timeout_s=2, retries=1, backoff_s=0.01)
     with pytest.raises(EngineHttpError, match=rf"engine at {url}/generate failed after 2 attempt\(s\)"):
         client.generate([[1]], SamplingParams())
     assert not client.health()
@@ -192,10 +196,10 @@ def test_connection_refused_names_the_url() -> None:
 
 def test_update_weights_is_refused_and_bad_urls_rejected() -> None:
     with pytest.raises(RuntimeError, match="weights of an HTTP engine are updated by its server"):
-        HttpEngine("http://127.0.0.1:1").update_weights([], 1)
+        HttpEngine("http://127.0.0.1:1", token=TOKEN).update_weights([], 1)
     with pytest.raises(ValueError, match="must start with http://"):
-        HttpEngine("127.0.0.1:30000")
-    assert HttpEngine("http://127.0.0.1:1").generate([], SamplingParams()) == []
+        HttpEngine("127.0.0.1:30000", token=TOKEN)
+    assert HttpEngine("http://127.0.0.1:1", token=TOKEN).generate([], SamplingParams()) == []
 
 
 def test_parses_an_sglang_reply_without_output_ids() -> None:
@@ -219,18 +223,28 @@ def test_parses_an_sglang_reply_without_output_ids() -> None:
 
 
 @pytest.mark.slow
-def test_cli_serve_engine_prints_its_url(tiny_model_dir: Path) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "relax_hpc.cli.main", "serve-engine", str(tiny_model_dir), "--port", "0"]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+def test_cli_serve_engine_prints_its_url_and_its_token_file(tiny_model_dir: Path, tmp_path: Path) -> None:
+    # Run by hand (no job secret): a new token, written to --token-file, named on stderr, never printed.
+    env = {k: v for k, v in os.environ.items() if k != "RELAX_HPC_SECRET_FILE"}
+    token_file = tmp_path / "engine.token"
+    command = [sys.executable, "-m", "relax_hpc.cli.main", "serve-engine", str(tiny_model_dir), "--port", "0",
+               "--token-file", str(token_file)]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env={**env, "OMP_NUM_THREADS": "1"})
     try:
         assert process.stdout is not None
         url = process.stdout.readline().strip()
         assert url.startswith("http://127.0.0.1:"), process.stderr.read() if process.poll() is not None else url
-        client = HttpEngine(url)
+        assert token_file.stat().st_mode & 0o777 == 0o600
+        token = token_file.read_text().strip()
+        assert len(token) == 64 and token != TOKEN
+        client = HttpEngine(url, token=token)
         assert client.health()
         gens = client.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2), seed=0)
         assert len(gens[0].token_ids) == len(gens[0].logprobs) >= 1
     finally:
-        process.terminate()
-        process.wait(timeout=30)
+        process.terminate()  # SIGTERM ends it like Ctrl-C: the token file goes
+        _, err = process.communicate(timeout=30)
+    assert process.returncode == 0, err
+    assert f"bearer token (new for this run) in {token_file} (mode 0600" in err and token not in err
+    assert not token_file.exists()

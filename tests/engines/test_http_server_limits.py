@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from relax_hpc.auth import JobSecret
 from relax_hpc.cli.main import main
 from relax_hpc.engines.base import SamplingParams
 from relax_hpc.engines.http_client import EngineHttpError, HttpEngine
@@ -31,6 +32,8 @@ from relax_hpc.engines.memory import ScriptedEngine
 from relax_hpc.models.hf import load_tokenizer
 
 WAIT_S = 10.0  # a generous bound on anything that should happen within a fraction of a second
+TOKEN = JobSecret.generate().token("engine-http")
+AUTH = f"Authorization: Bearer {TOKEN}\n"  # a header line of the raw requests below
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +52,7 @@ def small(engine: ScriptedEngine) -> Iterator[EngineServer]:
     limits = ServerLimits(request_timeout_s=0.5, max_connections=2, max_body_bytes=4096, max_json_depth=8,
                           max_prompts=4, max_request_prompt_tokens=20,
                           max_request_new_tokens=16)
-    with EngineServer(engine, limits=limits) as server:
+    with EngineServer(engine, token=TOKEN, limits=limits) as server:
         yield server
 
 
@@ -68,7 +71,8 @@ def _read_until_closed(sock: socket.socket) -> bytes:
 def _post(server: EngineServer, body: bytes) -> tuple[int, dict[str, Any]]:
     connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=WAIT_S)
     try:
-        connection.request("POST", "/generate", body=body, headers={"Content-Type": "application/json"})
+        connection.request("POST", "/generate", body=body,
+                           headers={"Content-Type": "application/json", "Authorization": f"Bearer {TOKEN}"})
         reply = connection.getresponse()
         return reply.status, json.loads(reply.read())
     finally:
@@ -79,7 +83,7 @@ def _serves(server: EngineServer) -> bool:
     """Poll /health until it answers (connections just closed free their slots a moment later)."""
     deadline = time.monotonic() + WAIT_S
     while time.monotonic() < deadline:
-        if HttpEngine(server.url, timeout_s=WAIT_S).health():
+        if HttpEngine(server.url, token=TOKEN, timeout_s=WAIT_S).health():
             return True
         time.sleep(0.05)
     return False
@@ -98,7 +102,7 @@ def test_an_idle_connection_is_closed_after_the_timeout(small: EngineServer) -> 
     # Keep-alive still works within the timeout: two requests on one connection.
     connection = http.client.HTTPConnection("127.0.0.1", small.port, timeout=WAIT_S)
     for _ in range(2):
-        connection.request("GET", "/health")
+        connection.request("GET", "/health", headers={"Authorization": f"Bearer {TOKEN}"})
         reply = connection.getresponse()
         assert (reply.status, json.loads(reply.read())) == (200, {"status": "ok"})
     assert connection.sock is not None
@@ -133,7 +137,7 @@ def test_a_client_trickling_its_request_is_cut_at_the_deadline(small: EngineServ
 
 
 def test_connections_past_the_cap_get_503_and_no_thread(engine: ScriptedEngine) -> None:
-    with EngineServer(engine, limits=ServerLimits(max_connections=2, request_timeout_s=WAIT_S)) as server:
+    with EngineServer(engine, token=TOKEN, limits=ServerLimits(max_connections=2, request_timeout_s=WAIT_S)) as server:
         threads = threading.active_count()
         with ExitStack() as sockets:
             held = [sockets.enter_context(_connect(server)) for _ in range(2)]  # the cap; they send nothing
@@ -155,7 +159,7 @@ def test_a_body_over_the_limit_is_refused_from_its_content_length(
     small: EngineServer, engine: ScriptedEngine
 ) -> None:
     # 100 MiB announced, 2 bytes sent: the 413 comes without the server waiting for the rest.
-    head = f"POST /generate HTTP/1.1\nHost: x\nContent-Length: {100 << 20}\n"
+    head = f"POST /generate HTTP/1.1\nHost: x\n{AUTH}Content-Length: {100 << 20}\n"
     with _connect(small) as sock:
         sock.sendall(head.replace("\n", "\r\n").encode() + b"\r\n{}")
         reply = b""
@@ -167,7 +171,7 @@ def test_a_body_over_the_limit_is_refused_from_its_content_length(
     message = json.loads(reply.split(b"\r\n\r\n", 1)[1])["error"]["message"]
     assert message == "the body is 104857600 bytes; at most 4096 are accepted (--max-body-bytes)"
     # A client that sends its whole body before reading reads the 413, not a broken pipe.
-    client = HttpEngine(small.url, retries=3, backoff_s=10.0)  # a retry would take 10 s
+    client = HttpEngine(small.url, token=TOKEN, retries=3, backoff_s=10.0)  # a retry would take 10 s
     with pytest.raises(EngineHttpError, match=r"HTTP 413: the body is \d+ bytes; at most 4096"):
         client.generate([[1] * 20] * 200, SamplingParams())
     assert engine.calls == []
@@ -177,11 +181,14 @@ def test_a_body_over_the_limit_is_refused_from_its_content_length(
 @pytest.mark.parametrize(
     ("head", "status", "says"),
     [
-        ("POST /generate HTTP/1.1\nHost: x\n", 411, "needs a Content-Length header"),
-        ("POST /generate HTTP/1.1\nHost: x\nContent-Length: -5\n", 400, "Content-Length \"-5\" is not a byte count"),
-        ("POST /generate HTTP/1.1\nHost: x\nContent-Length: 1_0\n", 400, "is not a byte count"),
-        ("POST /generate HTTP/1.1\nHost: x\nContent-Length: " + "9" * 5000 + "\n", 413, "is over the limit of 4096"),
-        ("POST /generate HTTP/1.1\nHost: x\nContent-Length: 30\n", 400, "the body ended after 2 of its 30 bytes"),
+        ("POST /generate HTTP/1.1\nHost: x\n" + AUTH, 411, "needs a Content-Length header"),
+        ("POST /generate HTTP/1.1\nHost: x\n" + AUTH + "Content-Length: -5\n", 400,
+         "Content-Length \"-5\" is not a byte count"),
+        ("POST /generate HTTP/1.1\nHost: x\n" + AUTH + "Content-Length: 1_0\n", 400, "is not a byte count"),
+        ("POST /generate HTTP/1.1\nHost: x\n" + AUTH + "Content-Length: " + "9" * 5000 + "\n", 413,
+         "is over the limit of 4096"),
+        ("POST /generate HTTP/1.1\nHost: x\n" + AUTH + "Content-Length: 30\n", 400,
+         "the body ended after 2 of its 30 bytes"),
     ],
     ids=["missing", "negative", "underscore", "huge", "short"],
 )
@@ -250,15 +257,15 @@ def test_loopback_hosts_get_no_warning(host: str) -> None:
 
 
 @pytest.mark.parametrize("host", ["0.0.0.0", "::", "10.1.2.3", "node07"])
-def test_other_hosts_get_the_no_authentication_warning(host: str) -> None:
+def test_other_hosts_get_the_plain_http_warning(host: str) -> None:
     warning = exposure_warning(host, 30000)
     assert warning is not None
-    assert f"listens on {host}:30000" in warning and "no authentication yet" in warning
-    assert "anyone who can reach port 30000 can generate" in warning
+    assert f"listens on {host}:30000" in warning and "speaks plain HTTP" in warning
+    assert "can read the bearer token and the prompts" in warning
 
 
 def test_cli_serve_engine_warns_on_all_interfaces_and_checks_limits(
-    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     served: list[EngineServer] = []
 
@@ -267,15 +274,16 @@ def test_cli_serve_engine_warns_on_all_interfaces_and_checks_limits(
         self.stop()
 
     monkeypatch.setattr(EngineServer, "serve_forever", serve_once)
+    token_file = tmp_path / "engine.token"
     assert main(["serve-engine", str(tiny_model_dir), "--host", "0.0.0.0", "--port", "0",
-                 "--max-prompts", "3", "--request-timeout-s", "5"]) == 0
+                 "--max-prompts", "3", "--request-timeout-s", "5", "--token-file", str(token_file)]) == 0
     out, err = capsys.readouterr()
     [server] = served
     assert out.splitlines()[0] == server.url == f"http://0.0.0.0:{server.port}"
     assert err.startswith(f"relax-hpc serve-engine: warning: the engine server listens on 0.0.0.0:{server.port}")
-    assert "no authentication yet" in err
+    assert "speaks plain HTTP" in err
     assert server.limits == ServerLimits(max_prompts=3, request_timeout_s=5.0)  # the others: defaults
-    assert main(["serve-engine", str(tiny_model_dir), "--port", "0"]) == 0
-    assert capsys.readouterr().err == ""
+    assert main(["serve-engine", str(tiny_model_dir), "--port", "0", "--token-file", str(token_file)]) == 0
+    assert capsys.readouterr().err.startswith("relax-hpc serve-engine: bearer token")  # no warning
     assert main(["serve-engine", str(tiny_model_dir), "--max-connections", "0"]) == 2
     assert "max_connections (--max-connections) must be an integer >= 1, got 0" in capsys.readouterr().err

@@ -13,7 +13,8 @@ import torch
 
 from relax_hpc.data.sample import Sample
 from relax_hpc.engines.base import Generation, SamplingParams
-from relax_hpc.engines.http_client import HttpEngine
+from relax_hpc.engines.http_auth import engine_token, write_token_file
+from relax_hpc.engines.http_client import EngineAuthError, HttpEngine
 from relax_hpc.engines.http_server import EngineServer
 from relax_hpc.engines.native import NativeEngine
 from relax_hpc.models.hf import load_tokenizer
@@ -60,7 +61,8 @@ def _sample(answer: str, label: str | None, index: int) -> Sample:
 @pytest.fixture(scope="module")
 def judge_server(tiny_model_dir: Path) -> Iterator[tuple[EngineServer, ComparingJudge]]:
     judge = ComparingJudge(load_tokenizer(tiny_model_dir))
-    with EngineServer(judge, model_info={"model_path": "comparing-judge"}) as server:
+    # The job's own engine token: what a judge started with this job's RELAX_HPC_SECRET_FILE serves.
+    with EngineServer(judge, token=engine_token(), model_info={"model_path": "comparing-judge"}) as server:
         yield server, judge
 
 
@@ -85,12 +87,38 @@ def test_genrm_over_http_scores_through_the_hub(
     assert "<|im_start|>user:ref: 42, got: 41. same? say 1 or 0<|im_end|><|im_start|>assistant:" in judge.prompts_seen
 
 
+def test_a_judge_with_its_own_token_is_reached_through_genrm_token_file(tiny_model_dir: Path, tmp_path: Path) -> None:
+    judge = ComparingJudge(load_tokenizer(tiny_model_dir))
+    own_token = "j" * 64  # a judge started by hand: `relax-hpc serve-engine` made it a token of its own
+    with EngineServer(judge, token=own_token) as server:
+        settings = {"function": "genrm", "genrm_prompt": JUDGE_PROMPT, "genrm_url": server.url,
+                    "genrm_tokenizer_path": str(tiny_model_dir), "timeout_s": 30.0}
+        token_file = write_token_file(tmp_path / "judge.token", own_token)
+        engine, _ = build_genrm_judge(RewardSpec(**settings, genrm_token_file=str(token_file)), "float32", "cpu")
+        assert engine is not None and isinstance(engine, HttpEngine)
+        engine.generate([[1, 2]], SamplingParams(max_new_tokens=2))  # accepted
+        # Without the file rollout sends the job's token, which this judge refuses, saying so.
+        job_token_engine, _ = build_genrm_judge(RewardSpec(**settings), "float32", "cpu")
+        assert job_token_engine is not None
+        with pytest.raises(EngineAuthError):
+            job_token_engine.generate([[1, 2]], SamplingParams(max_new_tokens=2))
+        token_file.chmod(0o644)
+        with pytest.raises(ValueError, match="others could read the token; `chmod 600` it"):
+            build_genrm_judge(RewardSpec(**settings, genrm_token_file=str(token_file)), "float32", "cpu")
+
+
+def test_genrm_token_file_without_a_url_is_a_spec_error() -> None:
+    with pytest.raises(SpecError, match=r"reward\.genrm_token_file.*only used with reward\.genrm_url"):
+        parse_spec('[model]\npath = "m"\n[reward]\nfunction = "genrm"\ngenrm_prompt = "{answer}"\n'
+                   'genrm_model_path = "/j"\ngenrm_token_file = "/t"\n')
+
+
 def test_unparsable_judge_reply_over_http_scores_0_and_is_counted(
     judge_server: tuple[EngineServer, ComparingJudge], tiny_model_dir: Path
 ) -> None:
     server, _ = judge_server
     # A prompt the fake cannot read: it answers "maybe".
-    hub = RewardHub("genrm", genrm_prompt="answer: {answer}", genrm_engine=HttpEngine(server.url),
+    hub = RewardHub("genrm", genrm_prompt="answer: {answer}", genrm_engine=HttpEngine(server.url, token=engine_token()),
                     genrm_tokenizer=load_tokenizer(tiny_model_dir))
     samples = [_sample("42", "42", 0)]
     try:
