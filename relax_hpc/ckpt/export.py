@@ -21,10 +21,14 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    set_model_state_dict,
+)
 
 from relax_hpc.ckpt.fs import fsync_dir, fsync_tree, remove_tree
 from relax_hpc.ckpt.manager import single_process_quiet
+from relax_hpc.ckpt.permissions import check_private
 from relax_hpc.ckpt.validate import check_dcp_files
 
 __all__ = ["TOKENIZER_FILES", "export_hf"]
@@ -63,6 +67,7 @@ def export_hf(
     from transformers import AutoModelForCausalLM  # heavy import, only needed here
 
     checkpoint_dir, model_dir, out_dir = Path(checkpoint_dir), Path(model_dir), Path(out_dir)
+    check_private(checkpoint_dir.parent, checkpoint_dir, action="export")  # dcp.load unpickles
     check_dcp_files(checkpoint_dir)
     if not (model_dir / "config.json").is_file():
         raise FileNotFoundError(

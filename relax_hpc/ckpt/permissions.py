@@ -60,8 +60,10 @@ def unsafe_paths(paths: list[Path]) -> list[str]:
     return problems
 
 
-def check_private(root: Path, checkpoint: Path) -> None:
-    """Raise UnsafeCheckpointError when ``root``, ``checkpoint`` or anything in it is unsafe."""
+def check_private(root: Path, checkpoint: Path, action: str = "resume from") -> None:
+    """Raise UnsafeCheckpointError when ``root``, ``checkpoint`` or anything in it is unsafe.
+
+    ``action``: what was about to happen, for the message ("resume from", "export")."""
     paths = [root, checkpoint, *sorted(checkpoint.rglob("*"))]
     problems = unsafe_paths(paths)
     if not problems:
@@ -70,13 +72,14 @@ def check_private(root: Path, checkpoint: Path) -> None:
     if len(problems) > _SHOWN:
         shown += f"; and {len(problems) - _SHOWN} more"
     owned_elsewhere = any("owned by uid" in p for p in problems)
+    resuming = action == "resume from"
     fix = (f"if you trust its content, run `chmod -R go-w {root}`"
            + (" and copy what another user owns (cp -r) so that you own it" if owned_elsewhere else "")
-           + ", then resume; otherwise move it aside")
+           + (", then resume; otherwise move it aside" if resuming else ", then run it again"))
     raise UnsafeCheckpointError(
-        f"refusing to resume from {checkpoint}: loading unpickles its files, and other users can "
-        f"change these paths: {shown}. {fix[0].upper()}{fix[1:]} "
-        "(or set [checkpoint] resume = false to start from scratch)"
+        f"refusing to {action} {checkpoint}: loading unpickles its files, and other users can "
+        f"change these paths: {shown}. {fix[0].upper()}{fix[1:]}"
+        + (" (or set [checkpoint] resume = false to start from scratch)" if resuming else "")
     )
 
 

@@ -120,6 +120,19 @@ def slurm_constraint(value: str) -> str | None:
 _SBATCH_OPTION = re.compile(r"--[A-Za-z][A-Za-z0-9-]*(?:=[^\s\"'\\#]+)?")
 
 
+# Options the rendered script sets itself, and the spec key that sets each: a later #SBATCH
+# line would silently override it (sbatch takes the last), and sbatch accepts any unambiguous
+# prefix of a long option ("--part" is --partition).
+_RENDERED_OPTIONS = {
+    "job-name": "[job] name", "output": "[job] output_dir", "error": "[job] output_dir",
+    "open-mode": "nothing (the script appends)", "signal": "[cluster] signal_grace_s",
+    "requeue": "[cluster] requeue", "no-requeue": "[cluster] requeue", "nodes": "nodes",
+    "ntasks-per-node": "nothing (one task per node)", "cpus-per-task": "cpus_per_node", "time": "time",
+    "gpus-per-node": "gpus_per_node", "mem": "memory", "partition": "partition", "account": "account",
+    "qos": "qos", "constraint": "constraint",
+}
+
+
 def _sbatch_option(value: str) -> str | None:
     problem = plain_text(value)
     if problem is not None:
@@ -127,6 +140,12 @@ def _sbatch_option(value: str) -> str | None:
     if _SBATCH_OPTION.fullmatch(value) is None:
         return ('must be one long sbatch option, "--name" or "--name=value", with no spaces, quotes, '
                 'backslashes or "#" in the value (e.g. "--exclusive", "--gres=gpu:a100:4")')
+    name = value[2:].split("=", 1)[0]
+    taken = sorted(option for option in _RENDERED_OPTIONS if option.startswith(name))
+    if taken:
+        keys = ", ".join(dict.fromkeys(_RENDERED_OPTIONS[option] for option in taken))
+        return (f"--{name} would override the script's own --{taken[0]}: set it with {keys} instead "
+                "(extra_sbatch is for options the spec has no key for, e.g. --exclusive, --gres)")
     return None
 
 

@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
+from ckpt_helpers import resume_state
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import Whitespace
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen3Config
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedTokenizerFast,
+    Qwen3Config,
+)
 
-from ckpt_helpers import resume_state
 from relax_hpc.ckpt import CheckpointManager
 from relax_hpc.ckpt.export import export_hf
 
@@ -104,3 +110,13 @@ def test_export_keeps_tied_embeddings_tied(tmp_path: Path) -> None:
     sd = reloaded.state_dict()
     assert all(torch.equal(sd[name], tensor) for name, tensor in trained.items())
     assert sd["lm_head.weight"].data_ptr() == sd["model.embed_tokens.weight"].data_ptr()
+
+
+def test_export_refuses_a_checkpoint_others_can_change(model_dir: Path, tmp_path: Path) -> None:
+    from relax_hpc.ckpt.permissions import UnsafeCheckpointError
+
+    checkpoint, _ = _trained_checkpoint(model_dir, tmp_path / "ckpt")
+    os.chmod(checkpoint / ".metadata", 0o662)  # anyone in the group could have swapped the pickle
+    with pytest.raises(UnsafeCheckpointError, match=r"refusing to export .*\.metadata.*chmod -R go-w.*run it again"):
+        export_hf(checkpoint, model_dir, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
