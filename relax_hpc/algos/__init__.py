@@ -1,7 +1,9 @@
 """Advantages and policy losses as pure tensor functions (GRPO, Dr.GRPO, GSPO, SAPO, OPD, KL, TIS).
 
 Nothing here does I/O or imports other relax_hpc packages; backends call
-``token_logprobs_and_entropy`` and ``policy_loss``, the Advantages role calls
+``token_logprobs_and_entropy`` (or, with tensor parallelism,
+``vocab_parallel_logprobs_and_entropy``, whose only side effects are its
+collectives) and ``policy_loss``, the Advantages role calls
 ``group_advantages`` / ``opd_advantages``. See docs/algorithms.md.
 """
 
@@ -23,6 +25,7 @@ from relax_hpc.algos.losses import (
     policy_loss,
     tis_weight,
 )
+from relax_hpc.algos.vocab_parallel import vocab_parallel_logprobs_and_entropy
 
 __all__ = [
     "KL_ESTIMATORS",
@@ -44,4 +47,5 @@ __all__ = [
     "policy_loss",
     "tis_weight",
     "token_logprobs_and_entropy",
+    "vocab_parallel_logprobs_and_entropy",
 ]
