@@ -37,13 +37,16 @@ with job_secret_env(job_dir, joining=False) as secret_file:
 
     result = {"worker_env": ray.get(worker_env.remote()), "secret_file": str(secret_file), "joins": {}}
     address = ray.get_runtime_context().gcs_address
-    for label, extra in attempts.items():
+    children = {}
+    for label, extra in attempts.items():  # all at once: a refused join takes ~20 s to give up
         env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH") and k != "RELAX_HPC_SECRET_FILE"}
         env["HOME"] = str(job_dir)  # no ~/.ray/auth_token of the user's to fall back on
         env.update(extra)
-        child = subprocess.run([sys.executable, "-c", JOIN % address], env=env, capture_output=True,
-                               text=True, timeout=240, check=False)
-        result["joins"][label] = {"joined": "JOINED" in child.stdout, "stderr": child.stderr[-2000:]}
+        children[label] = subprocess.Popen([sys.executable, "-c", JOIN % address], env=env, text=True,
+                                           stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    for label, child in children.items():
+        out, err = child.communicate(timeout=240)
+        result["joins"][label] = {"joined": "JOINED" in out, "stderr": err[-2000:]}
     ray.shutdown()
 print("RESULT " + json.dumps(result), flush=True)
 '''
