@@ -1,0 +1,193 @@
+"""`SGLangEngine`: the `RolloutEngine` over an SGLang server's HTTP API.
+
+SGLang pins its own torch and transformers, so it runs in its own environment (built by
+tools/setup-sglang-cpu, started by `SGLangServer` in sglang_server.py) and this adapter only
+speaks HTTP; no sglang import here. Token ids go in and come out (serve with
+`--skip-tokenizer-init`); the tokenizer for the text is loaded from `model_path` here.
+
+    with SGLangServer(python, model_path, device="cpu", log_path=log) as server:
+        engine = SGLangEngine(server.url, model_path, weights_dir=run_dir / "sglang-weights")
+        gens = engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=8), seed=0)
+        engine.update_weights(model.named_parameters(), version=1)
+
+Weight updates in this first slice go through disk: the tensors are written as safetensors to
+`weights_dir/v<version>` (a temp dir, then a rename) and the server loads them with
+`/update_weights_from_disk`, so `weights_dir` must be a path the server can read. The request
+bodies are built in sglang_requests.py and checked against SGLang's own classes by the tests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import tempfile
+import threading
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from relax_hpc.engines import sglang_requests as requests
+from relax_hpc.engines.base import Generation, SamplingParams
+from relax_hpc.engines.http_client import EngineHttpError, HttpEngine
+from relax_hpc.models.hf import load_tokenizer
+
+__all__ = ["SGLangEngine"]
+
+
+class SGLangEngine:
+    """A `RolloutEngine` whose model runs in an SGLang server at `base_url`."""
+
+    def __init__(
+        self,
+        base_url: str,
+        model_path: str | Path,
+        *,
+        api_key: str | None = None,
+        timeout_s: float = 600.0,
+        retries: int = 2,
+        weights_dir: str | Path | None = None,
+    ) -> None:
+        """`model_path`: the served model's directory (for its tokenizer). `api_key`: the server's
+        `--api-key`, if any. `weights_dir`: where `update_weights` writes (default: a temp dir,
+        fine only when the server runs on this host)."""
+        # HttpEngine carries the transport: bearer token, no redirects, retries, errors naming the URL.
+        self._http = HttpEngine(base_url, token=api_key, timeout_s=timeout_s, retries=retries)
+        self.base_url = self._http.base_url
+        self.model_path = Path(model_path)
+        self.tokenizer = load_tokenizer(self.model_path)
+        self.eos_id = int(self.tokenizer.eos_token_id)
+        self.weights_dir = Path(weights_dir) if weights_dir is not None else Path(
+            tempfile.mkdtemp(prefix="relax-sglang-weights-"))
+        self.server_version = requests.check_server_version(self._server_info(), self.base_url)
+        self._version = 0
+        self._gate = threading.Condition()
+        self._paused = False
+        self._in_flight = 0
+
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    def _server_info(self) -> Any:
+        """GET /server_info (0.5.23's name; /get_server_info is its deprecated alias)."""
+        try:
+            return self._call("GET", "/server_info")
+        except EngineHttpError as e:
+            if "HTTP 404" not in str(e):
+                raise
+            return self._call("GET", "/get_server_info")
+
+    def _call(self, method: str, path: str, body: Any = None, attempts: int | None = None) -> Any:
+        # One place for the transport, so that every error says which server and what to do.
+        try:
+            return self._http._send(method, path, body, attempts=attempts)
+        except EngineHttpError as e:
+            raise type(e)(
+                f"{e}. SGLang server {self.base_url}: check that it is running (its log), that "
+                "the URL and --api-key match, and that it serves the model at "
+                f"{self.model_path}") from e
+
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams, seed: int | None = None
+    ) -> list[Generation]:
+        """`seed` goes to SGLang as one `sampling_seed` per prompt, which SGLang 0.5.23 honours only
+        on a server started with --enable-deterministic-inference (attention backends fa3, fa4,
+        triton, ...; not torch_native, so not on CPU): elsewhere sampling is not reproducible."""
+        if not prompts:
+            return []
+        with self._gate:
+            self._gate.wait_for(lambda: not self._paused)
+            self._in_flight += 1
+        try:
+            return self._generate(prompts, params, seed)
+        finally:
+            with self._gate:
+                self._in_flight -= 1
+                self._gate.notify_all()
+
+    def _generate(self, prompts: list[list[int]], params: SamplingParams, seed: int | None) -> list[Generation]:
+        # Stop on the tokenizer's EOS as NativeEngine does (SGLang's own comes from the model config).
+        stops = params.stop_token_ids if self.eos_id in params.stop_token_ids else (*params.stop_token_ids, self.eos_id)
+        body = requests.generate_request(prompts, dataclasses.replace(params, stop_token_ids=stops), seed)
+        reply = self._call("POST", "/generate", body)
+        generations = requests.parse_generate_response(reply, prompts, self._version, self.base_url)
+        for g in generations:
+            requests.cut_at_stop_strings(g, params.stop, self._decode)
+            shown = g.token_ids[:-1] if g.finish_reason == "stop" and g.token_ids and g.token_ids[-1] in stops \
+                else g.token_ids
+            g.text = self._decode(shown)
+        return generations
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=False)
+
+    def pause(self) -> None:
+        """Wait for this client's generate calls in flight, hold new ones until `resume`, and
+        pause the server's scheduler (other clients' requests are retracted, not lost)."""
+        with self._gate:
+            self._paused = True
+            self._gate.wait_for(lambda: self._in_flight == 0)
+        self._call("POST", "/pause_generation", requests.pause_request())
+
+    def resume(self) -> None:
+        self._call("POST", "/continue_generation", requests.continue_request())
+        with self._gate:
+            self._paused = False
+            self._gate.notify_all()
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Write the tensors (HF names) to `weights_dir/v<version>` and have the server load them;
+        later generations report `version`. Older version directories are deleted afterwards."""
+        target = self._write_weights(named_tensors, version)
+        self._call("POST", "/begin_weight_update", requests.begin_weight_update_request(), attempts=1)
+        try:
+            reply = self._call("POST", "/update_weights_from_disk",
+                               requests.update_weights_from_disk_request(str(target), version), attempts=1)
+        finally:
+            self._call("POST", "/end_weight_update", requests.end_weight_update_request(), attempts=1)
+        if isinstance(reply, dict) and reply.get("success") is False:
+            raise EngineHttpError(f"SGLang server {self.base_url} did not load {target}: {reply.get('message')}")
+        self._version = version
+        for old in self.weights_dir.glob("v*"):
+            if old != target and old.is_dir():
+                shutil.rmtree(old, ignore_errors=True)
+
+    def _write_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> Path:
+        from safetensors.torch import save_file
+
+        tensors: dict[str, torch.Tensor] = {}
+        seen: set[int] = set()
+        for name, tensor in named_tensors:
+            t = tensor.detach().to("cpu").contiguous()
+            # safetensors refuses tensors that share storage (tied embeddings): copy the second one.
+            if t.data_ptr() in seen:
+                t = t.clone()
+            seen.add(t.data_ptr())
+            tensors[name] = t
+        if not tensors:
+            raise ValueError("update_weights got no tensors")
+        self.weights_dir.mkdir(parents=True, exist_ok=True)
+        target = self.weights_dir / f"v{version}"
+        staging = Path(tempfile.mkdtemp(prefix=f".tmp-v{version}-", dir=self.weights_dir))
+        try:
+            save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
+            if target.exists():
+                shutil.rmtree(target)
+            staging.rename(target)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        return target
+
+    def release_memory(self) -> int:
+        """Have the server release its weights and KV cache (`/release_memory_occupation`).
+        Returns 0: SGLang does not report how many bytes it freed."""
+        self._call("POST", "/release_memory_occupation", requests.release_memory_request(), attempts=1)
+        return 0
+
+    def resume_memory(self) -> None:
+        """Take the weights and KV cache back (`/resume_memory_occupation`); the weights hold
+        whatever SGLang restores, so a colocated step installs new ones with `update_weights`."""
+        self._call("POST", "/resume_memory_occupation", requests.resume_memory_request(), attempts=1)

@@ -1,0 +1,158 @@
+"""The JSON bodies `SGLangEngine` sends to an SGLang server and the reading of its replies.
+
+Pure functions, no I/O: every body here is checked against SGLang's own request classes by
+tests/engines/sglang_check_requests.py (run by the SGLang environment's python), so a change of
+SGLang's API shows up as a failing test rather than as a 400 in a run. Written against SGLang
+0.5.23 (`sglang/srt/managers/io_struct.py`, routes in `sglang/srt/entrypoints/http_server.py`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from typing import Any
+
+from relax_hpc.engines.base import Generation, SamplingParams
+from relax_hpc.engines.http_client import (
+    EngineHttpError,
+    parse_generate_reply,
+    sampling_payload,
+)
+
+__all__ = [
+    "SUPPORTED_SGLANG_VERSIONS", "begin_weight_update_request", "check_server_version",
+    "continue_request", "cut_at_stop_strings", "end_weight_update_request", "generate_request", "parse_generate_response",
+    "pause_request", "prompt_seed", "release_memory_request", "resume_memory_request",
+    "update_weights_from_disk_request",
+]
+
+# The releases whose request classes and routes this module was checked against.
+SUPPORTED_SGLANG_VERSIONS = ("0.5.23",)
+
+
+def prompt_seed(seed: int, index: int) -> int:
+    """The sampling seed of prompt `index` of a batch seeded `seed`: a hash, so that batches
+    seeded s and s+1 share no per-prompt seed (s+index would), within SGLang's int64 range."""
+    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 1
+
+
+def generate_request(prompts: list[list[int]], params: SamplingParams, seed: int | None) -> dict[str, Any]:
+    """`POST /generate` for a batch of token-id prompts: one sampling_params object per prompt
+    (each its own seed when `seed` is given), log-probs returned.
+
+    Stop strings are not sent: a server started with --skip-tokenizer-init (token ids in and out)
+    refuses them ("stop=[...] is unavailable when skip_tokenizer_init=True"); the engine applies
+    them to the reply with `cut_at_stop_strings`."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("generate_request needs at least one prompt, each of at least one token")
+    per_prompt = []
+    for i in range(len(prompts)):
+        # sampling_payload maps our top_k 0 (no filter) to SGLang's -1.
+        one = sampling_payload(params, None if seed is None else prompt_seed(seed, i))
+        one.pop("stop", None)
+        per_prompt.append(one)
+    return {
+        "input_ids": [[int(t) for t in p] for p in prompts],
+        "sampling_params": per_prompt,
+        "return_logprob": True,
+    }
+
+
+def _reported_version(item: Any) -> int | None:
+    # SGLang reports a string: "default" until the first update, then what the updater sent.
+    meta = item.get("meta_info") if isinstance(item, dict) else None
+    value = meta.get("weight_version") if isinstance(meta, dict) else None
+    if isinstance(value, str) and value.strip().isdigit():
+        return int(value)
+    return None
+
+
+def parse_generate_response(
+    body: Any, prompts: list[list[int]], version: int, url: str = "the SGLang server"
+) -> list[Generation]:
+    """Generations from a decoded `/generate` reply: token ids from `output_ids`, log-probs from
+    `meta_info.output_token_logprobs` (SGLang's log_softmax(logits / temperature), our
+    `Generation.logprobs`), finish reason "stop" or "length" (anything else, e.g. "abort", is an
+    error). The weight version is the one the server reports when it is a number, else `version`
+    (the server says "default" before its first update). Raises EngineHttpError naming `url`."""
+    generations = parse_generate_reply(body, prompts, url)
+    items = body if isinstance(body, list) else [body]
+    for generation, item in zip(generations, items):
+        reported = _reported_version(item)
+        generation.weight_version = version if reported is None else reported
+    return generations
+
+
+def cut_at_stop_strings(generation: Generation, stop: tuple[str, ...], decode: Callable[[list[int]], str]) -> None:
+    """End `generation` at the first token whose text completes one of `stop` (that token kept,
+    finish reason "stop"), as NativeEngine stops. Sampling is autoregressive, so the kept prefix
+    and its log-probs are what a server stopping there would have sent; only the tokens after it
+    were generated in vain."""
+    if not stop:
+        return
+    # Only the tail can newly complete a stop string: every token carries at least one byte and
+    # a character at most 4, so 4 tokens per character of the longest stop string cover it.
+    window = max(16, 4 * max(len(s) for s in stop))
+    for end in range(1, len(generation.token_ids) + 1):
+        tail = decode(generation.token_ids[max(0, end - window):end])
+        if any(s in tail for s in stop):
+            if end < len(generation.token_ids) or generation.finish_reason == "length":
+                del generation.token_ids[end:], generation.logprobs[end:]
+                generation.finish_reason = "stop"
+            return
+
+
+def check_server_version(info: Any, url: str) -> str:
+    """The SGLang version in a `/server_info` reply; an error unless it is a supported one."""
+    version = info.get("version") if isinstance(info, dict) else None
+    if not isinstance(version, str):
+        raise EngineHttpError(
+            f"the server at {url}/server_info did not report an SGLang version (got {str(info)[:200]}); "
+            f"is it an SGLang server? SGLangEngine supports SGLang {', '.join(SUPPORTED_SGLANG_VERSIONS)}"
+        )
+    if version not in SUPPORTED_SGLANG_VERSIONS:
+        raise EngineHttpError(
+            f"the server at {url} runs SGLang {version}; SGLangEngine supports SGLang "
+            f"{', '.join(SUPPORTED_SGLANG_VERSIONS)} (SUPPORTED_SGLANG_VERSIONS in "
+            "relax_hpc/engines/sglang_requests.py). Serve with a supported release (tools/setup-sglang-cpu "
+            "installs 0.5.23), or check its request classes and add the version there"
+        )
+    return version
+
+
+def pause_request() -> dict[str, Any]:
+    """`POST /pause_generation`: "retract" puts running requests back in the queue (their KV
+    cache may be flushed and is recomputed after `/continue_generation`); none is lost."""
+    return {"mode": "retract"}
+
+
+def continue_request() -> dict[str, Any]:
+    """`POST /continue_generation`."""
+    return {}
+
+
+def begin_weight_update_request() -> dict[str, Any]:
+    """`POST /begin_weight_update`: SGLang 0.5.23 refuses weight updates outside begin/end."""
+    return {}
+
+
+def end_weight_update_request() -> dict[str, Any]:
+    """`POST /end_weight_update`."""
+    return {}
+
+
+def update_weights_from_disk_request(model_path: str, version: int) -> dict[str, Any]:
+    """`POST /update_weights_from_disk`: load the safetensors files in `model_path` (HF names),
+    set the weight version later replies report, and drop the prefix cache of the old weights."""
+    return {"model_path": str(model_path), "weight_version": str(version), "flush_cache": True}
+
+
+def release_memory_request() -> dict[str, Any]:
+    """`POST /release_memory_occupation`: no tags means weights and KV cache."""
+    return {}
+
+
+def resume_memory_request() -> dict[str, Any]:
+    """`POST /resume_memory_occupation`: no tags means weights and KV cache."""
+    return {}

@@ -1,0 +1,170 @@
+"""`SGLangServer`: start, watch and stop an SGLang server process from its own environment.
+
+SGLang pins its own torch, so the server runs on the python of a separate venv (built by
+tools/setup-sglang-cpu) and is reached over HTTP by `SGLangEngine` (sglang.py).
+
+    with SGLangServer(".venv-sglang/bin/python", model_dir, device="cpu", log_path=run / "sglang.log") as server:
+        engine = SGLangEngine(server.url, model_dir)
+
+`start()` waits for `/health` (SGLang answers 503 until its scheduler is up) with a deadline and
+fails at once, naming the log, when the process exits. `stop()` sends SIGTERM to the server's
+PID (SGLang then ends its scheduler and detokenizer), waits, then SIGKILLs what is left of the
+process group it was started in (its own session, so nothing else is in it).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from types import TracebackType
+
+__all__ = ["CPU_FLAGS", "SGLangServer", "SGLangServerError", "free_port"]
+
+# The flags under which SGLang 0.5.23 serves on CPU: only its torch-native attention and sampling
+# call no compiled kernel; token ids in and out; a KV cache of 4096 tokens (without the cap it
+# takes ~70% of host memory). docs/engines.md, "SGLang on CPU".
+CPU_FLAGS = (
+    "--attention-backend", "torch_native", "--sampling-backend", "pytorch", "--dtype", "float32",
+    "--max-total-tokens", "4096",
+)
+
+
+class SGLangServerError(RuntimeError):
+    """The SGLang server process did not start or stopped answering."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing listens on now (bind to port 0 and read what the OS chose)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+class SGLangServer:
+    """One `python -m sglang.launch_server` process."""
+
+    def __init__(
+        self,
+        python: str | Path,
+        model_path: str | Path,
+        *,
+        port: int | None = None,
+        host: str = "127.0.0.1",
+        device: str = "cpu",
+        extra_args: tuple[str, ...] | list[str] = (),
+        log_path: str | Path | None = None,
+        start_timeout_s: float = 300.0,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        """`python`: the SGLang environment's interpreter. `extra_args`: more launch_server flags
+        (on CPU, `CPU_FLAGS` come first, so these can override them). `env`: extra environment."""
+        self.python, self.model_path = Path(python), Path(model_path)
+        self.host, self.device = host, device
+        self.port = port if port is not None else free_port(host)
+        self.extra_args = tuple(extra_args)
+        self.log_path = Path(log_path) if log_path is not None else Path(
+            tempfile.mkdtemp(prefix="relax-sglang-")) / "server.log"
+        self.start_timeout_s = start_timeout_s
+        self.extra_env = dict(env or {})
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def command(self) -> list[str]:
+        device_flags = ("--device", self.device, *(CPU_FLAGS if self.device == "cpu" else ()))
+        return [str(self.python), "-m", "sglang.launch_server", "--model-path", str(self.model_path),
+                "--host", self.host, "--port", str(self.port), "--skip-tokenizer-init",
+                *device_flags, *self.extra_args]
+
+    def environment(self) -> dict[str, str]:
+        """This process's environment minus what points into relax-hpc's own venv."""
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
+        if self.device == "cpu":
+            env["SGLANG_USE_CPU_ENGINE"] = "1"
+        env.update(self.extra_env)
+        return env
+
+    def start(self) -> SGLangServer:
+        if self.process is not None and self.process.poll() is None:
+            raise SGLangServerError(f"the SGLang server at {self.url} is already running (PID {self.process.pid})")
+        if not self.python.exists():
+            raise SGLangServerError(f"no python at {self.python}: build the SGLang environment with "
+                                    "tools/setup-sglang-cpu (or `make sglang-env`)")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("ab") as log:
+            self.process = subprocess.Popen(self.command(), env=self.environment(), stdout=log,
+                                            stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            self._wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_healthy(self) -> None:
+        assert self.process is not None
+        deadline = time.monotonic() + self.start_timeout_s
+        while True:
+            code = self.process.poll()
+            if code is not None:
+                raise SGLangServerError(f"the SGLang server exited with code {code} while starting; "
+                                        f"see its log {self.log_path}:\n{self.log_tail()}")
+            if self.healthy():
+                return
+            if time.monotonic() > deadline:
+                raise SGLangServerError(
+                    f"the SGLang server did not answer {self.url}/health within {self.start_timeout_s} s "
+                    f"(start_timeout_s); see its log {self.log_path}:\n{self.log_tail()}")
+            time.sleep(1.0)
+
+    def healthy(self, timeout_s: float = 10.0) -> bool:
+        """True when GET /health answers 200 (SGLang runs a one-token generation for it when idle)."""
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=timeout_s) as reply:
+                return reply.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def log_tail(self, chars: int = 3000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return "(no log)"
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """SIGTERM to the server's PID, wait up to `timeout_s`, then SIGKILL its process group."""
+        process, self.process = self.process, None
+        if process is None:
+            return
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(process.pid, signal.SIGKILL)  # the scheduler and detokenizer, if they outlived it
+        except (ProcessLookupError, PermissionError):
+            pass
+        process.wait(timeout=timeout_s)
+
+    def restart(self) -> SGLangServer:
+        """Stop and start again on the same port, appending to the same log."""
+        self.stop()
+        return self.start()
+
+    def __enter__(self) -> SGLangServer:
+        return self.start()
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 trace: TracebackType | None) -> None:
+        self.stop()

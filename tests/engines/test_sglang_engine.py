@@ -1,0 +1,267 @@
+"""`SGLangEngine` (relax_hpc/engines/sglang.py): its request bodies, its reading of replies, and the
+engine against a real SGLang 0.5.23 server on the tiny model.
+
+The first tests need nothing. The ones marked `sglang` need the environment of
+tools/setup-sglang-cpu (.venv-sglang or $RELAX_SGLANG_ENV) and skip without it, naming it; they
+start one server for the module (about 40 s on 2 cores) and stop it by PID at the end:
+
+    .venv/bin/python -m pytest tests/engines/test_sglang_engine.py -q
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from sglang_env import find_sglang_env
+
+from relax_hpc.engines import sglang_requests as requests
+from relax_hpc.engines.base import SamplingParams
+from relax_hpc.engines.http_client import EngineHttpError
+from relax_hpc.engines.sglang import SGLangEngine
+from relax_hpc.engines.sglang_server import SGLangServer
+from relax_hpc.models.hf import load_causal_lm, load_tokenizer
+
+HERE = Path(__file__).resolve().parent
+URL = "http://sglang-test:30000"
+NEW_TOKENS = 6
+LOGPROB_TOL = 1e-4  # float32 SGLang vs a full HF forward; observed ~2e-7 (docs/engines.md)
+# Greedy in our terms: top_k 1 at temperature 1, so log-probs are log_softmax(logits) as HF's.
+GREEDY = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=1.0, top_k=1)
+
+
+# --- request bodies and replies: no SGLang needed ---------------------------------------------
+
+
+def test_generate_request_maps_our_sampling_params_to_sglang_ones() -> None:
+    params = SamplingParams(max_new_tokens=5, temperature=0.7, top_p=0.9, top_k=0, stop_token_ids=(7,), stop=("\n",))
+    body = requests.generate_request([[1, 2], [3]], params, seed=11)
+    assert body["input_ids"] == [[1, 2], [3]] and body["return_logprob"] is True
+    first, second = body["sampling_params"]
+    # Our top_k 0 is SGLang's -1 (off). No "stop": a server without its tokenizer refuses stop
+    # strings; the engine cuts the reply instead (cut_at_stop_strings).
+    assert {k: v for k, v in first.items() if k != "sampling_seed"} == {
+        "max_new_tokens": 5, "temperature": 0.7, "top_p": 0.9, "top_k": -1, "stop_token_ids": [7]}
+    # One seed per prompt, a function of (batch seed, index): reproducible, distinct, and not
+    # shared with the neighbouring batch seed (seed + index would give batch 12's prompt 0 this one's prompt 1).
+    assert first["sampling_seed"] == requests.prompt_seed(11, 0) != second["sampling_seed"] == requests.prompt_seed(11, 1)
+    assert requests.prompt_seed(12, 0) not in (first["sampling_seed"], second["sampling_seed"])
+    assert 0 <= first["sampling_seed"] < 2**63
+    assert requests.generate_request([[1]], SamplingParams(top_k=4), seed=None)["sampling_params"][0]["top_k"] == 4
+    assert "sampling_seed" not in requests.generate_request([[1]], params, seed=None)["sampling_params"][0]
+
+
+def test_stop_strings_cut_the_reply_after_the_token_that_completes_them() -> None:
+    from relax_hpc.engines.base import Generation
+
+    def decode(ids: list[int]) -> str:  # token t is the letter chr(ord("a") + t)
+        return "".join(chr(ord("a") + t) for t in ids)
+
+    g = Generation([0], [0, 1, 2, 3, 4], [-0.1, -0.2, -0.3, -0.4, -0.5], "length", 0)
+    requests.cut_at_stop_strings(g, ("zz", "cd"), decode)  # "abcd" completes "cd" at token 3
+    assert (g.token_ids, g.logprobs, g.finish_reason) == ([0, 1, 2, 3], [-0.1, -0.2, -0.3, -0.4], "stop")
+    untouched = Generation([0], [0, 1], [-0.1, -0.2], "length", 0)
+    requests.cut_at_stop_strings(untouched, ("x",), decode)
+    assert (untouched.token_ids, untouched.finish_reason) == ([0, 1], "length")
+
+
+def test_generate_request_refuses_empty_prompts() -> None:
+    with pytest.raises(ValueError, match="at least one token"):
+        requests.generate_request([[1], []], SamplingParams(), seed=0)
+
+
+def _reply(ids: list[int], logprobs: list[float], finish: object, version: str = "default") -> dict:
+    return {"output_ids": ids, "meta_info": {
+        "id": "r", "finish_reason": finish, "weight_version": version,
+        "output_token_logprobs": [[lp, t, None] for lp, t in zip(logprobs, ids)]}}
+
+
+def test_parse_generate_response_reads_tokens_logprobs_finish_and_version() -> None:
+    body = [_reply([5, 2], [-0.5, -0.25], {"type": "stop", "matched": 2}),
+            _reply([4, 4, 4], [-1.0, -2.0, -3.0], {"type": "length", "length": 3}, version="3")]
+    stopped, cut = requests.parse_generate_response(body, [[1], [1, 2]], version=2, url=URL)
+    assert (stopped.prompt_ids, stopped.token_ids, stopped.logprobs) == ([1], [5, 2], [-0.5, -0.25])
+    assert (stopped.finish_reason, cut.finish_reason) == ("stop", "length")
+    # "default" (no update yet) -> the engine's own version; a number -> the server's.
+    assert (stopped.weight_version, cut.weight_version) == (2, 3)
+
+
+@pytest.mark.parametrize("body, message", [
+    ([_reply([5], [-0.5], {"type": "abort", "message": "aborted by pause"})], "finish_reason 'abort'"),
+    ([{"output_ids": [5]}], "expected an object with 'meta_info'"),
+    ([{"output_ids": [5, 6], "meta_info": {"finish_reason": {"type": "length"},
+                                           "output_token_logprobs": [[-1.0, 5, None]]}}], "2 output ids but 1 log-probs"),
+    ([_reply([5], [-0.5], {"type": "stop"})] * 2, "answered 2 for 1 prompts"),
+    ({"error": "boom"}, "expected an object with 'meta_info'"),
+])
+def test_parse_generate_response_refuses_a_malformed_reply(body: object, message: str) -> None:
+    with pytest.raises(EngineHttpError, match=message) as error:
+        requests.parse_generate_response(body, [[1]], version=0, url=URL)
+    assert URL in str(error.value)
+
+
+def test_an_unsupported_server_version_is_refused_naming_the_supported_ones() -> None:
+    assert requests.check_server_version({"version": "0.5.23"}, URL) == "0.5.23"
+    with pytest.raises(EngineHttpError, match=r"runs SGLang 0\.4\.9; SGLangEngine supports SGLang 0\.5\.23"):
+        requests.check_server_version({"version": "0.4.9"}, URL)
+    with pytest.raises(EngineHttpError, match="did not report an SGLang version"):
+        requests.check_server_version({"model_path": "x"}, URL)
+
+
+def test_control_requests() -> None:
+    assert requests.pause_request() == {"mode": "retract"}
+    assert requests.update_weights_from_disk_request("/w/v3", 3) == {
+        "model_path": "/w/v3", "weight_version": "3", "flush_cache": True}
+
+
+# --- against SGLang itself --------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def sglang_python() -> Path:
+    found = find_sglang_env()
+    if found.python is None:
+        pytest.skip(found.reason)
+    return found.python
+
+
+def _every_request_body() -> dict:
+    sampled = SamplingParams(max_new_tokens=3, temperature=0.7, top_p=0.9, top_k=0, stop_token_ids=(2,), stop=("x",))
+    return {
+        "generate": [requests.generate_request([[1, 2, 3], [4]], sampled, seed=5),
+                     requests.generate_request([[1]], GREEDY, seed=None)],
+        "structs": [
+            ["PauseGenerationReqInput", requests.pause_request()],
+            ["ContinueGenerationReqInput", requests.continue_request()],
+            ["BeginWeightUpdateReqInput", requests.begin_weight_update_request()],
+            ["EndWeightUpdateReqInput", requests.end_weight_update_request()],
+            ["UpdateWeightFromDiskReqInput", requests.update_weights_from_disk_request("/tmp/w/v1", 1)],
+            ["ReleaseMemoryOccupationReqInput", requests.release_memory_request()],
+            ["ResumeMemoryOccupationReqInput", requests.resume_memory_request()],
+        ],
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.sglang
+def test_every_request_body_is_valid_for_sglangs_own_classes(sglang_python: Path, tmp_path: Path) -> None:
+    path = tmp_path / "requests.json"
+    path.write_text(json.dumps(_every_request_body()))
+    done = subprocess.run([str(sglang_python), str(HERE / "sglang_check_requests.py"), str(path)],
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
+    assert "9 of 9 bodies valid" in done.stdout
+
+
+@pytest.fixture(scope="module")
+def server(sglang_python: Path, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SGLangServer]:
+    log = tmp_path_factory.mktemp("sglang-engine") / "server.log"
+    with SGLangServer(sglang_python, tiny_model_dir, log_path=log, start_timeout_s=300,
+                      env={"HF_HUB_OFFLINE": "1"}) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def engine(server: SGLangServer, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> SGLangEngine:
+    return SGLangEngine(server.url, tiny_model_dir, timeout_s=120,
+                        weights_dir=tmp_path_factory.mktemp("sglang-weights"))
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_model_dir: Path) -> list[list[int]]:
+    tokenizer = load_tokenizer(tiny_model_dir)
+    return [tokenizer(t, add_special_tokens=False)["input_ids"] for t in ("7", "1+2=", "hello world")]
+
+
+def _hf_greedy(model: torch.nn.Module, prompt: list[int], eos_id: int) -> tuple[list[int], list[float]]:
+    """Greedy decoding by a full forward over the whole sequence at each step, stopping at EOS."""
+    seq, tokens, logprobs = list(prompt), [], []
+    with torch.no_grad():
+        for _ in range(NEW_TOKENS):
+            step = torch.log_softmax(model(torch.tensor([seq])).logits[0, -1].float(), dim=-1)
+            token = int(step.argmax())
+            tokens.append(token)
+            logprobs.append(float(step[token]))
+            seq.append(token)
+            if token == eos_id:
+                break
+    return tokens, logprobs
+
+
+def _assert_generations_match_hf(engine: SGLangEngine, model: torch.nn.Module, prompts: list[list[int]]) -> list:
+    generations = engine.generate(prompts, GREEDY, seed=0)
+    for prompt, g in zip(prompts, generations):
+        tokens, logprobs = _hf_greedy(model, prompt, engine.eos_id)
+        assert g.prompt_ids == prompt
+        assert g.token_ids == tokens
+        assert g.logprobs == pytest.approx(logprobs, abs=LOGPROB_TOL)
+        assert g.finish_reason == ("stop" if tokens[-1] == engine.eos_id else "length")
+    return generations
+
+
+@pytest.mark.slow
+@pytest.mark.sglang
+def test_greedy_generation_equals_hf(engine: SGLangEngine, tiny_model_dir: Path, prompts: list[list[int]]) -> None:
+    assert engine.server_version == "0.5.23" and engine.weight_version == 0
+    generations = _assert_generations_match_hf(engine, load_causal_lm(tiny_model_dir).eval(), prompts)
+    assert all(g.weight_version == 0 for g in generations)
+    assert generations[0].text == engine.tokenizer.decode(generations[0].token_ids, skip_special_tokens=False)
+
+
+@pytest.mark.slow
+@pytest.mark.sglang
+def test_pause_holds_generate_until_resume(engine: SGLangEngine, prompts: list[list[int]]) -> None:
+    engine.pause()
+    results: list = []
+    caller = threading.Thread(target=lambda: results.append(engine.generate(prompts[:1], GREEDY)), daemon=True)
+    try:
+        caller.start()
+        time.sleep(1.5)
+        assert caller.is_alive() and not results
+    finally:
+        engine.resume()
+    caller.join(timeout=120)
+    assert len(results) == 1 and len(results[0][0].token_ids) > 0
+
+
+@pytest.mark.slow
+@pytest.mark.sglang
+def test_a_server_of_another_sglang_version_is_refused(server: SGLangServer, tiny_model_dir: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(SGLangEngine, "_server_info", lambda self: {"version": "0.4.9"})
+    with pytest.raises(EngineHttpError, match=r"runs SGLang 0\.4\.9; SGLangEngine supports SGLang 0\.5\.23") as error:
+        SGLangEngine(server.url, tiny_model_dir)
+    assert server.url in str(error.value)
+
+
+@pytest.mark.slow
+@pytest.mark.sglang
+def test_update_weights_from_disk_changes_logprobs_and_version(engine: SGLangEngine, tiny_model_dir: Path,
+                                                               prompts: list[list[int]]) -> None:
+    # Last of the server tests: it changes the served weights.
+    model = load_causal_lm(tiny_model_dir).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(1.5)  # tied to the embedding in the tiny model: both change
+    engine.update_weights(model.state_dict().items(), version=1)
+    assert engine.weight_version == 1
+    generations = _assert_generations_match_hf(engine, model, prompts)
+    assert all(g.weight_version == 1 for g in generations)
+    assert sorted(p.name for p in engine.weights_dir.iterdir()) == ["v1"]
+    engine.update_weights(model.state_dict().items(), version=2)
+    assert sorted(p.name for p in engine.weights_dir.iterdir()) == ["v2"]  # v1 deleted
+    assert engine.generate(prompts[:1], GREEDY)[0].weight_version == 2
+
+
+def test_an_unreachable_server_is_named_in_the_error(tiny_model_dir: Path) -> None:
+    from relax_hpc.engines.sglang_server import free_port
+
+    url = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(EngineHttpError, match="check that it is running") as error:
+        SGLangEngine(url, tiny_model_dir, timeout_s=2, retries=0)
+    assert url in str(error.value)
