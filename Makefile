@@ -1,14 +1,16 @@
 # The two commands of the README:
 #   make run    set up .venv and train the embedded default (jobspecs/tiny_local.toml) on CPU
-#   make test   set up .venv and .venv-sglang and run the whole test suite (it starts a local Slurm
-#               for its Slurm tests and SGLang servers on CPU for its SGLang tests)
+#   make test   set up .venv, .venv-sglang and .venv-megatron and run the whole test suite (it starts
+#               a local Slurm for its Slurm tests, SGLang servers on CPU for its SGLang tests and
+#               Megatron on CPU for its Megatron tests)
 VENV ?= .venv
 SPEC ?= jobspecs/tiny_local.toml
 PYTEST_ARGS ?=
 RELAX_SGLANG_ENV ?= .venv-sglang
+RELAX_MEGATRON_ENV ?= .venv-megatron
 export RAY_AUTH_MODE ?= disabled
 
-.PHONY: setup run test clean sglang-env
+.PHONY: setup run test clean sglang-env megatron-env
 
 setup:
 	tools/setup-env
@@ -16,14 +18,21 @@ setup:
 run: setup
 	$(VENV)/bin/relax-hpc run $(SPEC)
 
-# The SGLang tests need their own environment (tools/setup-sglang-cpu); a failed install stops
-# here with the step that broke, rather than skipping those tests.
-test: setup sglang-env
-	RELAX_TEST_SGLANG=1 RELAX_SGLANG_ENV=$(RELAX_SGLANG_ENV) tools/run-tests $(PYTEST_ARGS)
+# The SGLang and Megatron tests need their own environments (tools/setup-sglang-cpu,
+# tools/setup-megatron-cpu); a failed install stops here with the step that broke, rather than
+# skipping those tests.
+test: setup sglang-env megatron-env
+	RELAX_TEST_SGLANG=1 RELAX_SGLANG_ENV=$(RELAX_SGLANG_ENV) \
+	RELAX_TEST_MEGATRON=1 RELAX_MEGATRON_ENV=$(RELAX_MEGATRON_ENV) tools/run-tests $(PYTEST_ARGS)
 
 # SGLang 0.5.23 serving on CPU, in its own venv (it pins another torch): docs/engines.md, "SGLang on CPU".
 sglang-env:
 	tools/setup-sglang-cpu $(RELAX_SGLANG_ENV)
+
+# megatron-core 0.16.1 + megatron-bridge 0.3.1 on CPU, in its own venv (the bridge needs
+# transformers < 5): docs/backends.md, "Megatron on CPU".
+megatron-env:
+	tools/setup-megatron-cpu $(RELAX_MEGATRON_ENV)
 
 clean:
 	rm -rf runs .pytest_cache
