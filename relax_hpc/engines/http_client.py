@@ -159,7 +159,7 @@ class HttpEngine:
         """True when GET /health answers 200 (one attempt, no retries); EngineAuthError when the
         server is up but refuses the token."""
         try:
-            self._send("GET", "/health", None, attempts=1)
+            self.send("GET", "/health", None, attempts=1)
             return True
         except EngineAuthError:
             raise
@@ -168,7 +168,7 @@ class HttpEngine:
 
     def model_info(self) -> dict[str, Any]:
         # /get_model_info is the name both SGLang and relax-hpc's server answer.
-        body = self._send("GET", "/get_model_info", None)
+        body = self.send("GET", "/get_model_info", None)
         if not isinstance(body, dict):
             raise EngineHttpError(f"engine at {self.base_url}/get_model_info replied {body!r}; expected an object")
         return body
@@ -183,14 +183,16 @@ class HttpEngine:
             "sampling_params": sampling_payload(params, seed),
             "return_logprob": True,
         }
-        gens = parse_generate_reply(self._send("POST", "/generate", request), prompts, self.base_url)
+        gens = parse_generate_reply(self.send("POST", "/generate", request), prompts, self.base_url)
         self._version = max((g.weight_version for g in gens), default=self._version)
         return gens
 
     def _backoff(self, retry: int) -> float:
         return min(self.backoff_s * 2**retry, self.max_backoff_s)
 
-    def _send(self, method: str, path: str, payload: Any, attempts: int | None = None) -> Any:
+    def send(self, method: str, path: str, payload: Any, attempts: int | None = None) -> Any:
+        """One JSON request with this client's token, retries and errors; the decoded reply
+        (also the transport of `SGLangEngine`)."""
         url = self.base_url + path
         data = None if payload is None else json.dumps(payload).encode("utf-8")
         tries = self.retries + 1 if attempts is None else attempts

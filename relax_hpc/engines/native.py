@@ -9,13 +9,13 @@ through the HF forward with a `DynamicCache`.
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 from typing import Iterable
 
 import torch
 
 from relax_hpc.engines.base import Generation, SamplingParams
+from relax_hpc.engines.call_gate import CallGate
 from relax_hpc.engines.lean_decoder import LeanDecoder
 from relax_hpc.engines.sampling import sample_next
 from relax_hpc.models.hf import load_causal_lm, load_tokenizer
@@ -38,10 +38,8 @@ class NativeEngine:
         self.pad_id = int(pad if pad is not None else self.tokenizer.eos_token_id)
         self.eos_id = int(self.tokenizer.eos_token_id)
         self._version = 0
-        self._gate = threading.Condition()
-        self._paused = False
+        self._gate = CallGate()
         self._released = False
-        self._in_flight = 0
         self._dropped: dict[str, tuple[torch.Size, torch.dtype]] = {}  # released on CPU: name -> shape
         self._needs_weights = False  # True from a CPU release until new weights are installed
 
@@ -66,14 +64,10 @@ class NativeEngine:
 
     def pause(self) -> None:
         """Wait for the generate calls in flight; hold new ones until `resume`."""
-        with self._gate:
-            self._paused = True
-            self._gate.wait_for(lambda: self._in_flight == 0)
+        self._gate.pause()
 
     def resume(self) -> None:
-        with self._gate:
-            self._paused = False
-            self._gate.notify_all()
+        self._gate.resume()
 
     def release_memory(self) -> int:
         """Free the weights' memory while the engine is not needed (a colocated training step);
@@ -83,7 +77,7 @@ class NativeEngine:
         they already are host memory, so their storage is dropped: `resume_memory` allocates it
         again, and the next `update_weights` / `bind_weights` must fill it before `generate`
         (a colocated step always installs new weights first)."""
-        with self._gate:
+        with self._gate.lock:
             if self._released:
                 return 0
             if self.device.type == "cpu":
@@ -97,7 +91,7 @@ class NativeEngine:
             return freed
 
     def resume_memory(self) -> None:
-        with self._gate:
+        with self._gate.lock:
             if not self._released:
                 return
             if self.device.type == "cpu":
@@ -126,20 +120,15 @@ class NativeEngine:
     def generate(
         self, prompts: list[list[int]], params: SamplingParams, seed: int | None = None
     ) -> list[Generation]:
-        with self._gate:
-            self._gate.wait_for(lambda: not self._paused)
-            if self._released:
-                raise RuntimeError("the engine released its memory; call resume_memory() before generate()")
-            if self._needs_weights:
-                raise RuntimeError("the engine dropped its weights when it released its memory on CPU; "
-                                   "install new weights (update_weights or bind_weights) before generate()")
-            self._in_flight += 1
-        try:
+        with self._gate.admit(self._check_ready):
             return self._generate(prompts, params, seed)
-        finally:
-            with self._gate:
-                self._in_flight -= 1
-                self._gate.notify_all()
+
+    def _check_ready(self) -> None:
+        if self._released:
+            raise RuntimeError("the engine released its memory; call resume_memory() before generate()")
+        if self._needs_weights:
+            raise RuntimeError("the engine dropped its weights when it released its memory on CPU; "
+                               "install new weights (update_weights or bind_weights) before generate()")
 
     def _generate(
         self, prompts: list[list[int]], params: SamplingParams, seed: int | None

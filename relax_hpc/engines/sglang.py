@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import shutil
 import tempfile
-import threading
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -30,6 +29,7 @@ import torch
 
 from relax_hpc.engines import sglang_requests as requests
 from relax_hpc.engines.base import Generation, SamplingParams
+from relax_hpc.engines.call_gate import CallGate
 from relax_hpc.engines.http_client import EngineHttpError, HttpEngine
 from relax_hpc.models.hf import load_tokenizer
 
@@ -62,9 +62,7 @@ class SGLangEngine:
             tempfile.mkdtemp(prefix="relax-sglang-weights-"))
         self.server_version = requests.check_server_version(self._server_info(), self.base_url)
         self._version = 0
-        self._gate = threading.Condition()
-        self._paused = False
-        self._in_flight = 0
+        self._gate = CallGate()
 
     @property
     def weight_version(self) -> int:
@@ -82,7 +80,7 @@ class SGLangEngine:
     def _call(self, method: str, path: str, body: Any = None, attempts: int | None = None) -> Any:
         # One place for the transport, so that every error says which server and what to do.
         try:
-            return self._http._send(method, path, body, attempts=attempts)
+            return self._http.send(method, path, body, attempts=attempts)
         except EngineHttpError as e:
             raise type(e)(
                 f"{e}. SGLang server {self.base_url}: check that it is running (its log), that "
@@ -97,15 +95,8 @@ class SGLangEngine:
         triton, ...; not torch_native, so not on CPU): elsewhere sampling is not reproducible."""
         if not prompts:
             return []
-        with self._gate:
-            self._gate.wait_for(lambda: not self._paused)
-            self._in_flight += 1
-        try:
+        with self._gate.admit():
             return self._generate(prompts, params, seed)
-        finally:
-            with self._gate:
-                self._in_flight -= 1
-                self._gate.notify_all()
 
     def _generate(self, prompts: list[list[int]], params: SamplingParams, seed: int | None) -> list[Generation]:
         # Stop on the tokenizer's EOS as NativeEngine does (SGLang's own comes from the model config).
@@ -126,16 +117,12 @@ class SGLangEngine:
     def pause(self) -> None:
         """Wait for this client's generate calls in flight, hold new ones until `resume`, and
         pause the server's scheduler (other clients' requests are retracted, not lost)."""
-        with self._gate:
-            self._paused = True
-            self._gate.wait_for(lambda: self._in_flight == 0)
+        self._gate.pause()
         self._call("POST", "/pause_generation", requests.pause_request())
 
     def resume(self) -> None:
         self._call("POST", "/continue_generation", requests.continue_request())
-        with self._gate:
-            self._paused = False
-            self._gate.notify_all()
+        self._gate.resume()
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Write the tensors (HF names) to `weights_dir/v<version>` and have the server load them;

@@ -13,14 +13,13 @@ The fast tests check relax_hpc.backends.megatron_cpu in the project venv, withou
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-from megatron_env import REPO, find_megatron_env, megatron_process_env
+from side_env import MEGATRON, REPO, side_process_env
 
 # fp32 Megatron (local layer spec) vs HF on the same weights; observed ~2e-7.
 TOL = 1e-5
@@ -48,21 +47,12 @@ def test_megatron_cpu_imports_without_megatron_and_does_nothing_off_cpu() -> Non
 @pytest.mark.slow
 @pytest.mark.megatron
 def test_the_megatron_environment_is_built() -> None:
-    # The one place a missing environment fails (with RELAX_TEST_MEGATRON=1); the tests that need
-    # it skip then, so the reason and the command to build it are reported once.
-    found = find_megatron_env()
-    if found.python is None:
-        if os.environ.get("RELAX_TEST_MEGATRON") == "1":
-            pytest.fail(f"RELAX_TEST_MEGATRON=1 but {found.reason}", pytrace=False)
-        pytest.skip(f"{found.reason}; RELAX_TEST_MEGATRON=1 turns this skip into a failure")
+    MEGATRON.require_built()
 
 
 @pytest.fixture(scope="module")
 def megatron_python() -> Path:
-    found = find_megatron_env()
-    if found.python is None:
-        pytest.skip(f"{found.reason} (test_the_megatron_environment_is_built)")
-    return found.python
+    return MEGATRON.python_or_skip()
 
 
 @pytest.mark.slow
@@ -87,7 +77,8 @@ def test_megatron_matches_hf_and_exports_exactly(
 
 def _run_check(python: Path, model_dir: Path, tp: int) -> dict[str, Any]:
     command = [str(python), str(CHECK_SCRIPT), "--model", str(model_dir), "--tp", str(tp)]
-    done = subprocess.run(command, check=False, cwd=REPO, env=megatron_process_env(),
+    # OMP_NUM_THREADS=1: each TP rank is its own process.
+    done = subprocess.run(command, check=False, cwd=REPO, env=side_process_env(OMP_NUM_THREADS="1"),
                           capture_output=True, text=True, timeout=CHECK_TIMEOUT_S)
     if done.returncode != 0:
         output = f"{done.stdout}\n{done.stderr[-6000:]}"

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from sglang_env import find_sglang_env
+from hf_reference import hf_greedy
+from side_env import SGLANG
 
 from relax_hpc.engines import sglang_requests as requests
 from relax_hpc.engines.base import SamplingParams
@@ -125,10 +126,7 @@ def test_control_requests() -> None:
 
 @pytest.fixture(scope="module")
 def sglang_python() -> Path:
-    found = find_sglang_env()
-    if found.python is None:
-        pytest.skip(found.reason)
-    return found.python
+    return SGLANG.python_or_skip()
 
 
 def _every_request_body() -> dict:
@@ -179,25 +177,10 @@ def prompts(tiny_model_dir: Path) -> list[list[int]]:
     return [tokenizer(t, add_special_tokens=False)["input_ids"] for t in ("7", "1+2=", "hello world")]
 
 
-def _hf_greedy(model: torch.nn.Module, prompt: list[int], eos_id: int) -> tuple[list[int], list[float]]:
-    """Greedy decoding by a full forward over the whole sequence at each step, stopping at EOS."""
-    seq, tokens, logprobs = list(prompt), [], []
-    with torch.no_grad():
-        for _ in range(NEW_TOKENS):
-            step = torch.log_softmax(model(torch.tensor([seq])).logits[0, -1].float(), dim=-1)
-            token = int(step.argmax())
-            tokens.append(token)
-            logprobs.append(float(step[token]))
-            seq.append(token)
-            if token == eos_id:
-                break
-    return tokens, logprobs
-
-
 def _assert_generations_match_hf(engine: SGLangEngine, model: torch.nn.Module, prompts: list[list[int]]) -> list:
     generations = engine.generate(prompts, GREEDY, seed=0)
     for prompt, g in zip(prompts, generations):
-        tokens, logprobs = _hf_greedy(model, prompt, engine.eos_id)
+        tokens, logprobs = hf_greedy(model, prompt, NEW_TOKENS, engine.eos_id)
         assert g.prompt_ids == prompt
         assert g.token_ids == tokens
         assert g.logprobs == pytest.approx(logprobs, abs=LOGPROB_TOL)

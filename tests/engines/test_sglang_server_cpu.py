@@ -12,12 +12,7 @@ failure. About 1-2 minutes on 2 cores, most of it the server's start-up:
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
-import subprocess
 import threading
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -28,8 +23,10 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from sglang_env import cpu_server_command, cpu_server_env, find_sglang_env
+from hf_reference import hf_greedy
+from side_env import SGLANG
 
+from relax_hpc.engines.sglang_server import SGLangServer, free_port
 from relax_hpc.models.hf import load_causal_lm, load_tokenizer
 
 pytestmark = [pytest.mark.slow, pytest.mark.sglang]
@@ -42,27 +39,12 @@ START_TIMEOUT_S = 240  # start-up is ~40 s alone on 2 cores, several times that 
 
 
 def test_the_sglang_environment_is_built() -> None:
-    # The one place a missing environment fails (with RELAX_TEST_SGLANG=1); the tests that need
-    # the server skip then, so the reason and the command to build it are reported once.
-    found = find_sglang_env()
-    if found.python is None:
-        if os.environ.get("RELAX_TEST_SGLANG") == "1":
-            pytest.fail(f"RELAX_TEST_SGLANG=1 but {found.reason}", pytrace=False)
-        pytest.skip(f"{found.reason}; RELAX_TEST_SGLANG=1 turns this skip into a failure")
+    SGLANG.require_built()
 
 
 @pytest.fixture(scope="module")
 def sglang_python() -> Path:
-    found = find_sglang_env()
-    if found.python is None:
-        pytest.skip(f"{found.reason} (test_the_sglang_environment_is_built)")
-    return found.python
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return SGLANG.python_or_skip()
 
 
 def _request(url: str, body: dict[str, Any] | None = None, timeout: float = 60) -> tuple[int, Any]:
@@ -75,48 +57,14 @@ def _request(url: str, body: dict[str, Any] | None = None, timeout: float = 60) 
         return e.code, e.read().decode(errors="replace")
 
 
-def _stop(process: subprocess.Popen[bytes]) -> None:
-    """SIGTERM to the server's PID (SGLang then ends its scheduler and detokenizer), then SIGKILL
-    whatever is left of the process group it was started in."""
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            pass
-    try:
-        os.killpg(process.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    process.wait(timeout=30)
-
-
 @pytest.fixture(scope="module")
 def server_url(sglang_python: Path, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    port = _free_port()
+    # SGLangServer fails naming its log when the server exits or misses the deadline, and stops
+    # it by PID (SIGTERM, then SIGKILL of its process group).
     log = tmp_path_factory.mktemp("sglang") / "server.log"
-    with log.open("wb") as out:
-        process = subprocess.Popen(cpu_server_command(sglang_python, tiny_model_dir, port), env=cpu_server_env(),
-                                   stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            if process.poll() is not None:
-                pytest.fail(f"the SGLang server exited {process.returncode} while starting; log {log}:\n"
-                            f"{log.read_text(errors='replace')[-4000:]}", pytrace=False)
-            try:
-                if _request(url + "/model_info", timeout=5)[0] == 200:
-                    break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"the SGLang server did not answer {url}/model_info within {START_TIMEOUT_S} s; "
-                            f"log {log}:\n{log.read_text(errors='replace')[-4000:]}", pytrace=False)
-            time.sleep(1)
-        yield url
-    finally:
-        _stop(process)
+    with SGLangServer(sglang_python, tiny_model_dir, log_path=log, start_timeout_s=START_TIMEOUT_S,
+                      env={"HF_HUB_OFFLINE": "1"}) as server:
+        yield server.url
 
 
 @pytest.fixture(scope="module")
@@ -141,19 +89,6 @@ def _tokens_and_logprobs(reply: dict[str, Any]) -> tuple[list[int], list[float]]
     return reply["output_ids"], [e[0] for e in entries]
 
 
-def _hf_greedy(model: torch.nn.Module, prompt: list[int]) -> tuple[list[int], list[float]]:
-    """Greedy decoding by a full forward over the whole sequence at each step."""
-    seq, tokens, logprobs = list(prompt), [], []
-    with torch.no_grad():
-        for _ in range(NEW_TOKENS):
-            step = torch.log_softmax(model(torch.tensor([seq])).logits[0, -1].float(), dim=-1)
-            token = int(step.argmax())
-            tokens.append(token)
-            logprobs.append(float(step[token]))
-            seq.append(token)
-    return tokens, logprobs
-
-
 def _hf_logprobs(model: torch.nn.Module, prompt: list[int], tokens: list[int], temperature: float) -> list[float]:
     """Log-probs of `tokens` after `prompt` under the temperature-scaled distribution, one teacher-forced forward."""
     with torch.no_grad():
@@ -164,7 +99,7 @@ def _hf_logprobs(model: torch.nn.Module, prompt: list[int], tokens: list[int], t
 def _assert_greedy_matches(url: str, model: torch.nn.Module, prompts: list[list[int]]) -> None:
     for prompt, reply in zip(prompts, _generate(url, prompts, temperature=0.0)):
         tokens, logprobs = _tokens_and_logprobs(reply)
-        hf_tokens, hf_logprobs = _hf_greedy(model, prompt)
+        hf_tokens, hf_logprobs = hf_greedy(model, prompt, NEW_TOKENS)
         assert tokens == hf_tokens
         assert logprobs == pytest.approx(hf_logprobs, abs=LOGPROB_TOL)
 
@@ -236,7 +171,7 @@ def test_gloo_weight_update_from_this_torch_lands(server_url: str, tiny_model_di
     # Tied embeddings: SGLang has no lm_head.weight of its own (it would log "not found" and skip it).
     named = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
 
-    port = _free_port()
+    port = free_port()
     group_name = f"relax-test-{port}"
     init = _in_thread(lambda: _request(server_url + "/init_weights_update_group", {
         "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
