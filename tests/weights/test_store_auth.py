@@ -280,6 +280,9 @@ def test_what_remains_any_client_lists_the_key_names_but_reads_no_value(route_ad
         receiver.close()
     plaintexts = [route_address.encode(), socket.inet_aton(route_address), socket.gethostname().encode(),
                   b"version", b"buckets"]
+    # A needle of 2 or 3 bytes (a host named "vm") turns up in random ciphertext by chance (a
+    # 2-byte one in about 1 value in 600 of this size): only 4 bytes and more say anything.
+    plaintexts = [p for p in plaintexts if len(p) >= 4]
     for raw, name in ((_intruder(route_address, port), "trainer"), (_intruder(route_address, sender.port), "weights")):
         listed = raw.list_keys()
         assert listed and all(k.startswith(secret.store_prefix(name)) for k in listed), listed
@@ -300,8 +303,13 @@ def test_an_intruder_that_overwrites_a_gloo_address_is_refused_not_followed(rout
     intruder.set(key, socket.inet_aton(route_address) + b"\x00" * 64)
     with pytest.raises(ForeignValueError, match=REFUSED):
         TorchBroadcastGroup(store1, 1, 2, "gloo", 3.0, bind_host=route_address)
-    with pytest.raises(RuntimeError):  # rank 0 waits for rank 1, which never joined
-        making0()
+    # Rank 0's end is a race, not a finding: it times out waiting for rank 1, or it completes its
+    # half first (rank 1 published its own address before it read rank 0's forged one). Either
+    # way nobody connected to the intruder; join it so nothing outlives the test.
+    try:
+        making0().close()
+    except RuntimeError:
+        pass
     # The same for a plain get: the host name local_rank_on_node reads.
     local_rank_on_node(store0, 0)
     host_key = _listed(intruder, lambda k: k.endswith("trainer_host/0"))
