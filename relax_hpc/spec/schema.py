@@ -66,7 +66,9 @@ __all__ = [
     "MetricsSpec",
     "ModelSpec",
     "RewardSpec",
+    "MegatronSpec",
     "RolloutSpec",
+    "SGLangSpec",
     "TrainSpec",
 ]
 
@@ -137,6 +139,25 @@ class DataSpec:
 
 
 @dataclass(frozen=True, kw_only=True)
+class SGLangSpec:
+    """[rollout.sglang]: the SGLang servers of `engine = "sglang"` (docs/engines.md)."""
+
+    # The interpreter that runs `python -m sglang.launch_server` (SGLang pins its own torch and
+    # transformers, so it often lives in its own environment); None: the one running relax-hpc.
+    python: str | None = setting(None, non_empty, plain_text)
+    tp_size: int = setting(1, within(1, MAX_COUNT))  # GPUs (tensor-parallel ranks) per engine
+    mem_fraction_static: float | None = setting(None, within(0, 1, low_open=True, high_open=True))
+    context_length: int | None = setting(None, within(1, MAX_TOKENS))
+    # How each weight version reaches the servers: "auto" is "tensor" when colocated, else
+    # "distributed" (a torch.distributed group, in buckets); "disk" writes a safetensors directory.
+    weight_update: Literal["auto", "distributed", "tensor", "disk"] = setting("auto")
+    update_bucket_mb: int = setting(512, within(1, MAX_MEMORY_MB))
+    startup_timeout_s: float = setting(900.0, within(0, MAX_TIMEOUT_S, low_open=True))
+    max_restarts: int = setting(3, within(0, MAX_RETRIES))  # per engine; a dead server past this is left dead
+    extra_args: list[str] = setting_from(list, items(plain_text))  # more launch_server flags, e.g. "--chunked-prefill-size=4096"
+
+
+@dataclass(frozen=True, kw_only=True)
 class RolloutSpec:
     """[rollout]: generation of responses."""
 
@@ -163,6 +184,7 @@ class RolloutSpec:
     agent_export_style: Literal["individual", "concat"] = setting("individual")
     agent_subproc_max_workers: int = setting(4, within(1, MAX_LOCAL_WORKERS))
     agent_session_timeout_s: float = setting(600.0, within(0, MAX_TIMEOUT_S, low_open=True))
+    sglang: SGLangSpec = setting_from(SGLangSpec)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -184,6 +206,7 @@ class AlgorithmSpec:
     sapo_tau_neg: float = setting(1.05, greater_than(0))
     opd_teacher_path: str | None = setting(None, non_empty, plain_text)  # HF dir of the teacher (name = "opd")
     opd_coef: float = setting(1.0, at_least(0))  # lambda of A_t - lambda*(logp_student - logp_teacher)
+    routing_replay: bool = setting(False)  # R3: the trainer replays the experts the engine routed to (MoE)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -212,6 +235,22 @@ class RewardSpec:
 
 
 @dataclass(frozen=True, kw_only=True)
+class MegatronSpec:
+    """[train.megatron]: how `backend = "megatron"` splits the model over the trainer ranks.
+
+    The data-parallel size is what is left: num_processes / (tensor * pipeline * context).
+    """
+
+    tensor_parallel: int = setting(1, within(1, MAX_COUNT))
+    pipeline_parallel: int = setting(1, within(1, MAX_COUNT))
+    context_parallel: int = setting(1, within(1, MAX_COUNT))
+    expert_parallel: int = setting(1, within(1, MAX_COUNT))
+    sequence_parallel: bool = setting(False)  # needs tensor_parallel > 1
+    distributed_optimizer: bool = setting(False)  # optimizer state sharded over data-parallel ranks
+    recompute: Literal["none", "selective", "full"] = setting("none")  # activation recomputation
+
+
+@dataclass(frozen=True, kw_only=True)
 class TrainSpec:
     """[train]: the optimisation loop."""
 
@@ -231,6 +270,7 @@ class TrainSpec:
     reference_role: bool = setting(False)  # reference log-probs from a separate Reference role
     advantages_role: bool = setting(False)  # group advantages from a separate Advantages role
     device: Literal["auto", "cpu", "cuda"] = setting("auto")
+    megatron: MegatronSpec = setting_from(MegatronSpec)
 
 
 @dataclass(frozen=True, kw_only=True)
