@@ -105,14 +105,102 @@ def _trainer_processes_fit(spec: Resolved) -> list[SpecProblem]:
 
 
 def _rollout_engines_fit(spec: Resolved) -> list[SpecProblem]:
-    got = spec.get("cluster.colocate")
+    got = spec.get("cluster.colocate", "rollout.engine", "rollout.sglang.tp_size")
     if got is None:
         return []
-    if got[0]:
+    colocate, engine, tp_size = got
+    if engine == "sglang" and tp_size > 1:
+        return _engine_gpus_fit(spec, "trainer" if colocate else "rollout", tp_size)
+    if colocate:
         # Colocated engines have no component of their own: they take turns with the trainer on its GPUs.
         reason = "with cluster.colocate = true the rollout engines run on the trainer's GPUs, each needing one"
         return _fits_on_gpus(spec, "rollout.num_engines", "trainer", reason)
     return _fits_on_gpus(spec, "rollout.num_engines", "rollout", "rollout engines each need a GPU")
+
+
+def _engine_gpus_fit(spec: Resolved, component: str, tp_size: int) -> list[SpecProblem]:
+    """SGLang engines of `tp_size` GPUs each: one engine's ranks share a node, and all must fit."""
+    got = spec.get("rollout.num_engines", f"cluster.{component}.nodes", f"cluster.{component}.gpus_per_node")
+    if got is None:
+        return []
+    engines, nodes, gpus = got
+    if gpus == 0:
+        return []
+    if tp_size > gpus:
+        message = (f"must be <= cluster.{component}.gpus_per_node = {gpus}: one engine's tensor-parallel ranks "
+                   f"share a node; lower it or raise gpus_per_node in [cluster.{component}]")
+        return [SpecProblem("rollout.sglang.tp_size", show_value(tp_size), message)]
+    per_node = gpus // tp_size
+    if engines <= nodes * per_node:
+        return []
+    message = (f"must be <= {nodes * per_node}: each engine takes rollout.sglang.tp_size = {tp_size} GPUs of one "
+               f"node, and cluster.{component} has {nodes} node(s) * {gpus} GPUs; lower it, lower tp_size or add "
+               f"nodes / gpus_per_node in [cluster.{component}]")
+    return [SpecProblem("rollout.num_engines", show_value(engines), message)]
+
+
+def _megatron_sizes_divide_processes(spec: Resolved) -> list[SpecProblem]:
+    got = spec.get("train.backend", "train.num_processes", "train.megatron.tensor_parallel",
+                   "train.megatron.pipeline_parallel", "train.megatron.context_parallel",
+                   "train.megatron.expert_parallel")
+    if got is None or got[0] != "megatron":
+        return []
+    _, processes, tp, pp, cp, ep = got
+    model_parallel = tp * pp * cp
+    if processes % model_parallel:
+        message = (f"must be a multiple of tensor_parallel * pipeline_parallel * context_parallel = {tp} * {pp} * "
+                   f"{cp} = {model_parallel} in [train.megatron] (the data-parallel size is what is left)")
+        return [SpecProblem("train.num_processes", show_value(processes), message)]
+    if processes % (tp * pp * ep):
+        message = (f"must divide train.num_processes / (tensor_parallel * pipeline_parallel) = "
+                   f"{processes // (tp * pp)}: the expert-parallel ranks come from the data-parallel ones")
+        return [SpecProblem("train.megatron.expert_parallel", show_value(ep), message)]
+    return []
+
+
+def _megatron_tensor_parallel_in_node(spec: Resolved) -> list[SpecProblem]:
+    got = spec.get("train.backend", "train.megatron.tensor_parallel", "cluster.trainer.gpus_per_node")
+    if got is None or got[0] != "megatron" or got[2] == 0 or got[1] <= got[2]:
+        return []
+    message = (f"must be <= cluster.trainer.gpus_per_node = {got[2]}: tensor-parallel ranks exchange activations "
+               "every layer and must share a node; use pipeline_parallel across nodes instead")
+    return [SpecProblem("train.megatron.tensor_parallel", show_value(got[1]), message)]
+
+
+def _megatron_table_needs_megatron(spec: Resolved) -> list[SpecProblem]:
+    got = spec.get("train.backend", "train.megatron.tensor_parallel", "train.megatron.pipeline_parallel",
+                   "train.megatron.context_parallel", "train.megatron.expert_parallel",
+                   "train.megatron.sequence_parallel", "train.megatron.distributed_optimizer",
+                   "train.megatron.recompute", "algorithm.routing_replay")
+    if got is None:
+        return []
+    backend, tp, pp, cp, ep, sp, dist_opt, recompute, replay = got
+    problems = []
+    if backend != "megatron":
+        sizes = {"tensor_parallel": tp, "pipeline_parallel": pp, "context_parallel": cp, "expert_parallel": ep}
+        for key, size in sizes.items():
+            if size != 1:
+                message = (f'splits the model only with train.backend = "megatron", not "{backend}"; set '
+                           f'backend = "megatron" or remove it')
+                problems.append(SpecProblem(f"train.megatron.{key}", show_value(size), message))
+        if replay:
+            message = (f'needs train.backend = "megatron" (the torch backend routes afresh), not "{backend}"; '
+                       'set backend = "megatron" or routing_replay = false')
+            problems.append(SpecProblem("algorithm.routing_replay", "true", message))
+    if sp and tp == 1:
+        message = ("needs train.megatron.tensor_parallel > 1 (it splits activations over the tensor-parallel "
+                   "ranks); raise tensor_parallel or set sequence_parallel = false")
+        problems.append(SpecProblem("train.megatron.sequence_parallel", "true", message))
+    return problems
+
+
+def _distributed_optimizer_needs_cuda(spec: Resolved) -> list[SpecProblem]:
+    got = spec.get("train.backend", "train.megatron.distributed_optimizer", "train.device")
+    if got is None or got[0] != "megatron" or not got[1] or got[2] != "cpu":
+        return []
+    message = ('needs CUDA: on CPU the megatron backend trains with torch.optim.AdamW over its own parameters; '
+               'set distributed_optimizer = false or device = "cuda"')
+    return [SpecProblem("train.megatron.distributed_optimizer", "true", message)]
 
 
 def _shared_gpus_take_turns(spec: Resolved) -> list[SpecProblem]:
@@ -210,6 +298,10 @@ CROSS_CHECKS: tuple[Callable[[Resolved], list[SpecProblem]], ...] = (
     _trainer_processes_fit,
     _shared_gpus_take_turns,
     _rollout_engines_fit,
+    _megatron_sizes_divide_processes,
+    _megatron_tensor_parallel_in_node,
+    _megatron_table_needs_megatron,
+    _distributed_optimizer_needs_cuda,
     _cuda_needs_gpus,
     _grace_fits_time_limit,
 )

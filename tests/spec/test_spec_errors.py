@@ -280,6 +280,66 @@ def test_cuda_device_needs_trainer_gpus() -> None:
     assert ok.train.device == "cuda"
 
 
+def test_sglang_engines_of_several_gpus_must_fit_whole_on_nodes() -> None:
+    # 2 nodes * 4 GPUs with 3-GPU engines: one engine per node, not 8 // 3 = 2.
+    cluster = {"rollout": {"nodes": 2, "gpus_per_node": 4}}
+    problem = only_problem({"rollout": {"engine": "sglang", "num_engines": 3, "sglang": {"tp_size": 3}},
+                            "cluster": cluster})
+    assert problem.key == "rollout.num_engines" and problem.value == "3"
+    assert "must be <= 2" in problem.message and "rollout.sglang.tp_size = 3" in problem.message
+    fits = {"rollout": {"engine": "sglang", "num_engines": 4, "sglang": {"tp_size": 2}}, "cluster": cluster}
+    assert parse_spec(spec_with(fits)).rollout.sglang.tp_size == 2
+
+
+def test_sglang_engine_larger_than_a_node_is_refused() -> None:
+    problem = only_problem({"rollout": {"engine": "sglang", "sglang": {"tp_size": 8}},
+                            "cluster": {"rollout": {"nodes": 2, "gpus_per_node": 4}}})
+    assert problem.key == "rollout.sglang.tp_size"
+    assert "cluster.rollout.gpus_per_node = 4" in problem.message and "share a node" in problem.message
+
+
+MEGATRON = {"backend": "megatron", "num_processes": 8}
+
+
+def test_megatron_model_parallel_sizes_must_divide_the_processes() -> None:
+    problem = only_problem({"train": {**MEGATRON, "num_processes": 6,
+                                      "megatron": {"tensor_parallel": 2, "pipeline_parallel": 2}}})
+    assert problem.key == "train.num_processes" and problem.value == "6"
+    assert "tensor_parallel * pipeline_parallel * context_parallel = 2 * 2 * 1 = 4" in problem.message
+    ok = parse_spec(spec_with({"train": {**MEGATRON, "megatron": {"tensor_parallel": 2, "pipeline_parallel": 2}}}))
+    assert ok.train.megatron.pipeline_parallel == 2
+
+
+def test_megatron_expert_parallel_comes_from_data_parallel_ranks() -> None:
+    problem = only_problem({"train": {**MEGATRON, "megatron": {"tensor_parallel": 2, "expert_parallel": 3}}})
+    assert problem.key == "train.megatron.expert_parallel"
+    assert "train.num_processes / (tensor_parallel * pipeline_parallel) = 4" in problem.message
+
+
+def test_megatron_tensor_parallel_stays_in_a_node() -> None:
+    problem = only_problem({"train": {**MEGATRON, "megatron": {"tensor_parallel": 8}},
+                            "cluster": {"trainer": {"nodes": 2, "gpus_per_node": 4}}})
+    assert problem.key == "train.megatron.tensor_parallel"
+    assert "cluster.trainer.gpus_per_node = 4" in problem.message and "pipeline_parallel" in problem.message
+
+
+def test_megatron_keys_with_the_torch_backend_are_refused() -> None:
+    problems = problems_of(spec_with({"train": {"megatron": {"tensor_parallel": 2}},
+                                      "algorithm": {"routing_replay": True}}))
+    assert sorted(p.key for p in problems) == ["algorithm.routing_replay", "train.megatron.tensor_parallel"]
+    assert all('backend = "megatron"' in p.message for p in problems)
+
+
+def test_sequence_parallel_needs_tensor_parallel() -> None:
+    problem = only_problem({"train": {**MEGATRON, "megatron": {"sequence_parallel": True}}})
+    assert problem.key == "train.megatron.sequence_parallel" and "tensor_parallel > 1" in problem.message
+
+
+def test_distributed_optimizer_needs_cuda() -> None:
+    problem = only_problem({"train": {**MEGATRON, "device": "cpu", "megatron": {"distributed_optimizer": True}}})
+    assert problem.key == "train.megatron.distributed_optimizer" and "needs CUDA" in problem.message
+
+
 @pytest.mark.parametrize("component", ["trainer", "rollout", "forward"])
 def test_more_than_16_gpus_per_node_is_rejected(component: str) -> None:
     problem = only_problem({"cluster": {component: {"gpus_per_node": 17}}})
