@@ -25,15 +25,33 @@ from relax_hpc.jobspecs import resolve_spec_path, with_embedded_inputs
 from relax_hpc.launch import commands as slurm_commands
 from relax_hpc.launch.slurm_client import SlurmError
 from relax_hpc.spec import SpecError, load_spec, spec_to_toml
+from relax_hpc.spec.model_fit import check_model_fit, memory_estimate
 
 EXIT_BAD_INPUT = 2
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
     spec = load_spec(args.spec)
+    shape = check_model_fit(spec, args.spec)
     print(f"{args.spec}: ok (job '{spec.job.name}', {spec.train.steps} steps, "
           f"algorithm {spec.algorithm.name}, mode {spec.job.mode})")
+    if shape is None:
+        print(f"model {spec.model.path}: no config.json readable here; its sizes are checked against "
+              "the parallel layout when the job runs (validate where the model is to check now)")
+    else:
+        est = memory_estimate(spec, shape)
+        print(f"model: ~{_count(est['parameters_billion'] * 1e9)} parameters; per trainer GPU "
+              f"~{_gib(est['trainer_gib_per_gpu'])} of weights, gradients and Adam state, per engine GPU "
+              f"~{_gib(est['engine_weights_gib_per_gpu'])} of weights (activations and KV cache not counted)")
     return 0
+
+
+def _count(number: float) -> str:
+    return f"{number / 1e9:.2f} B" if number >= 1e9 else f"{number / 1e6:.2f} M"
+
+
+def _gib(gib: float) -> str:
+    return f"{gib:.1f} GiB" if gib >= 1 else f"{gib * 1024:.1f} MiB"
 
 
 def _cmd_show(args: argparse.Namespace) -> int:
