@@ -187,6 +187,12 @@ def _megatron_table_needs_megatron(spec: Resolved) -> list[SpecProblem]:
             message = (f'needs train.backend = "megatron" (the torch backend routes afresh), not "{backend}"; '
                        'set backend = "megatron" or routing_replay = false')
             problems.append(SpecProblem("algorithm.routing_replay", "true", message))
+    if replay and backend == "megatron" and (recompute == "full" or cp > 1):
+        what = 'recompute = "full"' if recompute == "full" else f"context_parallel = {cp}"
+        message = (f"cannot be combined with train.megatron.{what}: the replayed experts are set for the "
+                   "forward pass of whole sequences, which full recomputation repeats outside it and context "
+                   "parallelism splits; use recompute = \"selective\" or \"none\" and context_parallel = 1")
+        problems.append(SpecProblem("algorithm.routing_replay", "true", message))
     if sp and tp == 1:
         message = ("needs train.megatron.tensor_parallel > 1 (it splits activations over the tensor-parallel "
                    "ranks); raise tensor_parallel or set sequence_parallel = false")

@@ -330,6 +330,15 @@ def test_megatron_keys_with_the_torch_backend_are_refused() -> None:
     assert all('backend = "megatron"' in p.message for p in problems)
 
 
+@pytest.mark.parametrize("megatron", [{"recompute": "full"}, {"context_parallel": 2}])
+def test_routing_replay_refuses_full_recompute_and_context_parallel(megatron: dict[str, Any]) -> None:
+    problem = only_problem({"train": {**MEGATRON, "megatron": megatron}, "algorithm": {"routing_replay": True}})
+    assert problem.key == "algorithm.routing_replay" and "cannot be combined with train.megatron." in problem.message
+    ok = parse_spec(spec_with({"train": {**MEGATRON, "megatron": {"recompute": "selective"}},
+                               "algorithm": {"routing_replay": True}}))
+    assert ok.algorithm.routing_replay
+
+
 def test_sequence_parallel_needs_tensor_parallel() -> None:
     problem = only_problem({"train": {**MEGATRON, "megatron": {"sequence_parallel": True}}})
     assert problem.key == "train.megatron.sequence_parallel" and "tensor_parallel > 1" in problem.message
