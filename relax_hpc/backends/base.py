@@ -1,13 +1,16 @@
 """The training backend interface: what the trainer role drives, whatever trains the model.
 
-Implementations: `TorchBackend` (HF model, AdamW, ddp or fsdp2 over torch.distributed) and its
-in-memory twin `backends/memory.py: RecordingBackend` (records calls, for tests); a
-Megatron-core backend is to follow as one more module. `make_backend` builds the one
-`[train] backend` names, inside the trainer rank's own process.
+Implementations: `TorchBackend` (HF model, AdamW, ddp or fsdp2 over torch.distributed),
+`MegatronBackend` (megatron-core with tensor / pipeline / expert parallelism, built through
+megatron-bridge; backends/megatron.py) and the in-memory twin `backends/memory.py:
+RecordingBackend` (records calls, for tests). `make_backend` builds the one `[train] backend`
+names, inside the trainer rank's own process.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Iterator, Protocol
 
@@ -21,6 +24,7 @@ if TYPE_CHECKING:
     from relax_hpc.algos import LossConfig
     from relax_hpc.backends.parallel import Strategy
     from relax_hpc.backends.torch_backend import OptimConfig
+    from relax_hpc.spec.schema import MegatronSpec
 
 BACKENDS: tuple[str, ...] = ("torch", "megatron")
 
@@ -34,10 +38,13 @@ class TrainBackend(Protocol):
     names for the weight channel and export (under sharding every rank must take part).
     `offload` moves the optimizer state off the device while engines share it (colocation) and
     returns the bytes it freed there; `onload` brings it back before the next step.
+    `reads_rows` False: this rank trains on rows a peer reads from the queue and shares with
+    it (Megatron's tensor / pipeline peers), so the trainer role leaves the queue alone.
     """
 
     pad_id: int
     sharded: bool
+    reads_rows: bool
 
     def train(self, samples: list[Sample]) -> dict[str, float]: ...
 
@@ -59,22 +66,45 @@ class TrainBackend(Protocol):
 
 
 def require_backend(backend: str) -> None:
-    """ValueError saying what to set when this version cannot run `[train] backend = backend`."""
-    if backend == "megatron":
-        raise ValueError(
-            'train.backend = "megatron" is not available in this version of relax-hpc (only the torch '
-            'backend is); set [train] backend = "torch"'
-        )
-    if backend != "torch":
+    """ValueError saying what to do when this interpreter cannot run `[train] backend = backend`."""
+    if backend not in BACKENDS:
         raise ValueError(f"train.backend = {backend!r}: allowed values are {', '.join(BACKENDS)}")
+    if backend == "megatron":
+        missing = [name for name in ("megatron.core", "megatron.bridge") if _find_spec(name) is None]
+        if missing:
+            raise ValueError(
+                f'train.backend = "megatron" needs {" and ".join(missing)}, which {sys.executable} '
+                "cannot import. Install them with `pip install 'relax-hpc[megatron]'` and "
+                "`pip install --no-deps megatron-bridge==0.3.1 omegaconf einops`, or on CPU build "
+                "the environment with tools/setup-megatron-cpu and run .venv-megatron/bin/relax-hpc "
+                '(docs/backends.md); or set [train] backend = "torch"'
+            )
+
+
+def _find_spec(name: str) -> object | None:
+    try:
+        return importlib.util.find_spec(name)
+    except ModuleNotFoundError:  # the parent package is missing
+        return None
 
 
 def make_backend(
     backend: str, model_path: str, optim: OptimConfig, loss: LossConfig, *, dtype: str, device: str,
     temperature: float, teacher_path: str | None, opd_coef: float, keep_reference: bool, strategy: Strategy,
+    megatron: MegatronSpec | None = None, seed: int = 0, routing_replay: bool = False,
 ) -> TrainBackend:
-    """The backend `[train] backend` names; ValueError naming the allowed values otherwise."""
+    """The backend `[train] backend` names; ValueError naming the allowed values otherwise.
+
+    `megatron` ([train.megatron]), `seed` and `routing_replay` are the Megatron backend's."""
     require_backend(backend)
+    if backend == "megatron":
+        from relax_hpc.backends.megatron import MegatronBackend
+        from relax_hpc.spec.schema import MegatronSpec
+
+        return MegatronBackend(model_path, optim, loss, megatron=megatron or MegatronSpec(), dtype=dtype,
+                               device=device, temperature=temperature, teacher_path=teacher_path,
+                               opd_coef=opd_coef, keep_reference=keep_reference, seed=seed,
+                               routing_replay=routing_replay)
     from relax_hpc.backends.torch_backend import TorchBackend
 
     return TorchBackend(model_path, optim, loss, dtype=dtype, device=device, temperature=temperature,

@@ -20,11 +20,30 @@ exactly these, and does nothing unless ``device`` is a CPU device, so a GPU run 
    of HF weights, so at TP=2 the logits were off by 0.69. It is wrapped to make the splits
    contiguous first (only when megatron-bridge is installed; then call
    ``megatron_cpu_stubs.install()`` before ``activate``).
+4. **``torch.zeros(..., device="cuda")`` in the forward-backward schedules.** Every schedule in
+   ``pipeline_parallel/schedules.py`` (no pipelining, 1F1B, interleaved) counts the step's tokens
+   in ``total_num_tokens = torch.zeros([], dtype=torch.int, device="cuda")``. The module's
+   ``torch`` name is replaced by a view of torch whose ``zeros`` builds ``device="cuda"``
+   tensors on the CPU; every other attribute is torch's own.
+5. **``weight.data.cuda()`` for tied embeddings under pipeline parallelism.**
+   ``LanguageModule.setup_embeddings_and_output_layer`` moves the shared word-embedding /
+   output weight to CUDA before all-reducing it over the first and last stages. It is wrapped so
+   that, during that call only, ``Tensor.cuda()`` returns the tensor itself.
+6. **``torch.cuda.synchronize()`` in dist_checkpointing's writer.**
+   ``FileSystemWriterAsync.preload_tensors(buckets, non_blocking=True)`` copies tensors to host
+   memory and then synchronizes CUDA. On CPU the copy is already synchronous, so it is called with
+   ``non_blocking=False``, which skips the synchronize.
 
 Not routed here, the caller's job: pass an explicit causal ``attention_mask`` (``causal_mask``)
 because ``get_default_causal_mask`` builds one with ``device="cuda"`` when the mask is None;
 start the gloo process group and ``parallel_state.initialize_model_parallel`` yourself, before
 the bridge would do it with NCCL. Call ``activate`` before ``model_parallel_cuda_manual_seed``.
+For pipeline parallelism set ``batch_p2p_sync=False`` (``p2p_communication.py`` calls
+``torch.cuda.synchronize()`` after each batched send/receive otherwise) and keep
+``variable_seq_lengths=False`` (its shape exchange synchronizes unconditionally): give every
+micro-batch of a call the same shape. Megatron's optimizer (``get_megatron_optimizer``) builds
+``device='cuda'`` tensors and checks ``torch.cuda.FloatTensor`` types; on CPU train with a
+``torch.optim`` optimizer over the model's parameters instead (``backends/megatron_optim.py``).
 
 megatron is imported inside ``activate`` only, so ``relax_hpc`` imports without it.
 Tests: tests/backends/test_megatron_cpu.py (needs tools/setup-megatron-cpu's environment).
@@ -34,6 +53,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import types
 from collections.abc import Iterator
 from typing import Any
 
@@ -58,6 +78,12 @@ def activate(device: torch.device | str) -> list[str]:
             _ACTIVATED.append("torch.cuda.current_device() -> 'cpu'")
         if _make_bridge_scatter_contiguous():
             _ACTIVATED.append("MegatronParamMapping.scatter_to_tp_ranks: contiguous splits")
+        _route_schedule_zeros()
+        _ACTIVATED.append("pipeline_parallel.schedules: torch.zeros(device='cuda') -> cpu")
+        _route_tied_embedding_cuda()
+        _ACTIVATED.append("LanguageModule.setup_embeddings_and_output_layer: Tensor.cuda() -> itself")
+        _route_checkpoint_preload()
+        _ACTIVATED.append("FileSystemWriterAsync.preload_tensors: non_blocking=False")
     return list(_ACTIVATED)
 
 
@@ -102,6 +128,59 @@ def _install_cpu_rng_tracker() -> None:
 
     mrandom._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()
     mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+
+
+class _TorchWithCpuZeros(types.ModuleType):
+    """torch, except that ``zeros(..., device="cuda")`` builds the tensor on the CPU."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+    @staticmethod
+    def zeros(*size: Any, device: Any = None, **kwargs: Any) -> torch.Tensor:
+        if device is not None and torch.device(device).type == "cuda":
+            device = "cpu"
+        return torch.zeros(*size, device=device, **kwargs)
+
+
+def _route_schedule_zeros() -> None:
+    from megatron.core.pipeline_parallel import schedules
+
+    if not isinstance(schedules.torch, _TorchWithCpuZeros):
+        schedules.torch = _TorchWithCpuZeros("torch")  # type: ignore[assignment]
+
+
+def _route_tied_embedding_cuda() -> None:
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    original = LanguageModule.setup_embeddings_and_output_layer
+    if getattr(original, "_relax_cpu", False):
+        return
+
+    def setup_embeddings_and_output_layer(self: Any) -> None:
+        tensor_cuda = torch.Tensor.cuda
+        torch.Tensor.cuda = lambda tensor, *args, **kwargs: tensor  # type: ignore[method-assign]
+        try:
+            original(self)
+        finally:
+            torch.Tensor.cuda = tensor_cuda  # type: ignore[method-assign]
+
+    setup_embeddings_and_output_layer._relax_cpu = True  # type: ignore[attr-defined]
+    LanguageModule.setup_embeddings_and_output_layer = setup_embeddings_and_output_layer
+
+
+def _route_checkpoint_preload() -> None:
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    original = FileSystemWriterAsync.preload_tensors
+    if getattr(original, "_relax_cpu", False):
+        return
+
+    def preload_tensors(write_buckets: Any, non_blocking: bool = True) -> Any:
+        return original(write_buckets, non_blocking=False)
+
+    preload_tensors._relax_cpu = True  # type: ignore[attr-defined]
+    FileSystemWriterAsync.preload_tensors = staticmethod(preload_tensors)  # type: ignore[method-assign]
 
 
 def _make_bridge_scatter_contiguous() -> bool:

@@ -26,6 +26,7 @@ class RecordingBackend:
 
     pad_id = 0
     sharded = False
+    reads_rows = True
 
     def __init__(self, optimizer_bytes: int = 0) -> None:
         self.model = torch.nn.Linear(2, 2, bias=False)

@@ -93,6 +93,8 @@ class TorchBackend:
     """A `TrainBackend`: train on samples or packed batches, recompute log-probs, export weights,
     checkpoint."""
 
+    reads_rows = True  # every rank trains on rows of its own
+
     def __init__(
         self,
         model_path: str | Path,

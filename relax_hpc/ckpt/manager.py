@@ -86,6 +86,16 @@ class CheckpointManager:
 
     def save(self, step: int, model: nn.Module, optimizer: Optimizer, state: ResumeState) -> Path:
         """Write checkpoint ``step`` and return its ``step_<N>`` path (collective when distributed)."""
+        return self.save_with(step, state, lambda tmp, coll: _save_dcp(tmp, coll, model, optimizer))
+
+    def save_with(self, step: int, state: ResumeState, write: Callable[[Path, Collective], None]) -> Path:
+        """``save`` with the tensors written by ``write(directory, collective)``, collectively.
+
+        For a backend with its own DCP-based format (the Megatron backend's
+        ``dist_checkpointing``): ``write`` must leave a complete DCP checkpoint (``.metadata``)
+        in ``directory``; RNG states, resume.json, the rename, ``latest`` and pruning are this
+        manager's, as for ``save``.
+        """
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step={step!r} must be an integer >= 0")
         if state.step != step:
@@ -99,14 +109,7 @@ class CheckpointManager:
         final = self.root / step_dir_name(step)
         try:
             _run_on_rank0(coll, lambda: _fresh_dir(self.root, tmp), f"creating {tmp}")
-            model_sd, optim_sd = get_state_dict(model, optimizer)
-            with single_process_quiet():
-                dcp.save(
-                    {"model": model_sd, "optim": optim_sd},
-                    checkpoint_id=tmp,
-                    process_group=coll.process_group,
-                    no_dist=not coll.is_distributed,
-                )
+            write(tmp, coll)
             _, error = _attempt(lambda: _write_rng(tmp, coll.rank, rng))
             _agree(coll, error, f"writing RNG state into {tmp}")
             _run_on_rank0(
@@ -133,6 +136,23 @@ class CheckpointManager:
         and left on disk. Raises RuntimeError when every checkpoint failed and at least
         one failed inside DCP's load, because the model may then be partly overwritten.
         """
+        return self._load_latest(lambda coll, path: self._load_tensors(coll, path, model, optimizer))
+
+    def load_latest_with(self, read: Callable[[Path, Collective], None]) -> ResumeState | None:
+        """``load_latest`` with the tensors read by ``read(directory, collective)`` (collective).
+
+        The counterpart of ``save_with``: the same order, permission and file checks, the same
+        fallback to older checkpoints; an exception from ``read`` on any rank marks the
+        checkpoint unusable on all of them (and the tensors as possibly modified).
+        """
+
+        def load(coll: Collective, path: Path) -> tuple[bool, bool]:
+            _, error = _attempt(lambda: read(path, coll))
+            return self._usable(coll, error, path), True
+
+        return self._load_latest(load)
+
+    def _load_latest(self, load: Callable[[Collective, Path], tuple[bool, bool]]) -> ResumeState | None:
         coll = self._coll()
         order = _compute_on_rank0(coll, self._load_order, f"listing checkpoints in {self.root}")
         dcp_touched = False
@@ -143,7 +163,7 @@ class CheckpointManager:
             if not self._usable(coll, error, path) or checked is None:
                 continue
             resume, rng = checked
-            loaded, touched = self._load_tensors(coll, path, model, optimizer)
+            loaded, touched = load(coll, path)
             dcp_touched = dcp_touched or touched
             if not loaded:
                 continue
@@ -313,6 +333,17 @@ def single_process_quiet() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
         yield
+
+
+def _save_dcp(tmp: Path, coll: Collective, model: nn.Module, optimizer: Optimizer) -> None:
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    with single_process_quiet():
+        dcp.save(
+            {"model": model_sd, "optim": optim_sd},
+            checkpoint_id=tmp,
+            process_group=coll.process_group,
+            no_dist=not coll.is_distributed,
+        )
 
 
 def _fresh_dir(root: Path, tmp: Path) -> None:

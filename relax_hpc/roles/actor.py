@@ -5,8 +5,10 @@ through a TCP store on rank 0's host, trains on its shard of every batch, and ch
 collectively. Each rank picks its own device (`rank_device`: Ray's GPU ids, LOCAL_RANK, or its
 position among the trainer ranks on its node). With `strategy = "fsdp2"` the weights are sharded
 over the ranks: every rank gathers them after each published step (and at start and after a
-resume), and rank 0 keeps that full copy for the weight channel. A plain class; the driver
-places one Ray actor per rank.
+resume), and rank 0 keeps that full copy for the weight channel. With the Megatron backend a
+rank whose backend does not read rows (`TrainBackend.reads_rows`: a tensor or pipeline peer)
+leaves the queue alone and trains on the rows its replica's first rank shares with it. A plain
+class; the driver places one Ray actor per rank.
 """
 
 from __future__ import annotations
@@ -29,11 +31,11 @@ from relax_hpc.backends.batch import pack_rows
 from relax_hpc.backends.parallel import Strategy, rank_device, ray_gpu_ids
 from relax_hpc.backends.torch_backend import OptimConfig
 from relax_hpc.ckpt import CheckpointManager, ResumeState
-from relax_hpc.data.rows import TRAIN_FIELDS, row_to_sample
+from relax_hpc.data.rows import ROUTED_EXPERTS_FIELD, TRAIN_FIELDS, row_to_sample
 from relax_hpc.data.sample import Sample
 from relax_hpc.ops.archive import HDF5TrajectoryArchive, TrajectoryArchive
 from relax_hpc.ops.heap import settle_heap
-from relax_hpc.spec.schema import AlgorithmSpec, ModelSpec, RolloutSpec, TrainSpec
+from relax_hpc.spec.schema import AlgorithmSpec, MegatronSpec, ModelSpec, RolloutSpec, TrainSpec
 from relax_hpc.transfer.connect import connect_queue
 from relax_hpc.transfer.queue import TransferQueue, partition_name
 from relax_hpc.weights.endpoints import WeightSenderEndpoint
@@ -70,6 +72,8 @@ class ActorConfig:
     backend: str = TrainSpec.backend  # [train] backend: which make_backend builds
     # [cluster] colocate: the optimizer state leaves the device between steps (engines use it)
     offload_between_steps: bool = False
+    megatron: MegatronSpec | None = None  # [train.megatron] (None: its defaults)
+    routing_replay: bool = AlgorithmSpec.routing_replay  # R3: replay the engines' expert routing
 
 
 def rendezvous_address() -> str:
@@ -143,11 +147,14 @@ class ActorWorker(WeightSenderEndpoint):
             cfg.backend, cfg.model_path, cfg.optim, cfg.loss, dtype=cfg.dtype, device=self.device,
             temperature=cfg.temperature, teacher_path=cfg.teacher_path, opd_coef=cfg.opd_coef,
             keep_reference="ref_log_probs" not in cfg.role_fields, strategy=cfg.strategy,
+            megatron=cfg.megatron, seed=cfg.seed, routing_replay=cfg.routing_replay,
         )
         # fsdp2: the whole weights as of the last collective gather (rank 0 only), for the channel.
         self._gathered: list[tuple[str, torch.Tensor]] | None = None
         self._gather_weights()
-        self.role_fields = cfg.role_fields
+        # Routing replay: the engine's routed experts travel with each row (not in TRAIN_FIELDS: a
+        # get returns only rows that have every field asked for).
+        self.role_fields = (*cfg.role_fields, *((ROUTED_EXPERTS_FIELD,) if cfg.routing_replay else ()))
         self.offload_between_steps = cfg.offload_between_steps
         self._offloaded = False  # the optimizer state is off the device until the next rows arrive
         self.checkpoints = CheckpointManager(Path(cfg.checkpoint_dir), keep_last=cfg.keep_last)
@@ -192,6 +199,9 @@ class ActorWorker(WeightSenderEndpoint):
             fields = (*fields, "prompt_index")
 
         def row_batches() -> Iterator[list[dict[str, Any]]]:
+            if not reads_rows:  # a model-parallel peer reads this replica's rows and shares them
+                self._onload()
+                return
             # The next micro-batch is fetched while this one trains; rows are acked below.
             batches = queue.stream(partition, "actor", fields, self.cfg_micro_batch, timeout=timeout_s, ack=False)
             while True:
@@ -209,7 +219,8 @@ class ActorWorker(WeightSenderEndpoint):
                         trained.extend(row_to_sample(r) for r in batch.rows)
                     yield batch.rows
 
-        if prefetch_step is not None:
+        reads_rows = self.backend.reads_rows
+        if prefetch_step is not None and reads_rows:
             queue.prefetch(partition_name(prefetch_step), "actor", fields, self.cfg_micro_batch, timeout_s)
         pad_id = self.backend.pad_id
         if self.mini_batches > 1:  # several optimizer steps need the whole batch first
@@ -217,7 +228,8 @@ class ActorWorker(WeightSenderEndpoint):
             stats = self.backend.train_batch(pack_rows(every, pad_id) if every else None)
         else:
             stats = self.backend.train_stream(pack_rows(rows, pad_id) for rows in row_batches())
-        queue.ack(partition, "actor", received)
+        if reads_rows:
+            queue.ack(partition, "actor", received)
         if self.archive is not None:  # after the optimizer step: only trained samples are archived
             self.archive.append(step, trained)
         t_trained = time.perf_counter()

@@ -275,3 +275,28 @@ def test_round_trip_on_cuda_restores_cuda_rng(tmp_path: Path) -> None:
     assert mgr.load_latest(dst.model, dst.optimizer) == resume_state(3)
     assert_same_training_state(src, dst)
     assert torch.rand(4, device="cuda").tolist() == expected
+
+
+def test_save_with_and_load_latest_with_use_the_backends_reader_and_fall_back(tmp_path: Path) -> None:
+    # A backend with its own DCP format (the Megatron backend's dist_checkpointing) hands the
+    # manager a writer and a reader; the layout, latest pointer and fallback stay the manager's.
+    import torch.distributed.checkpoint as dcp
+
+    mgr = CheckpointManager(tmp_path / "ckpt")
+    for step in (1, 2):
+        with manager_module.single_process_quiet():
+            mgr.save_with(step, resume_state(step),
+                          lambda d, coll, step=step: dcp.save({"w": torch.full((2,), float(step))},
+                                                              checkpoint_id=d, no_dist=True))
+    assert (tmp_path / "ckpt" / "latest").read_text() == "step_2\n"
+    read: list[str] = []
+
+    def reader(directory: Path, coll: object) -> None:
+        read.append(directory.name)
+        if directory.name == "step_2":
+            raise ValueError("not this one")  # e.g. written by another backend
+
+    state = mgr.load_latest_with(reader)
+    assert state is not None and state.step == 1  # step_2 failed: the previous one
+    assert read == ["step_2", "step_1"]
+    assert (tmp_path / "ckpt" / "step_2").is_dir()  # never deleted

@@ -42,6 +42,10 @@ def spec_fields() -> dict[str, tuple[str, dataclasses.Field]]:
 
 def restates(value: ast.expr, name: str, spec_field: dataclasses.Field) -> bool:
     """Whether a mirror's default expression writes the spec's default again."""
+    if spec_field.default_factory is not dataclasses.MISSING and dataclasses.is_dataclass(spec_field.default_factory()):
+        # A sub-table ([train.megatron]): a mirror holds None ("its defaults") or the spec's own
+        # value; building a fresh one in the mirror states its defaults a second time.
+        return isinstance(value, ast.Call)
     if spec_field.default_factory is not dataclasses.MISSING:
         # A list default is built per spec and has no class attribute to point at: the mirror
         # keeps it as a tuple, which must hold the same values.

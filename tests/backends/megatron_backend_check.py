@@ -1,0 +1,200 @@
+"""MegatronBackend vs Hugging Face and vs TorchBackend; run by the Megatron env's python.
+
+    .venv-megatron/bin/python tests/backends/megatron_backend_check.py SCENARIO --model DIR \
+        --ranks N [--tp N] [--pp N] [--ckpt DIR] [--out FILE]
+
+Spawns ``--ranks`` processes joined by a gloo group, as trainer ranks are, builds the backend
+through ``make_backend("megatron", ...)`` and runs one scenario; rank 0 prints one JSON line of
+numbers (tests/backends/test_megatron_backend.py judges them); exits non-zero when a rank fails.
+
+- ``match``: ``compute_log_probs`` vs HF's per-token log-probs on the same samples; then one
+  optimizer step (GRPO, no clipping) on them: the gradients, exported to HF names through the
+  bridge, vs TorchBackend's on the same batch and loss, and the step's stats.
+- ``save``: one step on batch 1, checkpoint (step 1), then a second step on batch 2; writes the
+  weights and AdamW moments (HF names) after step 1 and the step-2 stats to ``--out``.
+- ``resume``: load the newest checkpoint from ``--ckpt``; writes the same as ``save`` to
+  ``--out`` (the weights and moments as loaded, the stats of the step on batch 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+# Two groups of GRPO samples on the tiny model's vocabulary (ids < 48); responses of mixed length.
+PROMPTS = [[4, 13, 5, 16], [3, 16], [7, 8, 9], [11, 12, 5, 6, 30]]
+RESPONSES = [[6, 2], [3, 3, 2], [14, 2], [21, 22, 23, 2]]
+ADVANTAGES = [1.0, -0.5, 0.5, -0.25]
+
+
+def samples(shift: int = 0) -> list[Any]:
+    from relax_hpc.data.sample import Sample
+
+    return [Sample(p, [(t + shift) % 40 for t in r], [-0.7] * len(r), 0, group_id=i // 2,
+                   prompt_index=i, advantage=a)
+            for i, (p, r, a) in enumerate(zip(PROMPTS, RESPONSES, ADVANTAGES))]
+
+
+def make(kind: str, model: str, tp: int, pp: int) -> Any:
+    from relax_hpc.algos import LossConfig
+    from relax_hpc.backends.base import make_backend
+    from relax_hpc.backends.torch_backend import OptimConfig
+    from relax_hpc.spec.schema import MegatronSpec
+
+    optim = OptimConfig(lr=1e-2, grad_clip=0.0, micro_batch_size=2, weight_decay=0.01)
+    return make_backend(kind, model, optim, LossConfig(name="grpo"), dtype="float32", device="cpu",
+                        temperature=1.0, teacher_path=None, opd_coef=1.0, keep_reference=False,
+                        strategy="ddp", megatron=MegatronSpec(tensor_parallel=tp, pipeline_parallel=pp))
+
+
+def hf_named(backend: Any, swap: str | None = None) -> dict[str, torch.Tensor]:
+    """The model's tensors with HF names (collective); ``swap``: instead of the weights, the
+    gradients ("main_grad") or an AdamW moment ("exp_avg", "exp_avg_sq"), put in the weights'
+    place for the export: the bridge's conversion only permutes, splits and joins tensors."""
+    params = [p for p in backend.built.module.parameters()]
+    saved = [p.data for p in params]
+    if swap is not None:
+        state = backend.optimizer.optimizer.state
+        for p in params:
+            p.data = p.main_grad if swap == "main_grad" else state[p][swap]
+    try:
+        return {n: t.clone() for n, t in backend.named_weights()}
+    finally:
+        for p, data in zip(params, saved):
+            p.data = data
+
+
+def scenario(name: str, args: argparse.Namespace, rank: int) -> dict[str, Any]:
+    from relax_hpc.ckpt import CheckpointManager, ResumeState
+
+    backend = make("megatron", args.model, args.tp, args.pp)
+    result: dict[str, Any] = {"routes": backend.routes, "reads_rows": backend.reads_rows}
+    if name == "match":
+        result["logprobs"] = backend.compute_log_probs(samples())
+        captured: dict[str, torch.Tensor] = {}
+        step = backend.optimizer.step
+
+        def capture_then_step() -> float:
+            captured.update(hf_named(backend, "main_grad"))
+            return step()
+
+        backend.optimizer.step = capture_then_step
+        result["stats"] = backend.train(samples() if backend.reads_rows else [])
+        result["grads"] = captured
+    elif name in ("save", "resume"):
+        manager = CheckpointManager(Path(args.ckpt), keep_last=2)
+        if name == "save":
+            backend.train(samples() if backend.reads_rows else [])
+            backend.save_checkpoint(manager, ResumeState(step=1, weight_version=1, data_cursor={},
+                                                         samples_trained=4))
+        else:
+            state = backend.load_checkpoint(manager)
+            result["resumed_step"] = None if state is None else state.step
+        result["tensors"] = {"weights": hf_named(backend), "exp_avg": hf_named(backend, "exp_avg"),
+                             "exp_avg_sq": hf_named(backend, "exp_avg_sq")}
+        result["stats"] = backend.train(samples(shift=5) if backend.reads_rows else [])
+    return result
+
+
+def compare_logprobs(model: str, got: list[list[float]]) -> dict[str, Any]:
+    from relax_hpc.backends.batch import pack_samples
+    from relax_hpc.models.hf import load_causal_lm
+
+    hf = load_causal_lm(model, dtype="float32", device="cpu").eval()
+    batch = pack_samples(samples(), 0)
+    with torch.no_grad():
+        from relax_hpc.algos.logprobs import token_logprobs_and_entropy
+
+        logits = hf(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+        ref, _ = token_logprobs_and_entropy(logits[:, :-1], batch.targets)
+    diff = 0.0
+    for i, s in enumerate(samples()):
+        p = len(s.prompt_ids)
+        want = ref[i, p - 1 : p - 1 + len(s.response_ids)]
+        diff = max(diff, (torch.tensor(got[i]) - want).abs().max().item())
+    return {"logprob_max_abs_diff": diff, "tokens": sum(len(r) for r in got)}
+
+
+def compare_grads(model: str, got: dict[str, torch.Tensor], stats: dict[str, float]) -> dict[str, Any]:
+    torch_backend = make("torch", model, 1, 1)
+    torch_stats = torch_backend.train(samples())
+    want = {n: p.grad for n, p in torch_backend.model.named_parameters() if p.grad is not None}
+    common = sorted(set(got) & set(want))
+    diffs = {n: (got[n] - want[n]).abs().max().item() for n in common}
+    return {
+        "grad_names": len(common), "grad_missing": sorted(set(want) - set(got)),
+        "grad_extra": sorted(set(got) - set(want)),
+        "grad_max_abs_diff": max(diffs.values()),
+        "grad_max_abs": max(want[n].abs().max().item() for n in common),
+        "grad_norm_of_export": sum(g.double().pow(2).sum().item() for g in got.values()) ** 0.5,
+        "stats": stats, "torch_stats": torch_stats,
+    }
+
+
+def run_rank(rank: int, args: argparse.Namespace, port: int, results: Any) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    if args.ranks > 1:
+        dist.init_process_group("gloo", rank=rank, world_size=args.ranks)  # as the trainer role does
+    import megatron_cpu_stubs
+
+    megatron_cpu_stubs.install()  # in this env a .pth file does it at start; harmless twice
+    result = scenario(args.scenario, args, rank)
+    if rank == 0:
+        torch.save(result, args.result_file)
+        results.put(True)
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def main(argv: Iterator[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("scenario", choices=["match", "save", "resume"])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--ranks", type=int, default=1)
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--ckpt")
+    parser.add_argument("--out")
+    args = parser.parse_args(None if argv is None else list(argv))
+    import tempfile
+
+    args.result_file = os.path.join(tempfile.mkdtemp(prefix="megatron-check-"), "result.pt")
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    ranks = [ctx.Process(target=run_rank, args=(r, args, port, results)) for r in range(args.ranks)]
+    for process in ranks:
+        process.start()
+    for process in ranks:
+        process.join()
+    codes = [process.exitcode for process in ranks]
+    if any(codes) or results.empty():
+        sys.exit(f"megatron_backend_check: ranks exited with {codes}; their tracebacks are above")
+    # Compared here, without a process group: the torch backend would join the ranks' group.
+    result = torch.load(args.result_file, weights_only=False)
+    if args.scenario == "match":
+        result.update(compare_logprobs(args.model, result.pop("logprobs")))
+        result.update(compare_grads(args.model, result.pop("grads"), result.pop("stats")))
+    else:
+        torch.save({"tensors": result.pop("tensors"), "stats": result["stats"]}, args.out)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
