@@ -30,6 +30,8 @@ class TrainBatch:
     advantages: torch.Tensor  # [B]
     old_log_probs: torch.Tensor | None = None  # [B, L-1] from ActorFwd, when that role runs
     ref_log_probs: torch.Tensor | None = None  # [B, L-1] from Reference, when that role runs
+    # [B, L, layers, top_k]: the engine's routed experts of every row (routing replay), else None
+    routed_experts: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return self.input_ids.size(0)
@@ -38,6 +40,7 @@ class TrainBatch:
         return TrainBatch(*(None if t is None else fn(t) for t in (
             self.input_ids, self.attention_mask, self.targets, self.loss_mask,
             self.rollout_log_probs, self.advantages, self.old_log_probs, self.ref_log_probs,
+            self.routed_experts,
         )))
 
     def slice(self, start: int, stop: int) -> "TrainBatch":
@@ -67,8 +70,14 @@ def pack_samples(samples: list[Sample], pad_id: int) -> TrainBatch:
     advantages = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
     old_lp = _per_token(samples, length, lambda s: s.old_log_probs)
     ref_lp = _per_token(samples, length, lambda s: s.ref_log_probs)
+    routes = None
+    if all(s.routed_experts is not None for s in samples):
+        from relax_hpc.backends.megatron_replay import pack_routes
+
+        routes = pack_routes([s.routed_experts for s in samples],  # type: ignore[misc]
+                             [len(s.prompt_ids) + len(s.response_ids) for s in samples], length)
     return TrainBatch(input_ids, attention, input_ids[:, 1:].clone(), loss_mask, rollout_lp, advantages,
-                      old_lp, ref_lp)
+                      old_lp, ref_lp, routes)
 
 
 def _per_token(samples: list[Sample], length: int,
@@ -125,8 +134,16 @@ def pack_rows(rows: Sequence[Mapping[str, Any]], pad_id: int) -> TrainBatch:
     return TrainBatch(
         input_ids, attention.long(), input_ids[:, 1:].clone(), per_token("loss_mask"),
         per_token("rollout_log_probs"), advantages,
-        optional(OLD_LOG_PROBS_FIELD), optional(REF_LOG_PROBS_FIELD),
+        optional(OLD_LOG_PROBS_FIELD), optional(REF_LOG_PROBS_FIELD), _routes_of(rows, input_ids.shape[1]),
     )
+
+
+def _routes_of(rows: Sequence[Mapping[str, Any]], width: int) -> torch.Tensor | None:
+    """The rows' routed experts packed ``[B, width, layers, top_k]`` when every row has them."""
+    from relax_hpc.backends.megatron_replay import pack_row_routes
+    from relax_hpc.data.rows import ROUTED_EXPERTS_FIELD
+
+    return pack_row_routes(rows, width) if all(ROUTED_EXPERTS_FIELD in row for row in rows) else None
 
 
 def _check_prompt_lengths(prompt: torch.Tensor, lengths: torch.Tensor) -> None:

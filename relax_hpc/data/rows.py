@@ -11,10 +11,13 @@ from relax_hpc.data.sample import Sample
 # Fields the trainer needs; the names follow REFERENCE.md's data-bus fields.
 TRAIN_FIELDS = ("tokens", "prompt_length", "rollout_log_probs", "loss_mask", "advantages",
                 "rewards", "raw_reward", "weight_version", "group_id")
+# With routing replay on, the trainer also asks for this field: the engine's routed experts,
+# [P + R - 1, layers, top_k] in the narrow integer dtype the engine chose (uint8 up to 256 experts).
+ROUTED_EXPERTS_FIELD = "routed_experts"
 
 
 def sample_to_row(s: Sample) -> dict[str, Any]:
-    return {
+    row = {
         "tokens": torch.tensor(s.prompt_ids + s.response_ids, dtype=torch.int64),
         "prompt_length": len(s.prompt_ids),
         "response_length": len(s.response_ids),
@@ -27,6 +30,9 @@ def sample_to_row(s: Sample) -> dict[str, Any]:
         "group_id": int(s.group_id),
         "prompt_index": int(s.prompt_index),
     }
+    if s.routed_experts is not None:
+        row[ROUTED_EXPERTS_FIELD] = s.routed_experts.contiguous()
+    return row
 
 
 def row_to_sample(row: dict[str, Any]) -> Sample:
@@ -41,4 +47,5 @@ def row_to_sample(row: dict[str, Any]) -> Sample:
         loss_mask=[int(x) for x in row["loss_mask"].tolist()],
         old_log_probs=row["log_probs"].tolist() if "log_probs" in row else None,
         ref_log_probs=row["ref_log_probs"].tolist() if "ref_log_probs" in row else None,
+        routed_experts=row.get(ROUTED_EXPERTS_FIELD),
     )

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 
 @dataclass
 class Sample:
@@ -30,6 +32,8 @@ class Sample:
     loss_mask: list[int] | None = None  # None: every response token is trained
     old_log_probs: list[float] | None = None  # written by ActorFwd: the PPO "old" policy
     ref_log_probs: list[float] | None = None  # written by Reference: for the KL loss
+    # Routing replay (R3): the experts the engine routed each fed token to, [P + R - 1, layers, top_k]
+    routed_experts: torch.Tensor | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
 
     @property

@@ -17,8 +17,10 @@ and the subdirectories 0700; a second run on a directory in use stops at once
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import shutil
 import signal
 import sys
 import time
@@ -37,7 +39,7 @@ from relax_hpc.driver.credentials import job_secret_env
 from relax_hpc.driver.jobdir import JobDirLock, create_private_file, make_private_dir
 from relax_hpc.driver.loop import LoopConfig, LoopResult, StopFlag, run_loop
 from relax_hpc.engines.base import SamplingParams
-from relax_hpc.engines.factory import require_engine
+from relax_hpc.engines.factory import require_engine, require_sglang_python
 from relax_hpc.ops.archive import archive_dir
 from relax_hpc.ops.heap import settle_heap
 from relax_hpc.ops.metrics import (
@@ -55,6 +57,8 @@ from relax_hpc.roles.forward import OUTPUT_FIELD, ForwardConfig
 from relax_hpc.roles.handles import LocalRoles, RayRoles, Roles
 from relax_hpc.roles.rollout import RolloutConfig
 from relax_hpc.spec import JobSpec, spec_to_toml
+from relax_hpc.spec.model_fit import check_model_fit
+from relax_hpc.spec.schema import SGLangSpec
 from relax_hpc.transfer.queue import queue_capacity
 
 
@@ -92,12 +96,24 @@ def check_backends_available(spec: JobSpec) -> None:
     """The spec may name the cluster backends; refuse clearly, before Ray starts, where this
     build cannot run them (the factories the roles call say the same)."""
     require_engine(spec.rollout.engine)
+    if spec.rollout.engine == "sglang":
+        require_sglang_python(sglang_spec_resolved(spec.rollout.sglang).python)
     require_backend(spec.train.backend)
+    check_model_fit(spec, "the job spec")
 
 
 def shares_devices(spec: JobSpec) -> bool:
     """Engines and trainer ranks on the same devices, taking turns ([cluster] colocate)."""
     return spec.job.mode == "colocate" and spec.cluster.colocate
+
+
+def sglang_spec_resolved(s: SGLangSpec) -> SGLangSpec:
+    """[rollout.sglang] with `python` absolute: a path with a "/" is relative to the working
+    directory (as every path of the spec); a bare name is looked up on PATH here."""
+    if s.python is None:
+        return s
+    found = str(Path(s.python).absolute()) if "/" in s.python else shutil.which(s.python)
+    return dataclasses.replace(s, python=found or s.python)
 
 
 def role_configs(spec: JobSpec, job_dir: Path, device: str) -> tuple[RolloutConfig, ActorConfig]:
@@ -118,6 +134,7 @@ def role_configs(spec: JobSpec, job_dir: Path, device: str) -> tuple[RolloutConf
         dynamic_sampling=r.dynamic_sampling, max_sampling_rounds=r.max_sampling_rounds,
         agentic=agentic_from_spec(r), advantages_role=spec.train.advantages_role,
         release_between_steps=shares_devices(spec),
+        sglang_spec=sglang_spec_resolved(r.sglang), job_dir=str(job_dir), routing_replay=a.routing_replay,
     )
     loss = LossConfig(
         name=a.name, clip_eps_low=a.clip_eps_low, clip_eps_high=a.clip_eps_high,
@@ -139,6 +156,7 @@ def role_configs(spec: JobSpec, job_dir: Path, device: str) -> tuple[RolloutConf
         role_fields=tuple(OUTPUT_FIELD[f.kind] for f in queue_role_configs(spec, device)
                           if isinstance(f, ForwardConfig)),
         strategy=t.strategy, backend=t.backend, offload_between_steps=shares_devices(spec),
+        megatron=t.megatron, routing_replay=a.routing_replay,
     )
     return rollout, actor
 

@@ -38,6 +38,11 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
 
 
+class EngineGone(RuntimeError):
+    """An engine's process is gone for good (e.g. an SGLang server past its restarts): the
+    router hands its work to the engines left."""
+
+
 FinishReason = Literal["stop", "length"]
 
 
@@ -47,6 +52,9 @@ class Generation:
 
     `logprobs[i]` is the log-probability of `token_ids[i]` under the policy's distribution at the
     sampling temperature, before top-k/top-p filtering: the quantity the trainer recomputes.
+    `routed_experts`: for a mixture-of-experts model with routing replay on, the experts each MoE
+    layer chose for every token fed to the model, ``[len(prompt_ids) + len(token_ids) - 1,
+    layers, top_k]`` (relax_hpc/engines/routed_experts.py); None otherwise.
     """
 
     prompt_ids: list[int]
@@ -56,6 +64,7 @@ class Generation:
     weight_version: int
     text: str = ""
     extra: dict = field(default_factory=dict)
+    routed_experts: torch.Tensor | None = None
 
 
 class Generator(Protocol):
@@ -71,7 +80,8 @@ class Generator(Protocol):
 
 class RolloutEngine(Generator, Protocol):
     """A rollout engine: what the rollout role drives. Implementations: `NativeEngine` (torch),
-    `ScriptedEngine` (in memory, for tests); the SGLang adapter is to follow.
+    `ScriptedEngine` (in memory, for tests), `ManagedSGLangEngine` (an SGLang server,
+relax_hpc/engines/sglang_fleet.py).
 
     Weights change only between `generate` calls: `update_weights` copies named tensors in and
     sets the version every later generation reports. `pause` waits for the `generate` calls in

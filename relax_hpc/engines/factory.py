@@ -1,10 +1,13 @@
 """`make_engine`: the rollout engine a spec's `[rollout] engine` names, built where it will run.
+(`engine = "sglang"`: the rollout role starts SGLang servers instead, sglang_fleet.py.)
 
 Roles call it inside their own process (a Ray actor), so the model never crosses the wire;
 tests hand a role an engine instance (relax_hpc.engines.memory.ScriptedEngine) instead.
 """
 
 from __future__ import annotations
+
+import sys
 
 from relax_hpc.engines.base import RolloutEngine
 
@@ -13,18 +16,38 @@ ENGINES: tuple[str, ...] = ("native", "sglang")
 
 def require_engine(engine: str) -> None:
     """ValueError saying what to set when this version cannot run `[rollout] engine = engine`."""
-    if engine == "sglang":
-        raise ValueError(
-            'rollout.engine = "sglang" is not available in this version of relax-hpc (only the native '
-            'torch engine is); set [rollout] engine = "native"'
-        )
-    if engine != "native":
+    if engine not in ENGINES:
         raise ValueError(f"rollout.engine = {engine!r}: allowed values are {', '.join(ENGINES)}")
 
 
-def make_engine(engine: str, model_path: str, dtype: str = "float32", device: str = "cpu") -> RolloutEngine:
-    """The engine named by `[rollout] engine`; ValueError naming the allowed values otherwise."""
+def require_sglang_python(python: str | None) -> None:
+    """ValueError saying what to do when `[rollout.sglang] python` (None: this interpreter)
+    cannot run SGLang: checked before anything starts; the servers' start checks the rest."""
+    import importlib.util
+    import os
+
+    if python is None:
+        if importlib.util.find_spec("sglang") is None:
+            raise ValueError(
+                f'rollout.engine = "sglang" but {sys.executable} cannot import sglang and [rollout.sglang] '
+                "python is not set: set it to the interpreter of an environment with SGLang 0.5.23 "
+                '(tools/setup-sglang-cpu builds .venv-sglang: python = ".venv-sglang/bin/python"), '
+                'or set [rollout] engine = "native"')
+    elif not (os.path.isfile(python) and os.access(python, os.X_OK)):
+        raise ValueError(
+            f"[rollout.sglang] python = {python!r} is not an executable file (a relative path is relative to "
+            "the working directory); build the SGLang environment with tools/setup-sglang-cpu (or `make "
+            'sglang-env`), or set [rollout] engine = "native"')
+
+
+def make_engine(engine: str, model_path: str, dtype: str = "float32", device: str = "cpu",
+                record_routing: bool = False) -> RolloutEngine:
+    """The engine named by `[rollout] engine`; ValueError naming the allowed values otherwise.
+    `record_routing`: generations carry their routed experts ([algorithm] routing_replay)."""
     require_engine(engine)
+    if engine == "sglang":
+        raise ValueError('make_engine: SGLang engines are server processes that the rollout role starts '
+                         '(relax_hpc.engines.sglang_fleet.start_sglang_engines), not built in place')
     from relax_hpc.engines.native import NativeEngine
 
-    return NativeEngine(model_path, dtype=dtype, device=device)
+    return NativeEngine(model_path, dtype=dtype, device=device, record_routing=record_routing)

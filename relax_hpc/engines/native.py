@@ -9,6 +9,7 @@ through the HF forward with a `DynamicCache`.
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Iterable
 
@@ -17,6 +18,7 @@ import torch
 from relax_hpc.engines.base import Generation, SamplingParams
 from relax_hpc.engines.call_gate import CallGate
 from relax_hpc.engines.lean_decoder import LeanDecoder
+from relax_hpc.engines.routed_experts import RoutingRecorder, assemble_routes, expert_index_dtype
 from relax_hpc.engines.sampling import sample_next
 from relax_hpc.models.hf import load_causal_lm, load_tokenizer
 from relax_hpc.weights.flat import FlatWeights, bind_module, copy_into_module
@@ -26,12 +28,17 @@ class NativeEngine:
     """A `RolloutEngine` that runs the model in this process."""
 
     def __init__(
-        self, model_path: str | Path, dtype: str = "float32", device: str = "cpu", lean: bool = True
+        self, model_path: str | Path, dtype: str = "float32", device: str = "cpu", lean: bool = True,
+        record_routing: bool = False,
     ) -> None:
         """`lean`: decode with `LeanDecoder` where the architecture allows (the same arithmetic
-        without the HF forward's per-token overhead); False: always the HF forward."""
+        without the HF forward's per-token overhead); False: always the HF forward.
+        `record_routing`: return each generation's `routed_experts` (routing replay; a
+        mixture-of-experts model only). Off, no hook is installed."""
         self.model = load_causal_lm(model_path, dtype=dtype, device=device).eval()
         self.lean = lean
+        # Checked here, so a dense model with routing replay on fails at start-up.
+        self.record_routing = record_routing and RoutingRecorder(self.model).num_layers > 0
         self.tokenizer = load_tokenizer(model_path)
         self.device = torch.device(device)
         pad = self.tokenizer.pad_token_id
@@ -141,16 +148,24 @@ class NativeEngine:
         if seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(seed)
         stop_ids = set(params.stop_token_ids) | {self.eos_id}
-        with torch.inference_mode():
-            tokens, logprobs, finish = self._decode(prompts, params, stop_ids, generator)
+        # One recorder per call: its hooks record only this thread's forwards.
+        recorder = RoutingRecorder(self.model) if self.record_routing else None
+        routes: list[torch.Tensor] = []
+        with torch.inference_mode(), recorder or contextlib.nullcontext():
+            tokens, logprobs, finish = self._decode(prompts, params, stop_ids, generator, recorder, routes)
         version = self._version
+        routed: list[torch.Tensor | None] = [None] * len(prompts)
+        if recorder is not None:
+            routed = list(assemble_routes(routes[0], routes[1:], [len(p) for p in prompts],
+                                          [len(t) for t in tokens], expert_index_dtype(recorder.num_experts)))
         out = []
         for i, prompt in enumerate(prompts):
             # The text leaves out the stop token itself but keeps any other special token the
             # model produced, so a reward function sees exactly what was generated.
             shown = tokens[i][:-1] if finish[i] == "stop" and tokens[i][-1] in stop_ids else tokens[i]
             text = self.tokenizer.decode(shown, skip_special_tokens=False)
-            out.append(Generation(prompt, tokens[i], logprobs[i], finish[i], version, text))
+            out.append(Generation(prompt, tokens[i], logprobs[i], finish[i], version, text,
+                                  routed_experts=routed[i]))
         return out
 
     def _decode(
@@ -159,7 +174,11 @@ class NativeEngine:
         params: SamplingParams,
         stop_ids: set[int],
         generator: torch.Generator | None,
+        recorder: RoutingRecorder | None,
+        routes: list[torch.Tensor],
     ) -> tuple[list[list[int]], list[list[float]], list[str]]:
+        """Sample up to `max_new_tokens` per prompt. With a `recorder`, `routes` gets the prefill's
+        routing ``[batch, width, layers, k]``, then one ``[batch, 1, layers, k]`` per decode step."""
         from transformers import DynamicCache
 
         batch = len(prompts)
@@ -171,7 +190,9 @@ class NativeEngine:
             attention[i, width - len(p):] = 1
         input_ids, attention = input_ids.to(self.device), attention.to(self.device)
         positions = (attention.cumsum(-1) - 1).clamp(min=0)
-        lean = LeanDecoder(self.model) if self.lean and LeanDecoder.supports(self.model) else None
+        # The recorder hooks the HF routers, which only the HF forward runs.
+        use_lean = self.lean and recorder is None and LeanDecoder.supports(self.model)
+        lean = LeanDecoder(self.model) if use_lean else None
         if lean is not None:
             logits = lean.prefill(input_ids, attention, positions, params.max_new_tokens)
         else:
@@ -180,6 +201,8 @@ class NativeEngine:
                 past_key_values=DynamicCache(), use_cache=True,
             )
             logits = out.logits[:, -1, :]
+        if recorder is not None:
+            routes.append(recorder.take(batch, width))
         tokens: list[list[int]] = [[] for _ in range(batch)]
         logprobs: list[list[float]] = [[] for _ in range(batch)]
         finish = ["length"] * batch
@@ -207,6 +230,8 @@ class NativeEngine:
                     past_key_values=out.past_key_values, use_cache=True,
                 )
                 logits = out.logits[:, -1, :]
+            if recorder is not None:
+                routes.append(recorder.take(batch, 1))
             next_pos = next_pos + 1
         return tokens, logprobs, finish
 

@@ -28,7 +28,7 @@ from typing import Any, Hashable, Iterable, Protocol, Sequence
 
 import torch
 
-from relax_hpc.engines.base import Generation, RolloutEngine, SamplingParams
+from relax_hpc.engines.base import EngineGone, Generation, RolloutEngine, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -81,10 +81,14 @@ class LocalEngineClient:
         return self._thread.submit(getattr(self.engine, method))
 
     def died(self, error: BaseException) -> bool:
-        return False  # a local engine's error is the caller's error
+        # Else a local engine's error is the caller's error.
+        return isinstance(error, EngineGone)
 
     def close(self) -> None:
         self._thread.shutdown(wait=False, cancel_futures=True)
+        close = getattr(self.engine, "close", None)  # an engine that owns a process stops it
+        if close is not None:
+            close()
 
 
 class NoEngineLeft(RuntimeError):

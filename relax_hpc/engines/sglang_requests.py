@@ -21,9 +21,11 @@ from relax_hpc.engines.http_client import (
 
 __all__ = [
     "SUPPORTED_SGLANG_VERSIONS", "begin_weight_update_request", "check_server_version",
-    "continue_request", "cut_at_stop_strings", "end_weight_update_request", "generate_request", "parse_generate_response",
+    "continue_request", "cut_at_stop_strings", "destroy_weights_update_group_request", "end_weight_update_request",
+    "generate_request", "init_weights_update_group_request", "parse_generate_response",
     "pause_request", "prompt_seed", "release_memory_request", "resume_memory_request",
-    "update_weights_from_disk_request",
+    "update_weights_from_disk_request", "update_weights_from_distributed_request",
+    "update_weights_from_tensor_request",
 ]
 
 # The releases whose request classes and routes this module was checked against.
@@ -37,9 +39,11 @@ def prompt_seed(seed: int, index: int) -> int:
     return int.from_bytes(digest, "big") >> 1
 
 
-def generate_request(prompts: list[list[int]], params: SamplingParams, seed: int | None) -> dict[str, Any]:
+def generate_request(prompts: list[list[int]], params: SamplingParams, seed: int | None,
+                     **fields: Any) -> dict[str, Any]:
     """`POST /generate` for a batch of token-id prompts: one sampling_params object per prompt
-    (each its own seed when `seed` is given), log-probs returned.
+    (each its own seed when `seed` is given), log-probs returned. `fields`: more top-level
+    `GenerateReqInput` fields (e.g. `return_routed_experts=True`), sent as given.
 
     Stop strings are not sent: a server started with --skip-tokenizer-init (token ids in and out)
     refuses them ("stop=[...] is unavailable when skip_tokenizer_init=True"); the engine applies
@@ -56,6 +60,7 @@ def generate_request(prompts: list[list[int]], params: SamplingParams, seed: int
         "input_ids": [[int(t) for t in p] for p in prompts],
         "sampling_params": per_prompt,
         "return_logprob": True,
+        **fields,
     }
 
 
@@ -156,3 +161,39 @@ def release_memory_request() -> dict[str, Any]:
 def resume_memory_request() -> dict[str, Any]:
     """`POST /resume_memory_occupation`: no tags means weights and KV cache."""
     return {}
+
+
+def init_weights_update_group_request(master_address: str, master_port: int, world_size: int,
+                                      group_name: str, backend: str) -> dict[str, Any]:
+    """`POST /init_weights_update_group`: the server's ranks join the group as ranks 1..world_size-1
+    (rank_offset 1 plus its tensor-parallel rank); rank 0, the sender, hosts the store at
+    `master_address:master_port`."""
+    return {"master_address": master_address, "master_port": int(master_port), "rank_offset": 1,
+            "world_size": int(world_size), "group_name": group_name, "backend": backend}
+
+
+def destroy_weights_update_group_request(group_name: str) -> dict[str, Any]:
+    """`POST /destroy_weights_update_group`."""
+    return {"group_name": group_name}
+
+
+def update_weights_from_distributed_request(names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                            group_name: str, version: int | None, last: bool) -> dict[str, Any]:
+    """`POST /update_weights_from_distributed` for one bucket: the server receives these tensors,
+    in this order, by broadcast from rank 0 of `group_name`. The weight version is set and the
+    prefix cache (computed with the old weights) dropped only with the `last` bucket."""
+    body: dict[str, Any] = {"names": list(names), "dtypes": list(dtypes), "shapes": [list(s) for s in shapes],
+                            "group_name": group_name, "flush_cache": bool(last)}
+    if last and version is not None:
+        body["weight_version"] = str(version)
+    return body
+
+
+def update_weights_from_tensor_request(payloads: list[str], version: int | None, last: bool) -> dict[str, Any]:
+    """`POST /update_weights_from_tensor` for one bucket: `payloads` (one per tensor-parallel rank)
+    are base64 pickles of the bucket's `[(name, tensor), ...]` whose storage is in shared memory
+    (`sglang_weights.TensorWeightPush`). Version and cache flush with the `last` bucket only."""
+    body: dict[str, Any] = {"serialized_named_tensors": list(payloads), "flush_cache": bool(last)}
+    if last and version is not None:
+        body["weight_version"] = str(version)
+    return body

@@ -10,14 +10,23 @@ tools/setup-sglang-cpu) and is reached over HTTP by `SGLangEngine` (sglang.py).
 fails at once, naming the log, when the process exits. `stop()` sends SIGTERM to the server's
 PID (SGLang then ends its scheduler and detokenizer), waits, then SIGKILLs what is left of the
 process group it was started in (its own session, so nothing else is in it).
+
+No orphans: beside each server runs a small watcher (python, its own session) that SIGKILLs the
+server's process group once the process that started it is gone, however it went (a SIGKILL
+from Ray included); `stop()` ends the watcher by its PID first. With `api_key` the server
+requires `Authorization: Bearer <key>` on every route but /health; the key reaches it in an
+owner-only `--config` file beside the log, never on the command line (which others can read);
+the log is owner-only too, since SGLang writes its arguments there.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.error
@@ -25,7 +34,22 @@ import urllib.request
 from pathlib import Path
 from types import TracebackType
 
+from relax_hpc.auth.secret import write_private_text
+
 __all__ = ["CPU_FLAGS", "SGLangServer", "SGLangServerError", "free_port"]
+
+# Run beside each server: once the process that started it (this watcher's parent) is gone, kill
+# the server's process group. The parent's death re-parents the watcher, which it sees at once.
+WATCHER = """
+import os, signal, sys, time
+owner, group = int(sys.argv[1]), int(sys.argv[2])
+while os.getppid() == owner:
+    time.sleep(1)
+try:
+    os.killpg(group, signal.SIGKILL)
+except ProcessLookupError:
+    pass
+"""
 
 # The flags under which SGLang 0.5.23 serves on CPU: only its torch-native attention and sampling
 # call no compiled kernel; token ids in and out; a KV cache of 4096 tokens (without the cap it
@@ -62,9 +86,11 @@ class SGLangServer:
         log_path: str | Path | None = None,
         start_timeout_s: float = 300.0,
         env: dict[str, str] | None = None,
+        api_key: str | None = None,
     ) -> None:
         """`python`: the SGLang environment's interpreter. `extra_args`: more launch_server flags
-        (on CPU, `CPU_FLAGS` come first, so these can override them). `env`: extra environment."""
+        (on CPU, `CPU_FLAGS` come first, so these can override them). `env`: extra environment.
+        `api_key`: the bearer token the server requires (see the module docstring)."""
         self.python, self.model_path = Path(python), Path(model_path)
         self.host, self.device = host, device
         self.port = port if port is not None else free_port(host)
@@ -73,17 +99,29 @@ class SGLangServer:
             tempfile.mkdtemp(prefix="relax-sglang-")) / "server.log"
         self.start_timeout_s = start_timeout_s
         self.extra_env = dict(env or {})
+        self.api_key = api_key
         self.process: subprocess.Popen[bytes] | None = None
+        self._watcher: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
+    @property
+    def pid(self) -> int | None:
+        return None if self.process is None else self.process.pid
+
+    @property
+    def config_path(self) -> Path:
+        """The owner-only `--config` file that carries the API key."""
+        return self.log_path.with_name(self.log_path.stem + ".config.yaml")
+
     def command(self) -> list[str]:
         device_flags = ("--device", self.device, *(CPU_FLAGS if self.device == "cpu" else ()))
+        config = ("--config", str(self.config_path)) if self.api_key else ()
         return [str(self.python), "-m", "sglang.launch_server", "--model-path", str(self.model_path),
                 "--host", self.host, "--port", str(self.port), "--skip-tokenizer-init",
-                *device_flags, *self.extra_args]
+                *device_flags, *self.extra_args, *config]
 
     def environment(self) -> dict[str, str]:
         """This process's environment minus what points into relax-hpc's own venv."""
@@ -99,10 +137,18 @@ class SGLangServer:
         if not self.python.exists():
             raise SGLangServerError(f"no python at {self.python}: build the SGLang environment with "
                                     "tools/setup-sglang-cpu (or `make sglang-env`)")
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with self.log_path.open("ab") as log:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        if self.api_key:
+            write_private_text(self.config_path, f"api-key: {json.dumps(self.api_key)}\n")
+        # Owner-only: SGLang writes its arguments, the API key among them, into the log.
+        fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        os.fchmod(fd, 0o600)
+        with os.fdopen(fd, "ab") as log:
             self.process = subprocess.Popen(self.command(), env=self.environment(), stdout=log,
                                             stderr=subprocess.STDOUT, start_new_session=True)
+        self._watcher = subprocess.Popen(
+            [sys.executable, "-c", WATCHER, str(os.getpid()), str(self.process.pid)],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         try:
             self._wait_healthy()
         except BaseException:
@@ -142,6 +188,10 @@ class SGLangServer:
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """SIGTERM to the server's PID, wait up to `timeout_s`, then SIGKILL its process group."""
+        watcher, self._watcher = self._watcher, None
+        if watcher is not None:
+            watcher.kill()
+            watcher.wait(timeout=timeout_s)
         process, self.process = self.process, None
         if process is None:
             return

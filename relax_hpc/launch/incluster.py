@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from relax_hpc.auth import SECRET_ENV
-from relax_hpc.launch.ports import RayPorts, ray_ports, ray_temp_dir
+from relax_hpc.ops.ports import PORT_SLOT_ENV, RayPorts, ray_ports, ray_temp_dir
 
 __all__ = ["claim_private_dir", "main", "node_address", "ray_start_command", "write_cluster_json"]
 
@@ -120,6 +120,7 @@ def _cmd_node(args: argparse.Namespace) -> int:
                             num_cpus=args.num_cpus, num_gpus=args.num_gpus, resources=resources)
     print(f"relax-hpc node: {args.component} slot {slot} on {node} ({ip}): {' '.join(cmd)}", flush=True)
     os.environ.setdefault("RAY_AUTH_MODE", "token")  # the job script sets it, and the token's path
+    os.environ[PORT_SLOT_ENV] = f"{args.job_id}:{slot}"  # Ray's workers: the engines' planned ports
     return _run_until_stopped(cmd, temp_dir)
 
 

@@ -19,6 +19,7 @@ import string
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -78,12 +79,7 @@ def write_tiny_model(out_dir: Path, seed: int = 0, size: TinyModelSize = TinyMod
     from relax_hpc.models.hf import quiet_transformers
 
     quiet_transformers()
-    out_dir = Path(out_dir)
-    if out_dir.exists():
-        raise FileExistsError(
-            f"{out_dir} already exists; remove it or choose another directory for the tiny model"
-        )
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    out_dir = refuse_existing(out_dir)
     token_ids = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
     config = Qwen3Config(
         vocab_size=vocab_size(),
@@ -100,14 +96,36 @@ def write_tiny_model(out_dir: Path, seed: int = 0, size: TinyModelSize = TinyMod
         eos_token_id=token_ids[IM_END],
     )
     torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(config)
+    return save_model_dir(Qwen3ForCausalLM(config), out_dir, size.max_position_embeddings)
+
+
+def refuse_existing(out_dir: Path) -> Path:
+    """`out_dir` as a Path; raises if it exists, so that a trained model is never clobbered."""
+    out_dir = Path(out_dir)
+    if out_dir.exists():
+        raise FileExistsError(
+            f"{out_dir} already exists; remove it or choose another directory for the tiny model"
+        )
+    return out_dir
+
+
+def save_model_dir(
+    model: torch.nn.Module, out_dir: Path, max_positions: int, extra_config: dict[str, Any] | None = None
+) -> Path:
+    """Save `model` with the character-level tokenizer to `out_dir`: written to a temporary
+    directory beside it, then renamed, so a crash never leaves a half-written model.
+    `extra_config`: keys added to the saved config.json."""
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
-        model.save_pretrained(tmp, safe_serialization=True)
+        model.save_pretrained(tmp, safe_serialization=True)  # type: ignore[operator]
+        if extra_config:
+            config = json.loads((tmp / "config.json").read_text())
+            (tmp / "config.json").write_text(json.dumps(config | extra_config, indent=2, sort_keys=True))
         (tmp / "tokenizer.json").write_text(build_tokenizer_json())
         tokenizer_config = {
             "tokenizer_class": "PreTrainedTokenizerFast",
-            "model_max_length": size.max_position_embeddings,
+            "model_max_length": max_positions,
             "pad_token": PAD_TOKEN,
             "eos_token": IM_END,
             "bos_token": None,

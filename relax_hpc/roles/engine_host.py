@@ -23,10 +23,11 @@ from relax_hpc.engines.router import Future
 class EngineHost:
     """One rollout engine in this process; a Ray actor (see the module docstring)."""
 
-    def __init__(self, engine: str, model_path: str, dtype: str, device: str, num_threads: int = 0) -> None:
+    def __init__(self, engine: str, model_path: str, dtype: str, device: str, num_threads: int = 0,
+                 record_routing: bool = False) -> None:
         if num_threads > 0:
             torch.set_num_threads(num_threads)
-        self.engine: RolloutEngine = make_engine(engine, model_path, dtype, device)
+        self.engine: RolloutEngine = make_engine(engine, model_path, dtype, device, record_routing=record_routing)
 
     def pid(self) -> int:
         return os.getpid()

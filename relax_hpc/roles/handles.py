@@ -348,13 +348,15 @@ class RayRoles:
         # N > 1 engines run in actors of their own (a GPU each on GPUs), behind rollout's router.
         self._engines = [
             ray.remote(EngineHost).options(**self._placement("rollout"), **_gpus(rollout.device, shared)).remote(
-                rollout.engine, rollout.model_path, rollout.dtype, rollout.device, rollout.num_threads)
-            for _ in range(rollout.num_engines if rollout.num_engines > 1 else 0)
+                rollout.engine, rollout.model_path, rollout.dtype, rollout.device, rollout.num_threads,
+                rollout.routing_replay)
+            # SGLang engines are server processes that the rollout role starts itself.
+            for _ in range(rollout.num_engines if rollout.num_engines > 1 and rollout.engine == "native" else 0)
         ]
         # max_concurrency: new weights and status calls must reach rollout while it produces.
         self._rollout = ray.remote(RolloutWorker).options(
             max_concurrency=4, **self._placement("rollout"),
-            **({} if self._engines else _gpus(rollout.device, shared)),
+            **({} if self._engines else _rollout_gpus(rollout, shared)),
         ).remote(rollout, engine_hosts=self._engines or None)
         # Rank 0's node hosts the TCP store of the trainer's process group: a task on a trainer
         # node picks the address, and rank 0 is pinned to that node.
@@ -504,6 +506,16 @@ def _gpus(device: str, shared: bool = False) -> dict[str, float]:
     if not device.startswith("cuda"):
         return {}
     return {"num_gpus": 0.5 if shared else 1}
+
+
+def _rollout_gpus(rollout: RolloutConfig, shared: bool) -> dict[str, float]:
+    """The rollout actor's GPUs: its engine's, or with SGLang every server's (`tp_size` each;
+    the servers it starts see the actor's CUDA_VISIBLE_DEVICES)."""
+    gpus = _gpus(rollout.device, shared)
+    if gpus and rollout.engine == "sglang":
+        tp_size = rollout.sglang_spec.tp_size if rollout.sglang_spec else 1
+        return {"num_gpus": gpus["num_gpus"] * rollout.num_engines * tp_size}
+    return gpus
 
 
 def _merge_rank_stats(per_rank: list[dict[str, float]]) -> dict[str, float]:

@@ -10,6 +10,8 @@ producer's batch boundary, where it also waits for the version the staleness bou
 
 from __future__ import annotations
 
+import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -29,10 +31,18 @@ from relax_hpc.engines.factory import make_engine
 from relax_hpc.engines.http_auth import engine_token, read_token_file
 from relax_hpc.engines.http_client import HttpEngine
 from relax_hpc.engines.router import EngineRouter, LocalEngineClient
+from relax_hpc.engines.sglang_fleet import SGLangLaunch, start_sglang_engines
 from relax_hpc.models.hf import load_tokenizer
 from relax_hpc.ops.heap import settle_heap
+from relax_hpc.ops.ports import port_slot_from_env
 from relax_hpc.rewards.hub import RewardHub, RewardSettings
-from relax_hpc.spec.schema import AlgorithmSpec, ModelSpec, RolloutSpec, TrainSpec
+from relax_hpc.spec.schema import (
+    AlgorithmSpec,
+    ModelSpec,
+    RolloutSpec,
+    SGLangSpec,
+    TrainSpec,
+)
 from relax_hpc.transfer.connect import connect_queue
 from relax_hpc.transfer.memory import InMemoryTransferQueue
 from relax_hpc.transfer.queue import partition_name
@@ -65,6 +75,9 @@ class RolloutConfig:
     advantages_role: bool = TrainSpec.advantages_role  # rows go out without `advantages`
     # [cluster] colocate: engines release their memory from a step's end until the next weights
     release_between_steps: bool = False
+    sglang_spec: SGLangSpec | None = None  # engine = "sglang": [rollout.sglang] (None: its defaults)
+    job_dir: str | None = None  # the SGLang servers' logs go to JOBDIR/logs (None: a temp dir)
+    routing_replay: bool = AlgorithmSpec.routing_replay  # engines return each sample's routed experts (R3)
 
 
 def build_genrm_judge(reward: RewardSettings, dtype: str, device: str) -> tuple[Generator | None, Any]:
@@ -106,10 +119,31 @@ def build_router(cfg: RolloutConfig, engines: list[RolloutEngine] | None = None,
         clients = [RayEngineClient(f"engine-{i}", h) for i, h in enumerate(engine_hosts)]
         tokenizer = load_tokenizer(cfg.model_path)  # the engines' own: they load the same directory
         return EngineRouter(clients, tokenizer, tokenizer.eos_token_id)
+    if not engines and cfg.engine == "sglang":
+        engines = list(start_sglang_engines(sglang_launch(cfg), cfg.num_engines, port_slot_from_env()))
     if not engines:
-        engines = [make_engine(cfg.engine, cfg.model_path, cfg.dtype, cfg.device) for _ in range(cfg.num_engines)]
+        engines = [make_engine(cfg.engine, cfg.model_path, cfg.dtype, cfg.device, record_routing=cfg.routing_replay)
+                   for _ in range(cfg.num_engines)]
     clients_local = [LocalEngineClient(f"engine-{i}", e) for i, e in enumerate(engines)]
     return EngineRouter(clients_local, engines[0].tokenizer, engines[0].eos_id, local_engine=engines[0])
+
+
+def sglang_launch(cfg: RolloutConfig) -> SGLangLaunch:
+    """How rollout starts its SGLang servers: [rollout.sglang], the job's engine token as their API
+    key, their logs under JOBDIR/logs. weight_update "auto": "tensor" when the engines share the
+    trainer's devices ([cluster] colocate), else "distributed"."""
+    s = cfg.sglang_spec or SGLangSpec()
+    mode = s.weight_update
+    if mode == "auto":
+        mode = "tensor" if cfg.release_between_steps else "distributed"
+    log_dir = Path(cfg.job_dir) / "logs" if cfg.job_dir else Path(tempfile.mkdtemp(prefix="relax-sglang-"))
+    return SGLangLaunch(
+        python=s.python or sys.executable, model_path=cfg.model_path, device=cfg.device,
+        log_dir=str(log_dir), api_key=engine_token(), tp_size=s.tp_size,
+        mem_fraction_static=s.mem_fraction_static, context_length=s.context_length,
+        extra_args=tuple(s.extra_args) + (("--enable-return-routed-experts",) if cfg.routing_replay else ()),
+        update_mode=mode, request_fields={"return_routed_experts": True} if cfg.routing_replay else {},
+        update_bucket_mb=s.update_bucket_mb, startup_timeout_s=s.startup_timeout_s, max_restarts=s.max_restarts)
 
 
 def _max_context(engine: EngineRouter, model_path: str) -> int | None:
@@ -371,6 +405,7 @@ class RolloutWorker(WeightReceiverEndpoint):
                 group_id=self._next_group, prompt_index=row.index,
                 label=row.label, prompt_text=row.prompt_text, response_text=gen.text,
                 finish_reason=gen.finish_reason, metadata=dict(row.metadata),
+                routed_experts=gen.routed_experts,
             ))
         t1 = time.perf_counter()
         reward_stats = self.rewards.score([s for g in groups for s in g])

@@ -106,5 +106,6 @@ def test_run_refuses_a_backend_this_build_does_not_have(tmp_path: Path) -> None:
     )
     result = relax("run", str(spec), "--in-process", "--no-progress")
     assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert 'rollout.engine = "sglang" is not available' in result.stderr
+    # This interpreter has no SGLang and [rollout.sglang] python is unset.
+    assert 'rollout.engine = "sglang" but' in result.stderr and "[rollout.sglang] python" in result.stderr
     assert not (tmp_path / "job").exists()  # refused before anything was written

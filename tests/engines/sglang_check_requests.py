@@ -8,13 +8,15 @@ and each of its sampling_params must construct SGLang's `SamplingParams` and pas
 `normalize` (what the tokenizer manager does). A control body must name only fields of its
 `msgspec.Struct` and validate as the HTTP server parses it (pydantic through the struct's
 `__get_pydantic_core_schema__`, which ignores unknown keys, hence the field check); the result
-must then survive the msgpack round trip the server uses to reach its scheduler. (`msgspec.convert`
+must then survive the msgpack round trip the server uses to reach its scheduler; a base64 string
+sent for a `Base64Bytes` field must parse to its bytes. (`msgspec.convert`
 from a dict does not apply: these structs are `array_like`.) Prints one line per body and exits 1
 if any failed. Used by tests/engines/test_sglang_engine.py.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import sys
 import traceback
@@ -36,6 +38,15 @@ def check_generate(body: dict[str, Any]) -> None:
         sampling.normalize(None)
 
 
+def same(parsed: Any, sent: Any) -> bool:
+    """Whether the parsed field holds what was sent (base64 text parses to its bytes)."""
+    if isinstance(parsed, list) and isinstance(sent, list):
+        return len(parsed) == len(sent) and all(same(p, s) for p, s in zip(parsed, sent))
+    if isinstance(parsed, bytes) and isinstance(sent, str):
+        return parsed == base64.b64decode(sent, validate=True)
+    return bool(parsed == sent)
+
+
 def check_struct(name: str, body: dict[str, Any]) -> None:
     import msgspec
     import pydantic
@@ -49,7 +60,7 @@ def check_struct(name: str, body: dict[str, Any]) -> None:
     parsed = pydantic.TypeAdapter(cls).validate_python(body)
     assert isinstance(parsed, cls), type(parsed)
     for key, value in body.items():
-        if getattr(parsed, key) != value:
+        if not same(getattr(parsed, key), value):
             raise ValueError(f"{name}.{key} parsed as {getattr(parsed, key)!r}, sent {value!r}")
     msgspec.msgpack.decode(msgspec.msgpack.encode(parsed), type=cls)
 

@@ -10,6 +10,7 @@ start one server for the module (about 40 s on 2 cores) and stop it by PID at th
 
 from __future__ import annotations
 
+import base64
 import json
 import subprocess
 import threading
@@ -119,6 +120,24 @@ def test_control_requests() -> None:
     assert requests.pause_request() == {"mode": "retract"}
     assert requests.update_weights_from_disk_request("/w/v3", 3) == {
         "model_path": "/w/v3", "weight_version": "3", "flush_cache": True}
+    assert requests.init_weights_update_group_request("10.0.0.1", 29500, 3, "g", "nccl") == {
+        "master_address": "10.0.0.1", "master_port": 29500, "rank_offset": 1, "world_size": 3,
+        "group_name": "g", "backend": "nccl"}
+    # The version and the cache flush come with the last bucket only: until then the server
+    # holds a mix of old and new weights, which no reply may be labelled with.
+    first = requests.update_weights_from_distributed_request(["a"], ["float32"], [[2, 3]], "g", 4, last=False)
+    assert first == {"names": ["a"], "dtypes": ["float32"], "shapes": [[2, 3]], "group_name": "g", "flush_cache": False}
+    last = requests.update_weights_from_distributed_request(["a"], ["float32"], [[2, 3]], "g", 4, last=True)
+    assert last == {**first, "flush_cache": True, "weight_version": "4"}
+    assert requests.update_weights_from_tensor_request(["QUJD"], 4, last=False) == {
+        "serialized_named_tensors": ["QUJD"], "flush_cache": False}
+    assert requests.update_weights_from_tensor_request(["QUJD", "QUJD"], 4, last=True) == {
+        "serialized_named_tensors": ["QUJD", "QUJD"], "flush_cache": True, "weight_version": "4"}
+
+
+def test_generate_request_takes_more_fields() -> None:
+    body = requests.generate_request([[1]], GREEDY, seed=None, return_routed_experts=True)
+    assert body["return_routed_experts"] is True and body["input_ids"] == [[1]]
 
 
 # --- against SGLang itself --------------------------------------------------------------------
@@ -142,6 +161,14 @@ def _every_request_body() -> dict:
             ["UpdateWeightFromDiskReqInput", requests.update_weights_from_disk_request("/tmp/w/v1", 1)],
             ["ReleaseMemoryOccupationReqInput", requests.release_memory_request()],
             ["ResumeMemoryOccupationReqInput", requests.resume_memory_request()],
+            ["InitWeightsUpdateGroupReqInput",
+             requests.init_weights_update_group_request("127.0.0.1", 29500, 2, "relax-weights-1-0", "gloo")],
+            ["DestroyWeightsUpdateGroupReqInput", requests.destroy_weights_update_group_request("relax-weights-1-0")],
+            *(["UpdateWeightsFromDistributedReqInput", requests.update_weights_from_distributed_request(
+                ["model.norm.weight", "model.embed_tokens.weight"], ["float32", "bfloat16"], [[8], [48, 8]],
+                "relax-weights-1-0", 3, last=last)] for last in (False, True)),
+            *(["UpdateWeightsFromTensorReqInput", requests.update_weights_from_tensor_request(
+                [base64.b64encode(b"a pickle").decode()] * 2, 3, last=last)] for last in (False, True)),
         ],
     }
 
@@ -154,7 +181,7 @@ def test_every_request_body_is_valid_for_sglangs_own_classes(sglang_python: Path
     done = subprocess.run([str(sglang_python), str(HERE / "sglang_check_requests.py"), str(path)],
                           capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
-    assert "9 of 9 bodies valid" in done.stdout
+    assert "15 of 15 bodies valid" in done.stdout
 
 
 @pytest.fixture(scope="module")

@@ -12,21 +12,19 @@ failure. About 1-2 minutes on 2 cores, most of it the server's start-up:
 from __future__ import annotations
 
 import json
-import threading
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
-from datetime import timedelta
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from hf_reference import hf_greedy
 from side_env import SGLANG
 
-from relax_hpc.engines.sglang_server import SGLangServer, free_port
+from relax_hpc.engines.sglang_server import SGLangServer
+from relax_hpc.engines.sglang_weights import DistributedWeightPush
 from relax_hpc.models.hf import load_causal_lm, load_tokenizer
 
 pytestmark = [pytest.mark.slow, pytest.mark.sglang]
@@ -123,76 +121,38 @@ def test_sampled_logprobs_equal_hf_recomputation(server_url: str, tiny_model_dir
         assert logprobs == pytest.approx(_hf_logprobs(model, prompt, tokens, temperature), abs=LOGPROB_TOL)
 
 
-def _in_thread(call: Callable[[], Any]) -> Callable[[], Any]:
-    """Start `call` on a thread; the returned function joins it and gives its result."""
-    box: dict[str, Any] = {}
-    thread = threading.Thread(target=lambda: box.update(result=call()), daemon=True)
-    thread.start()
+class _Sender:
+    """The `RequestSender` a weight push needs, over plain urllib (no API key on this server)."""
 
-    def join() -> Any:
-        thread.join(timeout=120)
-        assert "result" in box, "the request thread did not finish"
-        return box["result"]
-    return join
+    def __init__(self, base_url: str) -> None:
+        self.base_url = base_url
 
-
-def _join_update_group(port: int, group_name: str) -> dist.ProcessGroup:
-    """Rank 0 of the 2-rank gloo group that SGLang's /init_weights_update_group forms as rank 1.
-
-    Mirrors sglang.srt.utils.common.init_custom_process_group (a group outside the default one,
-    its store keys prefixed with the group name), which is why it uses torch's private helper.
-    """
-    from torch.distributed.distributed_c10d import (
-        Backend,
-        GroupName,
-        PrefixStore,
-        _new_process_group_helper,
-        _world,
-        rendezvous,
-    )
-
-    timeout = timedelta(seconds=60)
-    store, _, _ = next(rendezvous(f"tcp://127.0.0.1:{port}", 0, 2, timeout=timeout))
-    store.set_timeout(timeout)
-    group, _ = _new_process_group_helper(2, 0, [], Backend("gloo"), PrefixStore(group_name, store),
-                                         group_name=GroupName(group_name), timeout=timeout)
-    _world.pg_group_ranks[group] = {0: 0, 1: 1}
-    return group
+    def post(self, path: str, body: Any) -> Any:
+        status, reply = _request(self.base_url + path, body)
+        assert status == 200, (path, reply)
+        return reply
 
 
 def test_gloo_weight_update_from_this_torch_lands(server_url: str, tiny_model_dir: Path,
                                                    prompts: list[list[int]]) -> None:
-    # Last in the module: it changes the served weights.
+    # Last in the module: it changes the served weights. This process (torch 2.13, the sender's
+    # side) is rank 0 of the group, as the rollout role is (relax_hpc/engines/sglang_weights.py).
     model = load_causal_lm(tiny_model_dir).eval()
     generator = torch.Generator().manual_seed(5)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.2 * torch.randn(p.shape, generator=generator))
     # Tied embeddings: SGLang has no lm_head.weight of its own (it would log "not found" and skip it).
-    named = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
-
-    port = free_port()
-    group_name = f"relax-test-{port}"
-    init = _in_thread(lambda: _request(server_url + "/init_weights_update_group", {
-        "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
-        "group_name": group_name, "backend": "gloo"}))
-    group = _join_update_group(port, group_name)
+    push = DistributedWeightPush("127.0.0.1", 0, 2, "gloo", bucket_bytes=64 << 10,
+                                 skip=frozenset({"lm_head.weight"}))
+    sender = _Sender(server_url)
     try:
-        assert init() == (200, {"success": True, "message": "Succeeded to initialize custom process group."})
         # SGLang 0.5.23 refuses weight updates (400) outside begin/end_weight_update.
-        assert _request(server_url + "/begin_weight_update", {})[0] == 200
-        update = _in_thread(lambda: _request(server_url + "/update_weights_from_distributed", {
-            "names": list(named), "dtypes": [str(t.dtype).removeprefix("torch.") for t in named.values()],
-            "shapes": [list(t.shape) for t in named.values()], "group_name": group_name,
-            "weight_version": "1", "flush_cache": True}))
-        for tensor in named.values():  # in the order of `names`, as the server receives them
-            dist.broadcast(tensor, src=0, group=group)
-        status, reply = update()
-        assert status == 200 and reply["success"], reply
-        assert _request(server_url + "/end_weight_update", {})[0] == 200
+        sender.post("/begin_weight_update", {})
+        push.push(sender, list(model.state_dict().items()), version=1)  # the group forms on first use
+        sender.post("/end_weight_update", {})
     finally:
-        _request(server_url + "/destroy_weights_update_group", {"group_name": group_name})
-        dist.destroy_process_group(group)
+        push.close(sender)
 
     replies = _generate(server_url, prompts[:1], temperature=0.0)
     assert replies[0]["meta_info"]["weight_version"] == "1"

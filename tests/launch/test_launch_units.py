@@ -23,15 +23,15 @@ from relax_hpc.launch.jobs import (
     pin_paths,
     submit_spec,
 )
-from relax_hpc.launch.ports import (
+from relax_hpc.launch.preflight import gpus_of, preflight_problems
+from relax_hpc.launch.slurm_client import FakeSlurmClient, JobComponent
+from relax_hpc.ops.ports import (
     PORT_HIGH,
     PORT_LOW,
     SLOTS_PER_JOB,
     ray_ports,
     ray_temp_dir,
 )
-from relax_hpc.launch.preflight import gpus_of, preflight_problems
-from relax_hpc.launch.slurm_client import FakeSlurmClient, JobComponent
 from relax_hpc.spec import (
     ContainerSpec,
     JobSpec,

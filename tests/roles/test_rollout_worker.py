@@ -202,3 +202,24 @@ def test_producer_reports_a_failed_broadcast_and_a_missing_version(model_dir: Pa
     error = timed_out.producer_error()
     assert error is not None and "for weight version 2 (engine has 0" in error
     timed_out.stop_producer()
+
+
+def test_routing_replay_samples_carry_the_engines_routes(tmp_path: Path) -> None:
+    from relax_hpc.data.rows import ROUTED_EXPERTS_FIELD, sample_to_row
+    from relax_hpc.models.tiny_moe import write_tiny_moe_model
+
+    moe = write_tiny_moe_model(tmp_path / "moe", seed=0)
+    spec = parse_spec(f'[job]\nname = "r"\n[model]\npath = "{moe}"\n[data]\npath = "{REPO / "jobspecs/data/tiny_sum.jsonl"}"\n'
+                      '[reward]\nfunction = "tiny_sum"\n[train]\nsteps = 1\n')
+    common = dict(model_path=str(moe), data=spec.data, reward=spec.reward, seed=3, prompts_per_step=2,
+                  n_samples_per_prompt=2, sampling=SamplingParams(max_new_tokens=3), engine="native")
+    samples, _ = RolloutWorker(RolloutConfig(**common, routing_replay=True)).generate(0)
+    assert len(samples) == 4
+    for s in samples:
+        # [prompt + response - 1 fed tokens, 2 MoE layers, top-2], experts 0..7 in uint8
+        assert s.routed_experts is not None and s.routed_experts.dtype == torch.uint8
+        assert tuple(s.routed_experts.shape) == (len(s.prompt_ids) + len(s.response_ids) - 1, 2, 2)
+        assert int(s.routed_experts.max()) < 8
+        assert torch.equal(sample_to_row(s)[ROUTED_EXPERTS_FIELD], s.routed_experts)
+    plain, _ = RolloutWorker(RolloutConfig(**common)).generate(0)
+    assert all(s.routed_experts is None and ROUTED_EXPERTS_FIELD not in sample_to_row(s) for s in plain)

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from devslurm import DevSlurm
 
-from relax_hpc.launch.ports import ray_ports
+from relax_hpc.ops.ports import ray_ports
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.timeout(400)]
 

@@ -1,0 +1,106 @@
+"""`relax-hpc run` of jobspecs/tiny_sglang.toml: the tiny task with two SGLang 0.5.23 servers as
+the rollout engines, on CPU, through Ray as a user runs it.
+
+Checks that the reward rises as with the native engine (tests/driver/test_train_e2e.py), that
+the servers received every weight version (each step's samples carry the version SGLang reports,
+and at two checkpoints the servers' log-probs equal HF's for the checkpoint's weights), and that
+no server outlives the run. Needs .venv-sglang (tools/setup-sglang-cpu); about 3 minutes on
+2 cores, a minute of it the servers' start-up:
+
+    RELAX_TEST_SGLANG=1 .venv/bin/python -m pytest tests/driver/test_sglang_e2e.py -q
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from e2e_helpers import DATA, REPO
+from side_env import SGLANG
+
+from relax_hpc.ckpt.export import export_hf
+from relax_hpc.models.hf import load_causal_lm
+from relax_hpc.ops.archive import read_archive
+from relax_hpc.ops.metrics import read_metrics
+
+pytestmark = [pytest.mark.slow, pytest.mark.sglang]
+
+STEPS = 150
+CHECKED_VERSIONS = (50, 100)  # checkpoints whose weights the next step's samples must have run on
+LOGPROB_TOL = 1e-4  # float32 SGLang vs an HF forward; observed 4.8e-7
+
+
+def _spec(model_dir: Path, job_dir: Path, python: Path) -> str:
+    """jobspecs/tiny_sglang.toml with this test's model, data, job directory and SGLang python."""
+    text = (REPO / "jobspecs" / "tiny_sglang.toml").read_text()
+    replacements = {
+        r'(?m)^name = "tiny_sglang"$': f'name = "tiny_sglang"\noutput_dir = "{job_dir}"',
+        r'(?m)^path = "runs/models/tiny-qwen3"$': f'path = "{model_dir}"',
+        r'(?m)^path = "jobspecs/data/tiny_sum.jsonl"$': f'path = "{DATA}"',
+        r'(?m)^python = "\.venv-sglang/bin/python"': f'python = "{python}"',
+        r"(?m)^steps = \d+$": f"steps = {STEPS}",
+        r"(?m)^save_interval = \d+$": f"save_interval = {CHECKED_VERSIONS[0]}",
+        r"(?m)^keep_last = \d+$": "keep_last = 3",
+    }
+    for pattern, new in replacements.items():
+        text, count = re.subn(pattern, new, text)
+        assert count == 1, f"jobspecs/tiny_sglang.toml changed: {pattern} no longer matches once"
+    return text
+
+
+def _servers_of(job_dir: Path) -> list[str]:
+    """The processes whose command line names this job's server config files (the servers)."""
+    found = subprocess.run(["pgrep", "-af", f"{job_dir}/logs/sglang-engine-"], capture_output=True, text=True,
+                           check=False)
+    return [line for line in found.stdout.splitlines() if "sglang.launch_server" in line]
+
+
+def _max_logprob_gap(model: torch.nn.Module, rows: list) -> float:
+    gap = 0.0
+    for row in rows:
+        with torch.no_grad():
+            logits = model(torch.tensor([row.prompt_ids + row.response_ids])).logits[0, len(row.prompt_ids) - 1:-1]
+        # temperature 1.0 in the spec: the engine's log-probs are log_softmax(logits)
+        logp = torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(row.response_ids)[:, None])[:, 0]
+        gap = max(gap, (logp - torch.tensor(row.rollout_log_probs)).abs().max().item())
+    return gap
+
+
+@pytest.mark.timeout(900)
+def test_tiny_sglang_trains_and_the_engines_run_every_version(tiny_model_dir: Path, tmp_path: Path) -> None:
+    python = SGLANG.python_or_skip()
+    job = tmp_path / "job"
+    spec_path = tmp_path / "spec.toml"
+    spec_path.write_text(_spec(tiny_model_dir, job, python))
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+    cmd = [sys.executable, "-m", "relax_hpc.cli.main", "run", str(spec_path), "--no-progress"]
+    done = subprocess.run(cmd, check=False, cwd=REPO, env=env, capture_output=True, text=True, timeout=850)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert f"finished step {STEPS} (from 0)" in done.stdout
+    assert _servers_of(job) == [], "SGLang servers outlived the run"
+
+    rewards = [r["reward/mean"] for r in read_metrics(job / "metrics.jsonl")]
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-10:]) / 10
+    # As tests/driver/test_train_e2e.py: a random policy answers ~1-2% right; GRPO lifts it.
+    assert first < 0.05
+    assert last > 3 * first and last > 0.08, (first, last)
+    engines = json.loads((job / "summary.json").read_text())["rollout_engines"]
+    assert [(e["id"], e["alive"]) for e in engines] == [("engine-0", True), ("engine-1", True)]
+    assert all(e["samples"] > 0 for e in engines), engines
+
+    # Strictly on-policy: step s runs on version s, which SGLang reports only once it has loaded it.
+    archive = read_archive(job)
+    assert sorted(archive) == list(range(STEPS))
+    assert {step: {r.weight_version for r in rows} for step, rows in archive.items()} == \
+        {step: {step} for step in range(STEPS)}
+    for version in CHECKED_VERSIONS:
+        weights = export_hf(job / "checkpoints" / f"step_{version}", tiny_model_dir, tmp_path / f"hf-{version}")
+        rows = archive[version]
+        assert len(rows) == 8 * 32
+        assert _max_logprob_gap(load_causal_lm(weights).eval(), rows) < LOGPROB_TOL
