@@ -124,6 +124,10 @@ def model_fit_problems(spec: JobSpec, shape: ModelShape) -> list[SpecProblem]:
         problems += _must_divide("train.megatron.pipeline_parallel", mg.pipeline_parallel, "layers", shape.layers)
         if shape.experts:
             problems += _must_divide("train.megatron.expert_parallel", mg.expert_parallel, "experts", shape.experts)
+            if mg.tensor_parallel > 1 and not mg.sequence_parallel:
+                message = (f"must be true for a mixture-of-experts model with tensor_parallel = {mg.tensor_parallel}: "
+                           "megatron-core refuses to train MoE layers under tensor parallelism without it")
+                problems.append(SpecProblem("train.megatron.sequence_parallel", "false", message))
         elif mg.expert_parallel > 1:
             problems.append(SpecProblem("train.megatron.expert_parallel", show_value(mg.expert_parallel),
                                         "needs a mixture-of-experts model; this model is dense, set it to 1"))

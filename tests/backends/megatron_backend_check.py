@@ -14,6 +14,10 @@ numbers (tests/backends/test_megatron_backend.py judges them); exits non-zero wh
   weights and AdamW moments (HF names) after step 1 and the step-2 stats to ``--out``.
 - ``resume``: load the newest checkpoint from ``--ckpt``; writes the same as ``save`` to
   ``--out`` (the weights and moments as loaded, the stats of the step on batch 2).
+- ``replay`` (``--model`` a tiny MoE): a bfloat16 native engine samples with its routing
+  recorded; the float32 backend, built with routing replay, recomputes the log-probs of the
+  rows (through the queue's row format) with the routes and without, then trains one step on
+  them; rank 0 reports both disagreements with the engine and the step's stats.
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ def samples(shift: int = 0) -> list[Any]:
             for i, (p, r, a) in enumerate(zip(PROMPTS, RESPONSES, ADVANTAGES))]
 
 
-def make(kind: str, model: str, tp: int, pp: int) -> Any:
+def make(kind: str, model: str, tp: int, pp: int, routing_replay: bool = False) -> Any:
     from relax_hpc.algos import LossConfig
     from relax_hpc.backends.base import make_backend
     from relax_hpc.backends.torch_backend import OptimConfig
@@ -53,7 +57,8 @@ def make(kind: str, model: str, tp: int, pp: int) -> Any:
     optim = OptimConfig(lr=1e-2, grad_clip=0.0, micro_batch_size=2, weight_decay=0.01)
     return make_backend(kind, model, optim, LossConfig(name="grpo"), dtype="float32", device="cpu",
                         temperature=1.0, teacher_path=None, opd_coef=1.0, keep_reference=False,
-                        strategy="ddp", megatron=MegatronSpec(tensor_parallel=tp, pipeline_parallel=pp))
+                        strategy="ddp", megatron=MegatronSpec(tensor_parallel=tp, pipeline_parallel=pp),
+                        routing_replay=routing_replay)
 
 
 def hf_named(backend: Any, swap: str | None = None) -> dict[str, torch.Tensor]:
@@ -76,6 +81,8 @@ def hf_named(backend: Any, swap: str | None = None) -> dict[str, torch.Tensor]:
 def scenario(name: str, args: argparse.Namespace, rank: int) -> dict[str, Any]:
     from relax_hpc.ckpt import CheckpointManager, ResumeState
 
+    if name == "replay":
+        return replay_scenario(args)
     backend = make("megatron", args.model, args.tp, args.pp)
     result: dict[str, Any] = {"routes": backend.routes, "reads_rows": backend.reads_rows}
     if name == "match":
@@ -103,6 +110,42 @@ def scenario(name: str, args: argparse.Namespace, rank: int) -> dict[str, Any]:
                              "exp_avg_sq": hf_named(backend, "exp_avg_sq")}
         result["stats"] = backend.train(samples(shift=5) if backend.reads_rows else [])
     return result
+
+
+def engine_samples(model: str) -> list[Any]:
+    """Greedy bfloat16 generations of the tiny MoE with routing recorded, as the trainer gets them:
+    through the queue's row format (sample_to_row / row_to_sample)."""
+    from relax_hpc.data.rows import row_to_sample, sample_to_row
+    from relax_hpc.data.sample import Sample
+    from relax_hpc.engines.base import SamplingParams
+    from relax_hpc.engines.native import NativeEngine
+
+    engine = NativeEngine(model, dtype="bfloat16", device="cpu", record_routing=True)
+    prompts = [[4, 13, 5, 16], [3, 16, 9], [7, 8, 9, 10, 11], [11, 12, 5, 6, 30], [20, 21], [33, 2, 17]]
+    generations = engine.generate(prompts, SamplingParams(max_new_tokens=12, temperature=1.0, top_k=1), seed=0)
+    rows = [sample_to_row(Sample(g.prompt_ids, g.token_ids, g.logprobs, 0, group_id=i // 2, prompt_index=i,
+                                 advantage=1.0 if i % 2 else -1.0, routed_experts=g.routed_experts))
+            for i, g in enumerate(generations)]
+    return [row_to_sample(row) for row in rows]
+
+
+def replay_scenario(args: argparse.Namespace) -> dict[str, Any]:
+    import dataclasses
+
+    backend = make("megatron", args.model, args.tp, args.pp, routing_replay=True)
+    routed = engine_samples(args.model)
+    free = [dataclasses.replace(s, routed_experts=None) for s in routed]
+    engine = [torch.tensor(s.rollout_log_probs) for s in routed]
+
+    def disagreement(samples: list[Any]) -> tuple[float, float]:
+        got = backend.compute_log_probs(samples)  # every rank, as the match scenario
+        diffs = torch.cat([(torch.tensor(g) - e).abs() for g, e in zip(got, engine)])
+        return diffs.mean().item(), diffs.max().item()
+
+    (replay_mean, replay_max), (free_mean, free_max) = disagreement(routed), disagreement(free)
+    stats = backend.train(routed if backend.reads_rows else [])
+    return {"replay_mean": replay_mean, "replay_max": replay_max, "free_mean": free_mean, "free_max": free_max,
+            "tokens": sum(len(s.response_ids) for s in routed), "stats": stats}
 
 
 def compare_logprobs(model: str, got: list[list[float]]) -> dict[str, Any]:
@@ -160,7 +203,7 @@ def run_rank(rank: int, args: argparse.Namespace, port: int, results: Any) -> No
 
 def main(argv: Iterator[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("scenario", choices=["match", "save", "resume"])
+    parser.add_argument("scenario", choices=["match", "save", "resume", "replay"])
     parser.add_argument("--model", required=True)
     parser.add_argument("--ranks", type=int, default=1)
     parser.add_argument("--tp", type=int, default=1)
@@ -191,7 +234,7 @@ def main(argv: Iterator[str] | None = None) -> None:
     if args.scenario == "match":
         result.update(compare_logprobs(args.model, result.pop("logprobs")))
         result.update(compare_grads(args.model, result.pop("grads"), result.pop("stats")))
-    else:
+    elif args.scenario in ("save", "resume"):
         torch.save({"tensors": result.pop("tensors"), "stats": result["stats"]}, args.out)
     print(json.dumps(result))
 

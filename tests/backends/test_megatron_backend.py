@@ -67,6 +67,25 @@ def test_log_probs_equal_hf_and_gradients_equal_the_torch_backends(
     assert abs(ours["loss/policy"]) > 1e-3  # a loss worth comparing
 
 
+def test_routing_replay_through_the_backend_agrees_better_with_the_engine(
+        megatron_python: Path, tmp_path: Path) -> None:
+    # The whole R3 path: a bfloat16 native engine records its routing, the rows carry it through
+    # the queue's row format, and the float32 MegatronBackend (built with routing replay) replays
+    # it in compute_log_probs and in a training step. TP=1: megatron-core refuses MoE with TP > 1
+    # unless sequence parallelism is on, which cannot be built on CPU (docs/backends.md).
+    import dataclasses
+
+    from relax_hpc.models.tiny_moe import TinyMoeSize, write_tiny_moe_model
+
+    moe = write_tiny_moe_model(tmp_path / "tiny-moe", seed=0, size=dataclasses.replace(TinyMoeSize(),
+                                                                                       initializer_range=0.1))
+    result = _check(megatron_python, "replay", "--model", str(moe))
+    assert result["tokens"] > 40
+    assert result["replay_mean"] < result["free_mean"], result
+    assert result["replay_max"] < result["free_max"], result
+    assert result["stats"]["grad_norm"] > 0 and result["stats"]["ratio_mean"] == pytest.approx(1.0, abs=0.05)
+
+
 @pytest.mark.parametrize(("save_at", "resume_at"), [("2", "1"), ("1", "2")], ids=["tp2-to-tp1", "tp1-to-tp2"])
 def test_a_checkpoint_reshards_with_identical_weights_moments_and_next_step(
     megatron_python: Path, tiny_model_dir: Path, tmp_path: Path, save_at: str, resume_at: str

@@ -63,6 +63,12 @@ def test_expert_parallel_needs_experts_that_split() -> None:
     assert keys(megatron(expert_parallel=2), QWEN3_4B) == ["train.megatron.expert_parallel"]
 
 
+def test_moe_under_tensor_parallelism_needs_sequence_parallelism() -> None:
+    assert keys(megatron(tensor_parallel=2), QWEN3_30B_A3B) == ["train.megatron.sequence_parallel"]
+    assert keys(megatron(tensor_parallel=2, sequence_parallel=True), QWEN3_30B_A3B) == []
+    assert keys(megatron(tensor_parallel=2), QWEN3_4B) == []  # dense: no such rule
+
+
 def test_routing_replay_needs_a_mixture_of_experts() -> None:
     changes = {**megatron(), "algorithm": {"routing_replay": True}}
     assert keys(changes, QWEN3_4B) == ["algorithm.routing_replay"]
