@@ -25,8 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -214,21 +212,9 @@ def main(argv: Iterator[str] | None = None) -> None:
     import tempfile
 
     args.result_file = os.path.join(tempfile.mkdtemp(prefix="megatron-check-"), "result.pt")
-    import torch.multiprocessing as mp
+    from megatron_ranks import run_ranks
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    ranks = [ctx.Process(target=run_rank, args=(r, args, port, results)) for r in range(args.ranks)]
-    for process in ranks:
-        process.start()
-    for process in ranks:
-        process.join()
-    codes = [process.exitcode for process in ranks]
-    if any(codes) or results.empty():
-        sys.exit(f"megatron_backend_check: ranks exited with {codes}; their tracebacks are above")
+    run_ranks("megatron_backend_check", args.ranks, run_rank, lambda rank, port, results: (rank, args, port, results))
     # Compared here, without a process group: the torch backend would join the ranks' group.
     result = torch.load(args.result_file, weights_only=False)
     if args.scenario == "match":

@@ -20,8 +20,6 @@ import argparse
 import contextlib
 import json
 import os
-import socket
-import sys
 from typing import Any
 
 import torch
@@ -161,22 +159,10 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--ep", type=int, default=1)
     args = parser.parse_args()
-    import torch.multiprocessing as mp
+    from megatron_ranks import run_ranks
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    ranks = [ctx.Process(target=run_rank, args=(r, args.tp, args.ep, port, args.model, args.engine, results))
-             for r in range(args.tp * args.ep)]
-    for process in ranks:
-        process.start()
-    for process in ranks:
-        process.join()
-    codes = [process.exitcode for process in ranks]
-    if any(codes) or results.empty():
-        sys.exit(f"megatron_replay_check: ranks exited with {codes}; their tracebacks are above")
+    results = run_ranks("megatron_replay_check", args.tp * args.ep, run_rank,
+                        lambda rank, port, results: (rank, args.tp, args.ep, port, args.model, args.engine, results))
     print(json.dumps(results.get()))
 
 
