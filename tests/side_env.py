@@ -19,6 +19,7 @@ import os
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -95,3 +96,21 @@ def side_process_env(**extra: str) -> dict[str, str]:
     env["HF_HUB_OFFLINE"] = "1"  # local model directories only
     env.update(extra)
     return env
+
+
+def run_json_script(python: Path, script: Path, *args: str, timeout_s: float) -> dict[str, Any]:
+    """Run a check script with a side environment's python (one thread per process: a script's
+    ranks are processes of their own); its last stdout line is JSON, returned. On failure the test
+    fails with the command, its stdout and the tail of its stderr."""
+    import json
+    import subprocess
+
+    command = [str(python), "-W", "ignore", str(script), *args]
+    done = subprocess.run(command, check=False, cwd=REPO, capture_output=True, text=True, timeout=timeout_s,
+                          env=side_process_env(OMP_NUM_THREADS="1"))
+    if done.returncode != 0:
+        pytest.fail(f"{' '.join(command)} exited {done.returncode}:\n{done.stdout}\n{done.stderr[-6000:]}",
+                    pytrace=False)
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    print(json.dumps(result, indent=1))  # the numbers, visible with -s or on failure
+    return result

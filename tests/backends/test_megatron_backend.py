@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 import torch
-from side_env import MEGATRON, REPO, side_process_env
+from side_env import MEGATRON, REPO, run_json_script, side_process_env
 
 CHECK_SCRIPT = Path(__file__).with_name("megatron_backend_check.py")
 TIMEOUT_S = 600  # each run is ~10-30 s alone on 2 cores; far longer beside a busy CI
@@ -37,15 +37,7 @@ def megatron_python() -> Path:
 
 
 def _check(python: Path, *args: str) -> dict[str, Any]:
-    command = [str(python), "-W", "ignore", str(CHECK_SCRIPT), *args]
-    done = subprocess.run(command, check=False, cwd=REPO, capture_output=True, text=True,
-                          timeout=TIMEOUT_S, env=side_process_env(OMP_NUM_THREADS="1"))
-    if done.returncode != 0:
-        pytest.fail(f"{' '.join(command)} exited {done.returncode}:\n{done.stdout}\n{done.stderr[-6000:]}",
-                    pytrace=False)
-    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
-    print(json.dumps(result, indent=1))  # the numbers, visible with -s or on failure
-    return result
+    return run_json_script(python, CHECK_SCRIPT, *args, timeout_s=TIMEOUT_S)
 
 
 @pytest.mark.parametrize("layout", [("--tp", "2"), ("--pp", "2")], ids=["tp2", "pp2"])

@@ -12,14 +12,13 @@ The fast tests check relax_hpc.backends.megatron_cpu in the project venv, withou
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-from side_env import MEGATRON, REPO, side_process_env
+from side_env import MEGATRON, REPO, run_json_script
 
 # fp32 Megatron (local layer spec) vs HF on the same weights; observed ~2e-7.
 TOL = 1e-5
@@ -76,13 +75,5 @@ def test_megatron_matches_hf_and_exports_exactly(
 
 
 def _run_check(python: Path, model_dir: Path, tp: int) -> dict[str, Any]:
-    command = [str(python), str(CHECK_SCRIPT), "--model", str(model_dir), "--tp", str(tp)]
-    # OMP_NUM_THREADS=1: each TP rank is its own process.
-    done = subprocess.run(command, check=False, cwd=REPO, env=side_process_env(OMP_NUM_THREADS="1"),
-                          capture_output=True, text=True, timeout=CHECK_TIMEOUT_S)
-    if done.returncode != 0:
-        output = f"{done.stdout}\n{done.stderr[-6000:]}"
-        pytest.fail(f"{' '.join(command)} exited {done.returncode}:\n{output}", pytrace=False)
-    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
-    print(json.dumps(result, indent=1))  # the numbers, visible with -s or on failure
-    return result
+    return run_json_script(python, CHECK_SCRIPT, "--model", str(model_dir), "--tp", str(tp),
+                           timeout_s=CHECK_TIMEOUT_S)

@@ -14,14 +14,12 @@ engine's routing and log-probs with or without replay. About a minute on 2 cores
 
 from __future__ import annotations
 
-import json
-import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from side_env import MEGATRON, REPO, side_process_env
+from side_env import MEGATRON, run_json_script
 
 from relax_hpc.engines.base import SamplingParams
 from relax_hpc.engines.native import NativeEngine
@@ -65,17 +63,8 @@ def _engine_samples(model_dir: Path, dtype: str, out: Path) -> Path:
 
 
 def _run_check(python: Path, model_dir: Path, engine_files: list[Path]) -> dict[str, Any]:
-    command = [str(python), str(CHECK_SCRIPT), "--model", str(model_dir)]
-    for f in engine_files:
-        command += ["--engine", str(f)]
-    done = subprocess.run(command, check=False, cwd=REPO, env=side_process_env(OMP_NUM_THREADS="1"),
-                          capture_output=True, text=True, timeout=CHECK_TIMEOUT_S)
-    if done.returncode != 0:
-        pytest.fail(f"{' '.join(command)} exited {done.returncode}:\n{done.stdout}\n{done.stderr[-6000:]}",
-                    pytrace=False)
-    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
-    print(json.dumps(result, indent=1))  # the numbers, visible with -s or on failure
-    return result
+    engines = [arg for f in engine_files for arg in ("--engine", str(f))]
+    return run_json_script(python, CHECK_SCRIPT, "--model", str(model_dir), *engines, timeout_s=CHECK_TIMEOUT_S)
 
 
 def test_replayed_routing_agrees_with_the_engine_better_than_free_routing(
