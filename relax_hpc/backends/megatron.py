@@ -303,6 +303,13 @@ class MegatronBackend:
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Whole tensors with HF names, gathered through the bridge: every rank must call it (and
         exhaust it); rank 0 gets the tensors, the others nothing."""
+        config = self.built.provider
+        if config.num_moe_experts and not config.moe_grouped_gemm:
+            raise RuntimeError(
+                "the megatron backend cannot export this mixture-of-experts model's weights to HF names: "
+                "megatron-bridge 0.3.1 converts experts only in Transformer Engine's grouped-GEMM layout, and "
+                "without Transformer Engine (as on CPU) they are one module per expert. Train MoE models with "
+                "the megatron backend where Transformer Engine is installed (GPUs), or use backend = \"torch\"")
         for name, tensor in self.built.bridge.export_hf_weights([self.built.module], cpu=True,
                                                                 show_progress=False):
             if self.rank == 0:

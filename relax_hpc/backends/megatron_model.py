@@ -128,6 +128,12 @@ def make_provider(model_path: str, spec: MegatronSpec, *, dtype: str, device: st
         if spec.recompute == "full":
             provider.recompute_method, provider.recompute_num_layers = "uniform", 1
     provider.moe_enable_routing_replay = routing_replay
+    if provider.num_moe_experts and not provider.moe_grouped_gemm and spec.expert_parallel > 1:
+        raise ValueError(
+            f"[train.megatron] expert_parallel = {spec.expert_parallel}: without Transformer Engine's grouped-GEMM "
+            "experts (as on CPU) megatron-bridge 0.3.1 does not convert split experts correctly (the model it "
+            "builds at expert_parallel = 2 disagrees with the HF model, and its export names only grouped "
+            "experts); set expert_parallel = 1 here, or run where Transformer Engine is installed")
     # The bridge turns initialization off (the HF weights overwrite it), but megatron-core marks
     # tensor-parallel parameters (``tensor_model_parallel``, ``partition_dim``) only while
     # initializing them; unmarked, every TP shard counts as a replica in gradient-norm clipping

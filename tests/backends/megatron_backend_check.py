@@ -46,7 +46,7 @@ def samples(shift: int = 0) -> list[Any]:
             for i, (p, r, a) in enumerate(zip(PROMPTS, RESPONSES, ADVANTAGES))]
 
 
-def make(kind: str, model: str, tp: int, pp: int, routing_replay: bool = False) -> Any:
+def make(kind: str, model: str, tp: int, pp: int, routing_replay: bool = False, ep: int = 1) -> Any:
     from relax_hpc.algos import LossConfig
     from relax_hpc.backends.base import make_backend
     from relax_hpc.backends.torch_backend import OptimConfig
@@ -55,7 +55,7 @@ def make(kind: str, model: str, tp: int, pp: int, routing_replay: bool = False) 
     optim = OptimConfig(lr=1e-2, grad_clip=0.0, micro_batch_size=2, weight_decay=0.01)
     return make_backend(kind, model, optim, LossConfig(name="grpo"), dtype="float32", device="cpu",
                         temperature=1.0, teacher_path=None, opd_coef=1.0, keep_reference=False,
-                        strategy="ddp", megatron=MegatronSpec(tensor_parallel=tp, pipeline_parallel=pp),
+                        strategy="ddp", megatron=MegatronSpec(tensor_parallel=tp, pipeline_parallel=pp, expert_parallel=ep),
                         routing_replay=routing_replay)
 
 
@@ -81,7 +81,7 @@ def scenario(name: str, args: argparse.Namespace, rank: int) -> dict[str, Any]:
 
     if name == "replay":
         return replay_scenario(args)
-    backend = make("megatron", args.model, args.tp, args.pp)
+    backend = make("megatron", args.model, args.tp, args.pp, ep=args.ep)
     result: dict[str, Any] = {"routes": backend.routes, "reads_rows": backend.reads_rows}
     if name == "match":
         result["logprobs"] = backend.compute_log_probs(samples())
@@ -142,7 +142,12 @@ def replay_scenario(args: argparse.Namespace) -> dict[str, Any]:
 
     (replay_mean, replay_max), (free_mean, free_max) = disagreement(routed), disagreement(free)
     stats = backend.train(routed if backend.reads_rows else [])
-    return {"replay_mean": replay_mean, "replay_max": replay_max, "free_mean": free_mean, "free_max": free_max,
+    try:
+        dict(backend.named_weights())
+        export = "exported"
+    except RuntimeError as error:
+        export = str(error)
+    return {"export": export, "replay_mean": replay_mean, "replay_max": replay_max, "free_mean": free_mean, "free_max": free_max,
             "tokens": sum(len(s.response_ids) for s in routed), "stats": stats}
 
 
@@ -206,6 +211,7 @@ def main(argv: Iterator[str] | None = None) -> None:
     parser.add_argument("--ranks", type=int, default=1)
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--ep", type=int, default=1)
     parser.add_argument("--ckpt")
     parser.add_argument("--out")
     args = parser.parse_args(None if argv is None else list(argv))
