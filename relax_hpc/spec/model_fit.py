@@ -46,6 +46,11 @@ class ModelShape:
     head_dim: int = 0  # 0: hidden // heads
 
     @property
+    def expert_parameters(self) -> int:
+        """The routed experts' share of `parameters` (what expert parallelism splits)."""
+        return self.layers * self.experts * 3 * self.hidden * self.expert_intermediate
+
+    @property
     def parameters(self) -> int:
         """Approximate parameter count (attention, MLP or experts, embeddings; norms ignored)."""
         head_dim = self.head_dim or self.hidden // self.heads
@@ -140,19 +145,26 @@ def model_fit_problems(spec: JobSpec, shape: ModelShape) -> list[SpecProblem]:
 
 
 def memory_estimate(spec: JobSpec, shape: ModelShape) -> dict[str, float]:
-    """GiB per GPU: trainer weights + gradients + Adam state, and an engine's weights."""
+    """GiB per GPU: trainer weights + gradients + Adam state, and an engine's weights.
+
+    With the distributed optimizer the Adam part is split over the data-parallel ranks (for the
+    experts, Megatron splits it over their own data-parallel group; taken as the same here)."""
     params = shape.parameters
     weight_bytes = _DTYPE_BYTES[spec.model.dtype]
     model_split = 1
     optimizer_split = 1
+    per_rank = float(params)
     if spec.train.backend == "megatron":
         mg = spec.train.megatron
         model_split = mg.tensor_parallel * mg.pipeline_parallel
         data_parallel = max(spec.train.num_processes // (model_split * mg.context_parallel), 1)
         optimizer_split = data_parallel if mg.distributed_optimizer else 1
+        # Experts are split over expert_parallel ranks too (their tensor-parallel size is TP's).
+        per_rank = (params - shape.expert_parameters) / model_split + \
+            shape.expert_parameters / (model_split * mg.expert_parallel)
     elif spec.train.strategy == "fsdp2":
-        model_split = spec.train.num_processes
-    trainer = params / model_split * (weight_bytes + _TRAIN_STATE_BYTES / optimizer_split)
+        per_rank = params / spec.train.num_processes
+    trainer = per_rank * (weight_bytes + _TRAIN_STATE_BYTES / optimizer_split)
     engine_split = spec.rollout.sglang.tp_size if spec.rollout.engine == "sglang" else 1
     return {"parameters_billion": params / 1e9, "trainer_gib_per_gpu": trainer / _GIB,
             "engine_weights_gib_per_gpu": params * weight_bytes / engine_split / _GIB}

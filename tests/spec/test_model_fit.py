@@ -99,6 +99,15 @@ def test_memory_estimate_divides_by_model_and_optimizer_splits() -> None:
     assert split["trainer_gib_per_gpu"] == pytest.approx(shape.parameters / 2 * (2 + 16 / 4) / 1024**3)
 
 
+def test_memory_estimate_splits_experts_over_expert_parallel_ranks() -> None:
+    shape = shape_from_config(QWEN3_30B_A3B)
+    assert 29e9 < shape.parameters < 31.5e9 and shape.expert_parameters > 0.9 * shape.parameters
+    spec = parse_spec(spec_with({"model": {"dtype": "bfloat16"}, **megatron(expert_parallel=8)}))
+    dense = shape.parameters - shape.expert_parameters
+    want = (dense + shape.expert_parameters / 8) * 18 / 1024**3
+    assert memory_estimate(spec, shape)["trainer_gib_per_gpu"] == pytest.approx(want)
+
+
 def test_check_reads_config_json_or_waits_for_the_run(tmp_path: Path) -> None:
     spec = parse_spec(spec_with({**megatron(pipeline_parallel=8), "model": {"path": str(tmp_path)}}))
     assert check_model_fit(spec, "x.toml") is None  # no config.json here yet: checked at run time
