@@ -1,0 +1,58 @@
+"""One call for the dataset loader: a media cell -> canonical, model-fitted `MediaItem`s.
+
+    items = load_media(row["image"], "image", base_dir=data_file.parent, geometry=geom, limits=limits)
+
+A cell is one value or a list of them (see `relax_hpc.media.sources` for the forms a value may
+take); `None` means the row has no media of this kind. Each value becomes one item, read,
+decoded and fitted to `geometry`. A bad value raises `MediaError`, whose detail names the value.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from relax_hpc.media.canonical import Geometry, fit_audio, fit_image, fit_video
+from relax_hpc.media.decode import decode_audio, decode_image, decode_video
+from relax_hpc.media.items import MEDIA_ORDER, MediaError, MediaItem, MediaKind
+from relax_hpc.media.sources import read_source
+from relax_hpc.spec.schema import DataSpec
+
+
+@dataclass(frozen=True)
+class MediaLimits:
+    max_bytes: int = DataSpec.max_media_bytes  # per file, checked before reading it
+    video_fps: float = DataSpec.video_fps  # frames per second sampled from a video
+    max_frames: int = DataSpec.max_frames  # per video, by uniform subsampling of the whole clip
+    max_seconds: float = DataSpec.max_media_seconds  # per video or audio clip
+
+
+def load_media(
+    cell: object, kind: MediaKind, *, base_dir: Path, geometry: Geometry, limits: MediaLimits = MediaLimits()
+) -> list[MediaItem]:
+    if kind not in MEDIA_ORDER:
+        raise ValueError(f"media kind {kind!r} is not one of {', '.join(MEDIA_ORDER)}")
+    if cell is None:
+        return []
+    if isinstance(cell, np.ndarray) and cell.dtype == object:  # a list column read through pandas
+        cell = cell.tolist()
+    values = cell if isinstance(cell, (list, tuple)) else [cell]
+    return [_load_one(value, kind, base_dir=base_dir, geometry=geometry, limits=limits) for value in values]
+
+
+def _load_one(value: object, kind: MediaKind, *, base_dir: Path, geometry: Geometry, limits: MediaLimits) -> MediaItem:
+    data, name = read_source(value, base_dir=base_dir, max_bytes=limits.max_bytes)
+    try:
+        if kind == "image":
+            return MediaItem("image", fit_image(decode_image(data), geometry))
+        if kind == "video":
+            frames, fps = decode_video(
+                data, fps=limits.video_fps, max_frames=limits.max_frames, max_seconds=limits.max_seconds
+            )
+            return MediaItem("video", fit_video(frames, geometry), rate=fps)
+        wave = decode_audio(data, sample_rate=geometry.audio_rate, max_seconds=limits.max_seconds)
+        return MediaItem("audio", fit_audio(wave, geometry.audio_rate, geometry), rate=float(geometry.audio_rate))
+    except MediaError as e:
+        raise MediaError(e.reason, f"{name}: {e.detail}" if e.detail else name) from e
