@@ -3,7 +3,8 @@
     relax-hpc run SPEC          train on this machine (local Ray cluster); resumes from checkpoints
     relax-hpc validate SPEC     check a spec; exit 0, or print every problem and exit 2
     relax-hpc show SPEC         print the fully resolved spec (every default filled in)
-    relax-hpc make-tiny DIR     write the tiny Qwen3-architecture model + tokenizer
+    relax-hpc make-tiny DIR     write the tiny Qwen3-architecture model + tokenizer (--kind vl|omni:
+                                a tiny Qwen2.5/3-VL or Qwen2.5/3-Omni with processor configs)
     relax-hpc plot JOBDIR       (re)draw JOBDIR/reward_curve.png from JOBDIR/metrics.jsonl
     relax-hpc inspect JOBDIR    per-step summaries (and example samples) of the trajectory archive
     relax-hpc serve-engine DIR  serve a model over HTTP (SGLang's /generate subset); prints the URL
@@ -17,6 +18,7 @@ so an installed wheel runs `relax-hpc run tiny_local` from any directory (relax_
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 from typing import Callable
@@ -24,6 +26,7 @@ from typing import Callable
 from relax_hpc.jobspecs import resolve_spec_path, with_embedded_inputs
 from relax_hpc.launch import commands as slurm_commands
 from relax_hpc.launch.slurm_client import SlurmError
+from relax_hpc.models.tiny_mm import TINY_MM_ARCHS, is_omni, write_tiny_multimodal
 from relax_hpc.spec import SpecError, load_spec, spec_to_toml
 from relax_hpc.spec.model_fit import check_model_fit, memory_estimate
 
@@ -72,11 +75,36 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+TINY_DEFAULT_ARCH = {"vl": "qwen2_5_vl", "omni": "qwen3_omni"}
+
+
+def _tiny_arch(kind: str | None, arch: str | None) -> str | None:
+    """The multimodal arch `make-tiny` writes (None: the text model); --arch must match --kind."""
+    if arch is None:
+        return TINY_DEFAULT_ARCH.get(kind or "text")
+    arch_kind = "omni" if is_omni(arch) else "vl"
+    if kind not in (None, arch_kind):
+        instead = "the tiny text model" if kind == "text" else f"--kind {kind}'s default ({TINY_DEFAULT_ARCH[kind]})"
+        raise ValueError(f"--arch {arch} is of --kind {arch_kind}, not {kind}; pass --kind {arch_kind}, "
+                         f"or leave --arch out for {instead}")
+    return arch
+
+
 def _cmd_make_tiny(args: argparse.Namespace) -> int:
+    from safetensors import safe_open
+
     from relax_hpc.models.tiny import write_tiny_model
 
-    out = write_tiny_model(Path(args.dir), seed=args.seed)
-    print(f"wrote the tiny model to {out}")
+    arch = _tiny_arch(args.kind, args.arch)
+    if arch is None:
+        out = write_tiny_model(Path(args.dir), seed=args.seed)
+        print(f"wrote the tiny model to {out}")
+        return 0
+    out = write_tiny_multimodal(Path(args.dir), arch, seed=args.seed)
+    with safe_open(str(out / "model.safetensors"), "pt") as weights:
+        params = sum(math.prod(weights.get_slice(name).get_shape()) for name in weights.keys())
+    size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
+    print(f"wrote the tiny {arch} model to {out} ({_count(params)} parameters, {size / 1024:.0f} KiB)")
     return 0
 
 
@@ -202,8 +230,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("spec")
     p.set_defaults(func=_cmd_show)
 
-    p = sub.add_parser("make-tiny", help="write a tiny Qwen3-architecture model + tokenizer to DIR")
+    p = sub.add_parser("make-tiny", help="write a tiny Qwen3-architecture model + tokenizer to DIR "
+                                         "(--kind vl|omni: a tiny multimodal one)")
     p.add_argument("dir")
+    p.add_argument("--kind", choices=("text", "vl", "omni"), default=None,
+                   help="text: the tiny Qwen3 text model (default, unless --arch says otherwise); vl: a vision-language model "
+                        f"(default --arch {TINY_DEFAULT_ARCH['vl']}); omni: the full omni model, audio "
+                        f"and vision in, text out (default --arch {TINY_DEFAULT_ARCH['omni']})")
+    p.add_argument("--arch", choices=TINY_MM_ARCHS, default=None,
+                   help="the multimodal architecture; must be one of --kind's")
     p.add_argument("--seed", type=int, default=1, help="initialisation seed (default 1)")
     p.set_defaults(func=_cmd_make_tiny)
 

@@ -17,6 +17,7 @@ import json
 import shutil
 import string
 import tempfile
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,22 +52,28 @@ class TinyModelSize:
     max_position_embeddings: int = 256
 
 
-def build_tokenizer_json() -> str:
-    """Return the text of a character-level tokenizer.json built with the `tokenizers` library."""
+def build_tokenizer_json(extra_specials: Sequence[str] = ()) -> str:
+    """Return the text of a character-level tokenizer.json built with the `tokenizers` library.
+
+    `extra_specials` (the multimodal placeholders of `relax_hpc.models.tiny_mm`) take the ids after
+    the alphabet, so every character keeps the id it has in the text model.
+    """
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
     for ch in ALPHABET:
         vocab[ch] = len(vocab)
+    for special in extra_specials:
+        vocab[special] = len(vocab)
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=PAD_TOKEN))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()
-    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    tok.add_special_tokens([*SPECIAL_TOKENS, *extra_specials])
     return tok.to_str()
 
 
-def vocab_size() -> int:
-    return len(SPECIAL_TOKENS) + len(ALPHABET)
+def vocab_size(extra_specials: Sequence[str] = ()) -> int:
+    return len(SPECIAL_TOKENS) + len(ALPHABET) + len(extra_specials)
 
 
 def write_tiny_model(out_dir: Path, seed: int = 0, size: TinyModelSize = TinyModelSize()) -> Path:
@@ -110,11 +117,21 @@ def refuse_existing(out_dir: Path) -> Path:
 
 
 def save_model_dir(
-    model: torch.nn.Module, out_dir: Path, max_positions: int, extra_config: dict[str, Any] | None = None
+    model: torch.nn.Module,
+    out_dir: Path,
+    max_positions: int,
+    extra_config: dict[str, Any] | None = None,
+    *,
+    tokenizer_json: str | None = None,
+    tokenizer_config_extra: Mapping[str, Any] | None = None,
+    extra_files: Mapping[str, str] | None = None,
 ) -> Path:
     """Save `model` with the character-level tokenizer to `out_dir`: written to a temporary
     directory beside it, then renamed, so a crash never leaves a half-written model.
-    `extra_config`: keys added to the saved config.json."""
+    `extra_config`: keys added to the saved config.json. The multimodal models pass their own
+    `tokenizer_json` (default: `build_tokenizer_json()`), keys that replace or extend those of
+    tokenizer_config.json (chat template, placeholder tokens), and `extra_files` (name -> text,
+    e.g. the processor configs) to write into the same directory before the rename."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
@@ -122,7 +139,7 @@ def save_model_dir(
         if extra_config:
             config = json.loads((tmp / "config.json").read_text())
             (tmp / "config.json").write_text(json.dumps(config | extra_config, indent=2, sort_keys=True))
-        (tmp / "tokenizer.json").write_text(build_tokenizer_json())
+        (tmp / "tokenizer.json").write_text(build_tokenizer_json() if tokenizer_json is None else tokenizer_json)
         tokenizer_config = {
             "tokenizer_class": "PreTrainedTokenizerFast",
             "model_max_length": max_positions,
@@ -132,7 +149,9 @@ def save_model_dir(
             "unk_token": PAD_TOKEN,
             "chat_template": CHAT_TEMPLATE,
             "clean_up_tokenization_spaces": False,
-        }
+        } | dict(tokenizer_config_extra or {})
+        for name, text in (extra_files or {}).items():
+            (tmp / name).write_text(text)
         (tmp / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
         tmp.rename(out_dir)
     except BaseException:
