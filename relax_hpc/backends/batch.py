@@ -18,6 +18,7 @@ from typing import Any, Callable
 import torch
 
 from relax_hpc.data.sample import Sample
+from relax_hpc.media.items import PromptMedia
 
 
 @dataclass
@@ -32,22 +33,26 @@ class TrainBatch:
     ref_log_probs: torch.Tensor | None = None  # [B, L-1] from Reference, when that role runs
     # [B, L, layers, top_k]: the engine's routed experts of every row (routing replay), else None
     routed_experts: torch.Tensor | None = None
+    # Per row, its prompt's canonical media (a multimodal model), else None: the trainer builds
+    # the media tensors and M-RoPE positions of each micro-batch from them (relax_hpc.media)
+    media: tuple[PromptMedia | None, ...] | None = None
 
     def __len__(self) -> int:
         return self.input_ids.size(0)
 
-    def _map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "TrainBatch":
+    def _map(self, fn: Callable[[torch.Tensor], torch.Tensor],
+             media: tuple[PromptMedia | None, ...] | None) -> "TrainBatch":
         return TrainBatch(*(None if t is None else fn(t) for t in (
             self.input_ids, self.attention_mask, self.targets, self.loss_mask,
             self.rollout_log_probs, self.advantages, self.old_log_probs, self.ref_log_probs,
             self.routed_experts,
-        )))
+        )), media=media)
 
     def slice(self, start: int, stop: int) -> "TrainBatch":
-        return self._map(lambda t: t[start:stop])
+        return self._map(lambda t: t[start:stop], None if self.media is None else self.media[start:stop])
 
     def to(self, device: torch.device) -> "TrainBatch":
-        return self._map(lambda t: t.to(device))
+        return self._map(lambda t: t.to(device), self.media)
 
 
 def pack_samples(samples: list[Sample], pad_id: int) -> TrainBatch:
@@ -76,8 +81,9 @@ def pack_samples(samples: list[Sample], pad_id: int) -> TrainBatch:
 
         routes = pack_routes([s.routed_experts for s in samples],  # type: ignore[misc]
                              [len(s.prompt_ids) + len(s.response_ids) for s in samples], length)
+    media = tuple(s.media for s in samples) if any(s.media is not None for s in samples) else None
     return TrainBatch(input_ids, attention, input_ids[:, 1:].clone(), loss_mask, rollout_lp, advantages,
-                      old_lp, ref_lp, routes)
+                      old_lp, ref_lp, routes, media)
 
 
 def _per_token(samples: list[Sample], length: int,
@@ -135,7 +141,16 @@ def pack_rows(rows: Sequence[Mapping[str, Any]], pad_id: int) -> TrainBatch:
         input_ids, attention.long(), input_ids[:, 1:].clone(), per_token("loss_mask"),
         per_token("rollout_log_probs"), advantages,
         optional(OLD_LOG_PROBS_FIELD), optional(REF_LOG_PROBS_FIELD), _routes_of(rows, input_ids.shape[1]),
+        _media_of(rows),
     )
+
+
+def _media_of(rows: Sequence[Mapping[str, Any]]) -> tuple[PromptMedia | None, ...] | None:
+    """Each row's media (relax_hpc.data.rows.MEDIA_FIELDS), or None when no row carries any."""
+    from relax_hpc.data.rows import media_from_fields
+
+    media = tuple(media_from_fields(dict(row)) for row in rows)
+    return media if any(m is not None for m in media) else None
 
 
 def _routes_of(rows: Sequence[Mapping[str, Any]], width: int) -> torch.Tensor | None:

@@ -58,6 +58,18 @@ from relax_hpc.models.hf import load_tokenizer
 from relax_hpc.spec.schema import MegatronSpec
 
 
+def refuse_multimodal(model_path: str | Path) -> None:
+    """The Megatron backend builds the language model only (no vision or audio tower)."""
+    from relax_hpc.models.hf import is_multimodal
+
+    if (Path(model_path) / "config.json").is_file() and is_multimodal(model_path):
+        raise ValueError(
+            f"{model_path} is a multimodal model, and the Megatron backend has no vision or audio towers yet; "
+            'set [train] backend = "torch" (with strategy = "fsdp2" to shard a large model) to train it '
+            "(docs/multimodal.md)"
+        )
+
+
 class MegatronBackend:
     """A ``TrainBackend`` on megatron-core; see the module docstring."""
 
@@ -67,6 +79,7 @@ class MegatronBackend:
         teacher_path: str | Path | None = None, opd_coef: float = 1.0, keep_reference: bool = True,
         seed: int = 0, routing_replay: bool = False,
     ) -> None:
+        refuse_multimodal(model_path)
         self.device = torch.device(device)
         world = dist.get_world_size() if dist.is_initialized() else 1
         self.rank = dist.get_rank() if dist.is_initialized() else 0

@@ -18,7 +18,7 @@ import copy
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, TypeVar
+from typing import Any, Callable, Iterable, Iterator, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -36,7 +36,7 @@ from relax_hpc.backends.batch import TrainBatch, pack_samples
 from relax_hpc.backends.parallel import STRATEGIES, Strategy, full_weights, shard_model
 from relax_hpc.ckpt import CheckpointManager, ResumeState
 from relax_hpc.data.sample import Sample
-from relax_hpc.models.hf import load_causal_lm, load_tokenizer
+from relax_hpc.models.hf import is_multimodal, load_policy_model, load_tokenizer
 from relax_hpc.spec.schema import TrainSpec
 
 T = TypeVar("T")
@@ -111,8 +111,11 @@ class TorchBackend:
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy={strategy!r}: use one of {', '.join(STRATEGIES)} ([train] strategy)")
         self.device = torch.device(device)
-        self.model = load_causal_lm(model_path, dtype=dtype, device=device)
+        self.model = load_policy_model(model_path, dtype=dtype, device=device)
         self.model.train()
+        # A multimodal model: each micro-batch's media tensors and M-RoPE positions are built
+        # from its rows' canonical media, exactly as the engine builds them for the prompt.
+        self.media_processor = _media_processor(model_path) if is_multimodal(model_path) else None
         # Dropout would make recomputed log-probs differ from the engine's. The attention modules
         # copy the rate from the config when they are built, so the config alone is not enough.
         self.model.config.attention_dropout = 0.0
@@ -130,7 +133,10 @@ class TorchBackend:
         # On-policy distillation: a frozen teacher whose log-probs shape the per-token advantage.
         self.teacher: torch.nn.Module | None = None
         if teacher_path is not None:
-            self.teacher = load_causal_lm(teacher_path, dtype=dtype, device=device).eval().requires_grad_(False)
+            if is_multimodal(teacher_path):
+                raise ValueError("on-policy distillation from a multimodal teacher is not supported yet; "
+                                 "use a text-only teacher model")
+            self.teacher = load_policy_model(teacher_path, dtype=dtype, device=device).eval().requires_grad_(False)
         self.opd_coef = opd_coef
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         # One process has nothing to shard: fsdp2 then trains the whole model, as ddp does.
@@ -146,8 +152,21 @@ class TorchBackend:
     # -- log-probs -----------------------------------------------------------------------------
 
     def _logprobs(self, model: torch.nn.Module, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+        extra = self._media_kwargs(model, batch) if model is not self.teacher else {}
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, **extra).logits
+        if extra:  # the engine never samples media markup (MediaProcessor.mask_markup)
+            logits = self.media_processor.mask_markup(logits)
         return token_logprobs_and_entropy(logits[:, :-1], batch.targets, self.temperature)
+
+    def _media_kwargs(self, model: torch.nn.Module, batch: TrainBatch) -> dict[str, Any]:
+        if self.media_processor is None:
+            return {}
+        from relax_hpc.media.positions import forward_kwargs
+
+        media = batch.media if batch.media is not None else (None,) * len(batch)
+        kwargs = forward_kwargs(model, self.media_processor, batch.input_ids.cpu(), batch.attention_mask.cpu(),
+                                self.media_processor.batch_media(media))
+        return {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
 
     def _advantages(self, micro: TrainBatch, logp: torch.Tensor) -> torch.Tensor:
         """Per-sequence advantages, or per-token ones with the teacher's pull under OPD."""
@@ -429,3 +448,9 @@ class TorchBackend:
 
     def load_checkpoint(self, manager: CheckpointManager) -> ResumeState | None:
         return manager.load_latest(self.model, self.optimizer)
+
+
+def _media_processor(model_path: str | Path) -> Any:
+    from relax_hpc.media.processor import MediaProcessor
+
+    return MediaProcessor(model_path)

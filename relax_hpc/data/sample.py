@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from relax_hpc.media.items import PromptMedia
+
 
 @dataclass
 class Sample:
@@ -34,6 +36,8 @@ class Sample:
     ref_log_probs: list[float] | None = None  # written by Reference: for the KL loss
     # Routing replay (R3): the experts the engine routed each fed token to, [P + R - 1, layers, top_k]
     routed_experts: torch.Tensor | None = None
+    # The prompt's images / videos / audios (canonical, relax_hpc.media.items); None: a text model
+    media: PromptMedia | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
 
     @property

@@ -22,7 +22,7 @@ import json
 import time
 import urllib.error
 import urllib.request
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 import torch
 
@@ -174,8 +174,12 @@ class HttpEngine:
         return body
 
     def generate(
-        self, prompts: list[list[int]], params: SamplingParams, seed: int | None = None
+        self, prompts: list[list[int]], params: SamplingParams, seed: int | None = None,
+        media: Sequence[Any] | None = None,
     ) -> list[Generation]:
+        if media is not None and any(media):
+            raise ValueError("an engine reached over HTTP does not take images, video or audio from relax-hpc "
+                             'yet; run the native engine in the job ([rollout] engine = "native")')
         if not prompts:
             return []
         request = {

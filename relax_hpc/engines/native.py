@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import Iterable
+from typing import Any, Iterable, Sequence
 
 import torch
 
@@ -20,7 +20,8 @@ from relax_hpc.engines.call_gate import CallGate
 from relax_hpc.engines.lean_decoder import LeanDecoder
 from relax_hpc.engines.routed_experts import RoutingRecorder, assemble_routes, expert_index_dtype
 from relax_hpc.engines.sampling import sample_next
-from relax_hpc.models.hf import load_causal_lm, load_tokenizer
+from relax_hpc.media.items import PromptMedia
+from relax_hpc.models.hf import is_multimodal, load_policy_model, load_tokenizer
 from relax_hpc.weights.flat import FlatWeights, bind_module, copy_into_module
 
 
@@ -35,8 +36,10 @@ class NativeEngine:
         without the HF forward's per-token overhead); False: always the HF forward.
         `record_routing`: return each generation's `routed_experts` (routing replay; a
         mixture-of-experts model only). Off, no hook is installed."""
-        self.model = load_causal_lm(model_path, dtype=dtype, device=device).eval()
+        self.model = load_policy_model(model_path, dtype=dtype, device=device).eval()
         self.lean = lean
+        # A multimodal model: media prefill through the model's own encoders, M-RoPE positions.
+        self.media_processor = _media_processor(model_path) if is_multimodal(model_path) else None
         # Checked here, so a dense model with routing replay on fails at start-up.
         self.record_routing = record_routing and RoutingRecorder(self.model).num_layers > 0
         self.tokenizer = load_tokenizer(model_path)
@@ -125,10 +128,18 @@ class NativeEngine:
         self._dropped = {}
 
     def generate(
-        self, prompts: list[list[int]], params: SamplingParams, seed: int | None = None
+        self, prompts: list[list[int]], params: SamplingParams, seed: int | None = None,
+        media: Sequence[PromptMedia | None] | None = None,
     ) -> list[Generation]:
+        """`media[i]`: prompt i's images / videos / audios, its placeholders already expanded in
+        `prompts[i]` (relax_hpc.media.processor.MediaProcessor.expand)."""
+        if media is not None and len(media) != len(prompts):
+            raise ValueError(f"generate got {len(prompts)} prompts but {len(media)} media entries")
+        if media is not None and any(media) and self.media_processor is None:
+            raise ValueError("this engine's model is text-only and cannot read images, video or audio; "
+                             "point [model] path at a multimodal model or unset the [data] media keys")
         with self._gate.admit(self._check_ready):
-            return self._generate(prompts, params, seed)
+            return self._generate(prompts, params, seed, media)
 
     def _check_ready(self) -> None:
         if self._released:
@@ -138,7 +149,8 @@ class NativeEngine:
                                "install new weights (update_weights or bind_weights) before generate()")
 
     def _generate(
-        self, prompts: list[list[int]], params: SamplingParams, seed: int | None
+        self, prompts: list[list[int]], params: SamplingParams, seed: int | None,
+        media: Sequence[PromptMedia | None] | None = None,
     ) -> list[Generation]:
         if not prompts:
             return []
@@ -152,7 +164,7 @@ class NativeEngine:
         recorder = RoutingRecorder(self.model) if self.record_routing else None
         routes: list[torch.Tensor] = []
         with torch.inference_mode(), recorder or contextlib.nullcontext():
-            tokens, logprobs, finish = self._decode(prompts, params, stop_ids, generator, recorder, routes)
+            tokens, logprobs, finish = self._decode(prompts, params, stop_ids, generator, recorder, routes, media)
         version = self._version
         routed: list[torch.Tensor | None] = [None] * len(prompts)
         if recorder is not None:
@@ -176,6 +188,7 @@ class NativeEngine:
         generator: torch.Generator | None,
         recorder: RoutingRecorder | None,
         routes: list[torch.Tensor],
+        media: Sequence[PromptMedia | None] | None = None,
     ) -> tuple[list[list[int]], list[list[float]], list[str]]:
         """Sample up to `max_new_tokens` per prompt. With a `recorder`, `routes` gets the prefill's
         routing ``[batch, width, layers, k]``, then one ``[batch, 1, layers, k]`` per decode step."""
@@ -190,24 +203,32 @@ class NativeEngine:
             attention[i, width - len(p):] = 1
         input_ids, attention = input_ids.to(self.device), attention.to(self.device)
         positions = (attention.cumsum(-1) - 1).clamp(min=0)
+        extra: dict[str, Any] = {}
+        if self.media_processor is not None:
+            extra = self._media_inputs(input_ids, attention, media or [None] * batch)
+            positions = extra["position_ids"]  # (3, B, L): M-RoPE
         # The recorder hooks the HF routers, which only the HF forward runs.
-        use_lean = self.lean and recorder is None and LeanDecoder.supports(self.model)
+        use_lean = self.lean and recorder is None and not extra and LeanDecoder.supports(self.model)
         lean = LeanDecoder(self.model) if use_lean else None
         if lean is not None:
             logits = lean.prefill(input_ids, attention, positions, params.max_new_tokens)
         else:
+            kwargs = {"position_ids": positions, **extra}
             out = self.model(
-                input_ids=input_ids, attention_mask=attention, position_ids=positions,
-                past_key_values=DynamicCache(), use_cache=True,
+                input_ids=input_ids, attention_mask=attention, past_key_values=DynamicCache(), use_cache=True,
+                **kwargs,
             )
             logits = out.logits[:, -1, :]
+        markup = self.media_processor.mask_markup if self.media_processor is not None else None
+        if markup is not None:
+            logits = markup(logits)
         if recorder is not None:
             routes.append(recorder.take(batch, width))
         tokens: list[list[int]] = [[] for _ in range(batch)]
         logprobs: list[list[float]] = [[] for _ in range(batch)]
         finish = ["length"] * batch
         done = torch.zeros(batch, dtype=torch.bool)
-        next_pos = positions[:, -1:] + 1
+        next_pos = positions[..., -1:] + 1  # text after the prompt: one step on every M-RoPE axis
         for _ in range(params.max_new_tokens):
             new, new_lp = sample_next(logits, params.temperature, params.top_k, params.top_p, generator)
             new_cpu, lp_cpu = new.cpu().tolist(), new_lp.cpu().tolist()
@@ -230,10 +251,22 @@ class NativeEngine:
                     past_key_values=out.past_key_values, use_cache=True,
                 )
                 logits = out.logits[:, -1, :]
+            if markup is not None:
+                logits = markup(logits)
             if recorder is not None:
                 routes.append(recorder.take(batch, 1))
             next_pos = next_pos + 1
         return tokens, logprobs, finish
+
+    def _media_inputs(
+        self, input_ids: torch.Tensor, attention: torch.Tensor, media: Sequence[PromptMedia | None]
+    ) -> dict[str, Any]:
+        from relax_hpc.media.positions import forward_kwargs
+
+        assert self.media_processor is not None
+        batch_media = self.media_processor.batch_media(media)
+        kwargs = forward_kwargs(self.model, self.media_processor, input_ids.cpu(), attention.cpu(), batch_media)
+        return {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
 
     def _hit_stop_string(self, token_ids: list[int], stop: tuple[str, ...]) -> bool:
         if not stop:
@@ -244,6 +277,12 @@ class NativeEngine:
         window = max(16, 4 * max(len(s) for s in stop))
         tail = self.tokenizer.decode(token_ids[-window:], skip_special_tokens=False)
         return any(s in tail for s in stop)
+
+
+def _media_processor(model_path: str | Path) -> Any:
+    from relax_hpc.media.processor import MediaProcessor
+
+    return MediaProcessor(model_path)
 
 
 def _nbytes(tensors: list[torch.Tensor]) -> int:

@@ -29,6 +29,7 @@ from typing import Any, Hashable, Iterable, Protocol, Sequence
 import torch
 
 from relax_hpc.engines.base import EngineGone, Generation, RolloutEngine, SamplingParams
+from relax_hpc.media.items import PromptMedia
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +42,8 @@ class EngineClient(Protocol):
 
     id: str
 
-    def submit(self, prompts: list[list[int]], params: SamplingParams, seed: int | None) -> Future: ...
+    def submit(self, prompts: list[list[int]], params: SamplingParams, seed: int | None,
+               media: Sequence[PromptMedia | None] | None = None) -> Future: ...
 
     def share(self, named_tensors: list[tuple[str, torch.Tensor]]) -> Any:
         """The form of a weight update every client of this kind can load (made once per update)."""
@@ -68,8 +70,11 @@ class LocalEngineClient:
     def weight_version(self) -> int:
         return self.engine.weight_version
 
-    def submit(self, prompts: list[list[int]], params: SamplingParams, seed: int | None) -> Future:
-        return self._thread.submit(self.engine.generate, prompts, params, seed)
+    def submit(self, prompts: list[list[int]], params: SamplingParams, seed: int | None,
+               media: Sequence[PromptMedia | None] | None = None) -> Future:
+        if media is None:  # engines without media support take the text-only call
+            return self._thread.submit(self.engine.generate, prompts, params, seed)
+        return self._thread.submit(self.engine.generate, prompts, params, seed, media=media)
 
     def share(self, named_tensors: list[tuple[str, torch.Tensor]]) -> Any:
         return named_tensors
@@ -151,19 +156,23 @@ class EngineRouter:
     # -- generation ------------------------------------------------------------------------------
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int | None = None,
-                 group_size: int = 1, sessions: Sequence[Hashable] | None = None) -> list[Generation]:
+                 group_size: int = 1, sessions: Sequence[Hashable] | None = None,
+                 media: Sequence[PromptMedia | None] | None = None) -> list[Generation]:
         """Answers to `prompts`, in order. `group_size` consecutive prompts form a group, which
         stays on one engine; `sessions` (one key per prompt) pins each session to one engine.
-        One live engine gets the whole call, with `seed` as given (the single-engine run)."""
+        One live engine gets the whole call, with `seed` as given (the single-engine run).
+        `media`: each prompt's images / videos / audios (a multimodal model), travelling with it."""
         if not prompts:
             return []
+        if media is not None and len(media) != len(prompts):
+            raise ValueError(f"generate got {len(prompts)} prompts but {len(media)} media entries")
         chunks = self._plan(len(prompts), group_size, sessions)
         results: list[list[Generation] | None] = [None] * len(chunks)
         todo = collections.deque(chunks)
         running: dict[Future, tuple[_Chunk, int]] = {}
         try:
             while todo or running:
-                self._dispatch(todo, running, prompts, params, seed, len(chunks))
+                self._dispatch(todo, running, prompts, params, seed, len(chunks), media)
                 if not running:
                     raise self._no_engine_left(len(prompts))
                 done, _ = concurrent.futures.wait(running, return_when=concurrent.futures.FIRST_COMPLETED)
@@ -232,7 +241,8 @@ class EngineRouter:
         return min(live, key=lambda k: (self.engines[k].sessions, self.engines[k].samples, k))
 
     def _dispatch(self, todo: collections.deque, running: dict, prompts: list[list[int]],
-                  params: SamplingParams, seed: int | None, chunk_count: int) -> None:
+                  params: SamplingParams, seed: int | None, chunk_count: int,
+                  media: Sequence[PromptMedia | None] | None = None) -> None:
         """Hand queued chunks to idle live engines (a session chunk only to its engine)."""
         for _ in range(len(todo)):
             chunk = todo.popleft()
@@ -251,7 +261,11 @@ class EngineRouter:
             engine = self.engines[k]
             engine.busy = True
             chunk_seed = seed if seed is None or chunk_count == 1 else seed * 1_000 + chunk.index
-            future = engine.client.submit([prompts[r] for r in chunk.rows], params, chunk_seed)
+            chunk_prompts = [prompts[r] for r in chunk.rows]
+            if media is None:  # a text-only call: clients without media support take it too
+                future = engine.client.submit(chunk_prompts, params, chunk_seed)
+            else:
+                future = engine.client.submit(chunk_prompts, params, chunk_seed, [media[r] for r in chunk.rows])
             running[future] = (chunk, k)
 
     def _bury(self, k: int, error: BaseException, prompts: int) -> None:

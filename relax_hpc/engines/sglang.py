@@ -26,7 +26,7 @@ import shutil
 import tempfile
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -38,6 +38,15 @@ from relax_hpc.engines.sglang_weights import WeightPush
 from relax_hpc.models.hf import load_tokenizer
 
 __all__ = ["SGLangEngine"]
+
+
+def refuse_media(media: Sequence[Any] | None) -> None:
+    """Prompts with images, video or audio do not reach an SGLang server from relax-hpc yet."""
+    if media is not None and any(media):
+        raise ValueError(
+            "the SGLang engine does not pass images, video or audio to its servers yet; "
+            'set [rollout] engine = "native" for a multimodal data set (docs/multimodal.md)'
+        )
 
 
 class SGLangEngine:
@@ -107,11 +116,14 @@ class SGLangEngine:
                 f"{self.model_path}") from e
 
     def generate(
-        self, prompts: list[list[int]], params: SamplingParams, seed: int | None = None
+        self, prompts: list[list[int]], params: SamplingParams, seed: int | None = None,
+        media: Sequence[Any] | None = None,
     ) -> list[Generation]:
         """`seed` goes to SGLang as one `sampling_seed` per prompt, which SGLang 0.5.23 honours only
         on a server started with --enable-deterministic-inference (attention backends fa3, fa4,
-        triton, ...; not torch_native, so not on CPU): elsewhere sampling is not reproducible."""
+        triton, ...; not torch_native, so not on CPU): elsewhere sampling is not reproducible.
+        `media`: refused when any prompt has some (see `refuse_media`)."""
+        refuse_media(media)
         if not prompts:
             return []
         with self._gate.admit():

@@ -29,12 +29,12 @@ import subprocess
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Sequence, TypeVar
 
 import torch
 
 from relax_hpc.engines.base import EngineGone, Generation, SamplingParams
-from relax_hpc.engines.sglang import SGLangEngine
+from relax_hpc.engines.sglang import SGLangEngine, refuse_media
 from relax_hpc.engines.sglang_server import SGLangServer
 from relax_hpc.engines.sglang_weights import (
     DistributedWeightPush,
@@ -153,7 +153,9 @@ class ManagedSGLangEngine:
     def weight_version(self) -> int:
         return self._version
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int | None = None) -> list[Generation]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int | None = None,
+                 media: Sequence[Any] | None = None) -> list[Generation]:
+        refuse_media(media)
         generations = self._survive(lambda: self.client.generate(prompts, params, seed), redo=True)
         assert generations is not None  # redo=True returns only what the call returned
         return generations

@@ -31,7 +31,7 @@ from relax_hpc.backends.batch import pack_rows
 from relax_hpc.backends.parallel import Strategy, rank_device, ray_gpu_ids
 from relax_hpc.backends.torch_backend import OptimConfig
 from relax_hpc.ckpt import CheckpointManager, ResumeState
-from relax_hpc.data.rows import ROUTED_EXPERTS_FIELD, TRAIN_FIELDS, row_to_sample
+from relax_hpc.data.rows import MEDIA_FIELDS, ROUTED_EXPERTS_FIELD, TRAIN_FIELDS, row_to_sample
 from relax_hpc.data.sample import Sample
 from relax_hpc.ops.archive import HDF5TrajectoryArchive, TrajectoryArchive
 from relax_hpc.ops.heap import settle_heap
@@ -155,6 +155,8 @@ class ActorWorker(WeightSenderEndpoint):
         # Routing replay: the engine's routed experts travel with each row (not in TRAIN_FIELDS: a
         # get returns only rows that have every field asked for).
         self.role_fields = (*cfg.role_fields, *((ROUTED_EXPERTS_FIELD,) if cfg.routing_replay else ()))
+        if getattr(self.backend, "media_processor", None) is not None:  # a multimodal model reads its media
+            self.role_fields = (*self.role_fields, *MEDIA_FIELDS)
         self.offload_between_steps = cfg.offload_between_steps
         self._offloaded = False  # the optimizer state is off the device until the next rows arrive
         self.checkpoints = CheckpointManager(Path(cfg.checkpoint_dir), keep_last=cfg.keep_last)

@@ -11,13 +11,14 @@ channel.
 from __future__ import annotations
 
 import os
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 import torch
 
 from relax_hpc.engines.base import Generation, RolloutEngine, SamplingParams
 from relax_hpc.engines.factory import make_engine
 from relax_hpc.engines.router import Future
+from relax_hpc.media.items import PromptMedia
 
 
 class EngineHost:
@@ -32,8 +33,11 @@ class EngineHost:
     def pid(self) -> int:
         return os.getpid()
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int | None) -> list[Generation]:
-        return self.engine.generate(prompts, params, seed)
+    def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int | None,
+                 media: Sequence[PromptMedia | None] | None = None) -> list[Generation]:
+        if media is None:
+            return self.engine.generate(prompts, params, seed)
+        return self.engine.generate(prompts, params, seed, media=media)
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> int:
         self.engine.update_weights(named_tensors, version)
@@ -54,8 +58,9 @@ class RayEngineClient:
     def __init__(self, id: str, handle: Any) -> None:
         self.id, self.handle = id, handle
 
-    def submit(self, prompts: list[list[int]], params: SamplingParams, seed: int | None) -> Future:
-        return self.handle.generate.remote(prompts, params, seed).future()
+    def submit(self, prompts: list[list[int]], params: SamplingParams, seed: int | None,
+               media: Sequence[PromptMedia | None] | None = None) -> Future:
+        return self.handle.generate.remote(prompts, params, seed, media).future()
 
     def share(self, named_tensors: list[tuple[str, torch.Tensor]]) -> Any:
         import ray

@@ -24,8 +24,9 @@ import torch
 
 from relax_hpc.algos import token_logprobs_and_entropy
 from relax_hpc.backends.batch import pack_samples
+from relax_hpc.data.rows import MEDIA_FIELDS, media_from_fields
 from relax_hpc.data.sample import Sample
-from relax_hpc.models.hf import load_causal_lm, load_tokenizer
+from relax_hpc.models.hf import is_multimodal, load_policy_model, load_tokenizer
 from relax_hpc.roles.step_loop import StepLoopWorker
 from relax_hpc.spec.schema import ModelSpec, RolloutSpec, TrainSpec
 from relax_hpc.transfer.queue import partition_name
@@ -51,11 +52,23 @@ class ForwardConfig:
 
 
 def response_log_probs(model: torch.nn.Module, samples: list[Sample], pad_id: int,
-                       temperature: float, device: str) -> list[torch.Tensor]:
-    """Per-sample log-probs of the response tokens under `model` (float32, one tensor per sample)."""
+                       temperature: float, device: str, media_processor: Any = None) -> list[torch.Tensor]:
+    """Per-sample log-probs of the response tokens under `model` (float32, one tensor per sample).
+    `media_processor`: a multimodal model's (relax_hpc.media.processor), which builds the
+    media tensors and M-RoPE positions from the samples' media."""
     batch = pack_samples(samples, pad_id).to(torch.device(device))
+    extra: dict[str, Any] = {}
+    if media_processor is not None:
+        from relax_hpc.media.positions import forward_kwargs
+
+        media = batch.media if batch.media is not None else (None,) * len(batch)
+        extra = forward_kwargs(model, media_processor, batch.input_ids.cpu(), batch.attention_mask.cpu(),
+                               media_processor.batch_media(media))
+        extra = {k: v.to(batch.input_ids.device) if isinstance(v, torch.Tensor) else v for k, v in extra.items()}
     with torch.no_grad():
-        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, **extra).logits
+        if media_processor is not None:
+            logits = media_processor.mask_markup(logits)
         logp, _ = token_logprobs_and_entropy(logits[:, :-1], batch.targets, temperature)
     out = []
     for i, s in enumerate(samples):
@@ -72,7 +85,14 @@ class ForwardWorker(StepLoopWorker, WeightReceiverEndpoint):
         if cfg.num_threads > 0:
             torch.set_num_threads(cfg.num_threads)
         self.cfg = cfg
-        self.model = load_causal_lm(cfg.model_path, dtype=cfg.dtype, device=cfg.device).eval()
+        self.model = load_policy_model(cfg.model_path, dtype=cfg.dtype, device=cfg.device).eval()
+        self.media_processor: Any = None
+        self.input_fields: tuple[str, ...] = INPUT_FIELDS
+        if is_multimodal(cfg.model_path):
+            from relax_hpc.media.processor import MediaProcessor
+
+            self.media_processor = MediaProcessor(cfg.model_path)
+            self.input_fields = (*INPUT_FIELDS, *MEDIA_FIELDS)
         tok = load_tokenizer(cfg.model_path)
         self.pad_id = int(tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
         self._version = 0
@@ -135,12 +155,12 @@ class ForwardWorker(StepLoopWorker, WeightReceiverEndpoint):
             # The next micro-batch is fetched while this one runs; each is acked once written
             # (a worker killed before that has its unacked rows redone by its restart).
             try:
-                for batch in queue.stream(partition, self.cfg.kind, INPUT_FIELDS, self.cfg.micro_batch_size,
+                for batch in queue.stream(partition, self.cfg.kind, self.input_fields, self.cfg.micro_batch_size,
                                           timeout=1.0):
                     if batch.rows:
                         samples = [_sample_of(row) for row in batch.rows]
                         values = response_log_probs(self.model, samples, self.pad_id, self.cfg.temperature,
-                                                    self.cfg.device)
+                                                    self.cfg.device, self.media_processor)
                         queue.write(partition, batch.indices, [{field: v} for v in values])
                         self.rows_done += len(batch.indices)
                     ended = batch.end
@@ -155,4 +175,4 @@ def _sample_of(row: dict[str, Any]) -> Sample:
     tokens = row["tokens"].tolist()
     p = int(row["prompt_length"])
     return Sample(prompt_ids=tokens[:p], response_ids=tokens[p:], rollout_log_probs=[0.0] * (len(tokens) - p),
-                  weight_version=-1, group_id=-1, prompt_index=-1)
+                  weight_version=-1, group_id=-1, prompt_index=-1, media=media_from_fields(row))

@@ -192,3 +192,36 @@ def test_the_router_reports_the_version_the_engines_it_was_given_hold(tokenizer:
     assert router.weight_version == 3  # the oldest live engine's
     router.update_weights([], version=6)
     assert router.weight_version == 6 and [e.weight_version for e in engines] == [6, 6]
+
+
+class MediaRecordingEngine(ScriptedEngine):
+    """A scripted engine that also records the media each call was given."""
+
+    def __init__(self, tokenizer: Any, script: list[str]) -> None:
+        super().__init__(tokenizer, script)
+        self.media_calls: list[tuple[list[list[int]], list[Any]]] = []
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int | None = None,
+                 media: Any = None) -> Any:
+        self.media_calls.append((prompts, list(media)))
+        return super().generate(prompts, params, seed)
+
+
+def test_media_travel_with_their_prompts_to_whichever_engine_serves_them(tokenizer: Any) -> None:
+    import numpy as np
+
+    from relax_hpc.media.items import MediaItem, PromptMedia
+
+    engines = [MediaRecordingEngine(tokenizer, [str(k)]) for k in range(2)]
+    router = _router(tokenizer, engines)
+    prompts = _prompts(6, 2)
+    # One distinct image per group (its first pixel is the group's prompt token).
+    media = [PromptMedia((MediaItem("image", np.full((2, 2, 3), p[0] - 100, np.uint8)),)) for p in prompts]
+    router.generate(prompts, PARAMS, seed=5, group_size=2, media=media)
+
+    seen = [(p, m) for e in engines for ps, ms in e.media_calls for p, m in zip(ps, ms)]
+    assert len(seen) == len(prompts) and all(e.media_calls for e in engines)
+    for prompt, item_media in seen:
+        assert int(item_media.items[0].data[0, 0, 0]) == prompt[0] - 100  # each prompt with its own media
+    with pytest.raises(ValueError, match="6 prompts but 5 media entries"):
+        router.generate(prompts[:6], PARAMS, media=media[:5])
