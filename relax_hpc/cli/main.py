@@ -34,10 +34,15 @@ EXIT_BAD_INPUT = 2
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
+    from relax_hpc.media.plan import check_media_plan
+
     spec = load_spec(args.spec)
     shape = check_model_fit(spec, args.spec)
+    media = check_media_plan(spec, args.spec)
     print(f"{args.spec}: ok (job '{spec.job.name}', {spec.train.steps} steps, "
           f"algorithm {spec.algorithm.name}, mode {spec.job.mode})")
+    for line in media.lines:
+        print(line)
     if shape is None:
         print(f"model {spec.model.path}: no config.json readable here; its sizes are checked against "
               "the parallel layout when the job runs (validate where the model is to check now)")

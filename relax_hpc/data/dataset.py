@@ -4,9 +4,13 @@ A row holds a prompt (a string used as is, or a list of chat messages that goes 
 tokenizer's chat template) and a label the reward function compares against. Keys may be
 dotted to reach nested fields ("reward_model.ground_truth"). A `prompt_template` builds the
 prompt from several fields; `apply_chat_template` / `system_prompt` turn string prompts into
-chat messages. Image / audio / video fields go to `metadata["multimodal"]` for the multimodal
-roles. Rows whose prompt is longer than `max_prompt_tokens` (or that lack a declared media
-field) are dropped, and the drops are counted with reasons. docs/datasets.md has the formats.
+chat messages. Image / audio / video fields are read, decoded and fitted to the model's patch
+grid (relax_hpc.media), placed in the prompt as content parts before the text, and their
+placeholders expanded, so `prompt_ids` are exactly what the model reads. Rows whose prompt is
+longer than `max_prompt_tokens`, that have none of the declared media fields, or whose media
+cannot be used (missing, corrupt, too large, a remote URL) are dropped, and the drops are
+counted with reasons and the first row of each. docs/datasets.md and docs/multimodal.md have the
+formats.
 """
 
 from __future__ import annotations
@@ -18,9 +22,11 @@ from pathlib import Path
 from typing import Any, Protocol, Sequence
 
 from relax_hpc.data.records import get_dotted, has_dotted, iter_records
+from relax_hpc.media.items import MEDIA_ORDER, MediaError, MediaItem, PromptMedia
 from relax_hpc.spec.schema import DataSpec
 
 MEDIA_KINDS = ("images", "audios", "videos")
+_KIND_OF = {"images": "image", "audios": "audio", "videos": "video"}
 
 
 @dataclass(frozen=True)
@@ -30,6 +36,7 @@ class PromptRow:
     prompt_text: str
     label: Any
     metadata: dict[str, Any]
+    media: PromptMedia | None = None  # a multimodal dataset's media, placeholders expanded in prompt_ids
 
 
 @dataclass
@@ -37,12 +44,18 @@ class LoadReport:
     rows_read: int = 0
     kept: int = 0
     dropped: dict[str, int] = field(default_factory=dict)
+    first: dict[str, str] = field(default_factory=dict)  # reason -> the first row dropped for it
 
-    def drop(self, reason: str) -> None:
+    def drop(self, reason: str, location: str = "") -> None:
         self.dropped[reason] = self.dropped.get(reason, 0) + 1
+        if location:
+            self.first.setdefault(reason, location)
 
     def summary(self) -> str:
-        drops = ", ".join(f"{n} {why}" for why, n in sorted(self.dropped.items())) or "none"
+        def one(why: str, n: int) -> str:
+            return f"{n} {why}" + (f" (first: {self.first[why]})" if why in self.first else "")
+
+        drops = ", ".join(one(why, n) for why, n in sorted(self.dropped.items())) or "none"
         return f"{self.kept} of {self.rows_read} rows kept (dropped: {drops})"
 
 
@@ -59,6 +72,11 @@ class PromptFormat:
     image_key: str | None = DataSpec.image_key
     audio_key: str | None = DataSpec.audio_key
     video_key: str | None = DataSpec.video_key
+    drop_media: bool = DataSpec.drop_media
+    max_media_bytes: int = DataSpec.max_media_bytes
+    video_fps: float = DataSpec.video_fps
+    max_frames: int = DataSpec.max_frames
+    max_media_seconds: float = DataSpec.max_media_seconds
 
     def media_keys(self) -> dict[str, str]:
         keys = {"images": self.image_key, "audios": self.audio_key, "videos": self.video_key}
@@ -78,6 +96,11 @@ class DataSettings(Protocol):
     image_key: str | None
     audio_key: str | None
     video_key: str | None
+    drop_media: bool
+    max_media_bytes: int
+    video_fps: float
+    max_frames: int
+    max_media_seconds: float
     max_prompt_tokens: int
 
 
@@ -102,12 +125,17 @@ def _fill_template(template: str, record: dict[str, Any]) -> str:
     return out
 
 
-def _messages(prompt: Any, fmt: PromptFormat) -> list[dict[str, Any]] | None:
-    """Chat messages for the prompt, or None when it is used as plain text."""
+def _messages(prompt: Any, fmt: PromptFormat, media: PromptMedia | None = None) -> list[dict[str, Any]] | None:
+    """Chat messages for the prompt, or None when it is used as plain text. With `media`, a
+    string prompt always becomes a user message whose content parts are the media, then the text
+    (the chat template renders one placeholder per part)."""
     if isinstance(prompt, str):
-        if not (fmt.apply_chat_template or fmt.system_prompt):
+        if not (fmt.apply_chat_template or fmt.system_prompt or media):
             return None
-        messages: list[dict[str, Any]] = [{"role": "user", "content": prompt}]
+        content: Any = prompt
+        if media:
+            content = [*({"type": i.kind} for i in media.items), {"type": "text", "text": prompt}]
+        messages: list[dict[str, Any]] = [{"role": "user", "content": content}]
     elif isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
         messages = [dict(m) for m in prompt]
     else:
@@ -117,8 +145,9 @@ def _messages(prompt: Any, fmt: PromptFormat) -> list[dict[str, Any]] | None:
     return messages
 
 
-def _prompt_text(prompt: Any, tokenizer: Any, fmt: PromptFormat = PromptFormat()) -> str:
-    messages = _messages(prompt, fmt)
+def _prompt_text(prompt: Any, tokenizer: Any, fmt: PromptFormat = PromptFormat(),
+                 media: PromptMedia | None = None) -> str:
+    messages = _messages(prompt, fmt, media)
     if messages is None:
         return str(prompt)
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
@@ -131,10 +160,56 @@ def _metadata(record: dict[str, Any], fmt: PromptFormat) -> dict[str, Any]:
     else:
         skip = {fmt.prompt_key, fmt.label_key, *media.values()}
         meta = {k: v for k, v in record.items() if k not in skip}
-    found = {kind: get_dotted(record, key) for kind, key in media.items() if has_dotted(record, key)}
-    if found:
-        meta["multimodal"] = {k: (v if isinstance(v, list) else [v]) for k, v in found.items()}
+    found = {kind: get_dotted(record, key) for kind, key in media.items() if get_dotted(record, key, None) is not None}
+    if found:  # where each medium came from; bytes cells are summarised, not copied
+        meta["multimodal"] = {k: [_describe(c) for c in (v if isinstance(v, list) else [v])] for k, v in found.items()}
     return meta
+
+
+def _describe(cell: Any) -> Any:
+    if isinstance(cell, (bytes, bytearray)):
+        return f"<{len(cell)} bytes>"
+    if isinstance(cell, dict):
+        return cell.get("path") or f"<{len(cell.get('bytes') or b'')} bytes>"
+    if isinstance(cell, str) and cell.startswith("data:"):
+        return f"<data URL, {len(cell)} characters>"
+    return cell
+
+
+class MediaReader(Protocol):
+    """What the loader needs of relax_hpc.media.processor.MediaProcessor."""
+
+    def geometry(self) -> Any: ...
+
+    def expand(self, prompt_ids: Sequence[int], media: PromptMedia) -> list[int]: ...
+
+
+def _load_row_media(record: dict[str, Any], fmt: PromptFormat, base_dir: Path,
+                    reader: MediaReader) -> PromptMedia:
+    """The row's media, decoded and fitted (blanked with drop_media); MediaError names the column."""
+    from relax_hpc.media.load import MediaLimits, load_media
+
+    limits = MediaLimits(max_bytes=fmt.max_media_bytes, video_fps=fmt.video_fps, max_frames=fmt.max_frames,
+                         max_seconds=fmt.max_media_seconds)
+    geometry = reader.geometry()
+    items: list[MediaItem] = []
+    for plural, key in sorted(fmt.media_keys().items(), key=lambda kv: MEDIA_ORDER.index(_KIND_OF[kv[0]])):
+        cell = get_dotted(record, key, None)
+        if cell is None:
+            continue
+        try:
+            loaded = load_media(cell, _KIND_OF[plural], base_dir=base_dir, geometry=geometry, limits=limits)
+        except MediaError as e:
+            raise MediaError(f"{e.reason} in '{key}'", e.detail) from e
+        items.extend([_blank(i) for i in loaded] if fmt.drop_media else loaded)
+    return PromptMedia(tuple(items))
+
+
+def _blank(item: MediaItem) -> MediaItem:
+    """The same shape with no content: black pixels, silence (the drop_media control)."""
+    import numpy as np
+
+    return MediaItem(item.kind, np.zeros_like(item.data), item.rate)
 
 
 def _missing_key_error(location: str, record: Any, key: str) -> ValueError:
@@ -152,16 +227,22 @@ def load_prompt_rows(
     label_key: str,
     max_prompt_tokens: int,
     fmt: PromptFormat | None = None,
+    media_reader: MediaReader | None = None,
 ) -> tuple[list[PromptRow], LoadReport]:
     """Read, tokenize and filter a jsonl / Parquet dataset. Raises ValueError naming the row of a bad row.
 
     `fmt` carries the optional [data] keys; its prompt_key / label_key are replaced by the
-    positional ones so the two never disagree.
+    positional ones so the two never disagree. `media_reader`: the model's media processor,
+    needed when `fmt` names media keys.
     """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"dataset {path} does not exist; check [data] path")
     fmt = PromptFormat(**{**(fmt or PromptFormat()).__dict__, "prompt_key": prompt_key, "label_key": label_key})
+    media_keys = fmt.media_keys()
+    if media_keys and media_reader is None:
+        raise ValueError(f"[data] names media columns ({', '.join(media_keys.values())}) but the model reads "
+                         "text only; point [model] path at a multimodal model (docs/multimodal.md)")
     rows: list[PromptRow] = []
     report = LoadReport()
     for location, record in iter_records(path):
@@ -169,18 +250,30 @@ def load_prompt_rows(
         if not isinstance(record, dict) or not has_dotted(record, prompt_key):
             raise _missing_key_error(location, record, prompt_key)
         prompt = get_dotted(record, prompt_key)
+        media: PromptMedia | None = None
+        if media_keys:
+            if all(get_dotted(record, key, None) is None for key in media_keys.values()):
+                report.drop("no " + " / ".join(f"'{k}'" for k in media_keys.values()) + " field", location)
+                continue
+            try:
+                media = _load_row_media(record, fmt, path.parent, media_reader)  # type: ignore[arg-type]
+            except MediaError as e:
+                report.drop(e.reason, f"{location}: {e.detail}" if e.detail else location)
+                continue
         try:
             if fmt.prompt_template is not None:
                 prompt = _fill_template(fmt.prompt_template, record)
-            text = _prompt_text(prompt, tokenizer, fmt)
+            text = _prompt_text(prompt, tokenizer, fmt, media)
         except ValueError as e:
             where = "" if fmt.prompt_template is not None and isinstance(prompt, str) else f"'{prompt_key}' "
             raise ValueError(f"{location}: {where}{e}") from e
-        missing_media = [key for key in fmt.media_keys().values() if get_dotted(record, key, None) is None]
-        if missing_media:
-            report.drop(f"no '{missing_media[0]}' field")
-            continue
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if media is not None:
+            try:
+                ids = media_reader.expand(ids, media)  # type: ignore[union-attr]
+            except MediaError as e:
+                report.drop(e.reason, f"{location}: {e.detail}" if e.detail else location)
+                continue
         if not ids:
             report.drop("empty prompt")
             continue
@@ -188,23 +281,28 @@ def load_prompt_rows(
             report.drop(f"longer than max_prompt_tokens={max_prompt_tokens}")
             continue
         label = get_dotted(record, label_key, None)
-        rows.append(PromptRow(len(rows), list(ids), text, label, _metadata(record, fmt)))
+        rows.append(PromptRow(len(rows), list(ids), text, label, _metadata(record, fmt), media))
     report.kept = len(rows)
     if not rows:
         raise ValueError(f"dataset {path} has no usable rows: {report.summary()}")
     return rows, report
 
 
-def load_dataset(settings: DataSettings, tokenizer: Any) -> tuple[list[PromptRow], LoadReport]:
+def load_dataset(settings: DataSettings, tokenizer: Any,
+                 media_reader: MediaReader | None = None) -> tuple[list[PromptRow], LoadReport]:
     """`load_prompt_rows` with every option taken from a `[data]` table."""
     fmt = PromptFormat(
         prompt_key=settings.prompt_key, label_key=settings.label_key,
         metadata_keys=tuple(settings.metadata_keys), prompt_template=settings.prompt_template,
         apply_chat_template=settings.apply_chat_template, system_prompt=settings.system_prompt,
         image_key=settings.image_key, audio_key=settings.audio_key, video_key=settings.video_key,
+        drop_media=settings.drop_media, max_media_bytes=settings.max_media_bytes,
+        video_fps=settings.video_fps, max_frames=settings.max_frames,
+        max_media_seconds=settings.max_media_seconds,
     )
     return load_prompt_rows(
-        settings.path, tokenizer, settings.prompt_key, settings.label_key, settings.max_prompt_tokens, fmt
+        settings.path, tokenizer, settings.prompt_key, settings.label_key, settings.max_prompt_tokens, fmt,
+        media_reader,
     )
 
 

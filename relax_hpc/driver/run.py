@@ -57,6 +57,7 @@ from relax_hpc.roles.forward import OUTPUT_FIELD, ForwardConfig
 from relax_hpc.roles.handles import LocalRoles, RayRoles, Roles
 from relax_hpc.roles.rollout import RolloutConfig
 from relax_hpc.spec import JobSpec, spec_to_toml
+from relax_hpc.media.plan import check_media_plan
 from relax_hpc.spec.model_fit import check_model_fit
 from relax_hpc.spec.schema import SGLangSpec
 from relax_hpc.transfer.queue import queue_capacity
@@ -100,6 +101,7 @@ def check_backends_available(spec: JobSpec) -> None:
         require_sglang_python(sglang_spec_resolved(spec.rollout.sglang).python)
     require_backend(spec.train.backend)
     check_model_fit(spec, "the job spec")
+    check_media_plan(spec, "the job spec")
 
 
 def shares_devices(spec: JobSpec) -> bool:
@@ -194,13 +196,36 @@ def prepare_job_dir(spec: JobSpec) -> Path:
 
 
 def ensure_model(spec: JobSpec) -> None:
+    ensure_data(spec)
     path = Path(spec.model.path)
     if (path / "config.json").is_file() or not spec.model.build_tiny_if_missing:
         return
-    from relax_hpc.models.tiny import write_tiny_model
+    print(f"building the tiny {spec.model.tiny_arch} model at {path} (build_tiny_if_missing = true)",
+          file=sys.stderr)
+    if spec.model.tiny_arch == "qwen3":
+        from relax_hpc.models.tiny import write_tiny_model
 
-    print(f"building the tiny model at {path} (build_tiny_if_missing = true)", file=sys.stderr)
-    write_tiny_model(path, seed=spec.job.seed)
+        write_tiny_model(path, seed=spec.job.seed)
+    else:
+        from relax_hpc.models.tiny_mm import write_tiny_multimodal
+
+        write_tiny_multimodal(path, spec.model.tiny_arch, seed=spec.job.seed)
+
+
+TINY_OMNI_ROWS = 600  # 200 each of image, audio and video rows
+
+
+def ensure_data(spec: JobSpec) -> None:
+    """Write the `[data] build_if_missing` data set at `[data] path` when it is not there."""
+    path = Path(spec.data.path)
+    if spec.data.build_if_missing is None or path.is_file():
+        return
+    from relax_hpc.media.synthetic import write_omni_task
+
+    print(f"writing the {spec.data.build_if_missing} data at {path.parent} (build_if_missing)", file=sys.stderr)
+    written = write_omni_task(path.parent, rows=TINY_OMNI_ROWS, seed=spec.job.seed)
+    if written != path:
+        written.rename(path)
 
 
 def make_sinks(spec: JobSpec, job_dir: Path) -> MetricsSink:

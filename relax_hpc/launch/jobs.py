@@ -36,6 +36,7 @@ from relax_hpc.launch.preflight import preflight_problems
 from relax_hpc.launch.render import components, render_sbatch
 from relax_hpc.launch.slurm_client import JobComponent, SlurmClient
 from relax_hpc.spec import JobSpec, load_spec, spec_to_toml
+from relax_hpc.media.plan import check_media_plan
 from relax_hpc.spec.model_fit import check_model_fit
 
 __all__ = ["JobStatus", "Submission", "find_job", "job_status", "pin_paths", "submit_spec"]
@@ -81,6 +82,7 @@ def submit_spec(spec: JobSpec, spec_path: Path, client: SlurmClient, base: Path 
         if problems:
             raise PreflightError(f"{spec_path}: the cluster cannot run this job:\n  " + "\n  ".join(problems))
     check_model_fit(spec, str(spec_path))  # the model's sizes against the parallel layout, where readable
+    check_media_plan(spec, str(spec_path))  # media the model, backend and engine cannot take
     pinned = pin_paths(spec, base)
     job_dir = pinned.job_dir()
     text = render_sbatch(pinned, str(job_dir), str(job_dir / SUBMIT_SPEC))  # refuses before anything is written

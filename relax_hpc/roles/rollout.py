@@ -24,6 +24,7 @@ from relax_hpc.agents.config import AgenticConfig
 from relax_hpc.algos import group_advantages
 from relax_hpc.algos.advantages import advantages_by_group
 from relax_hpc.data.dataset import DataCursor, DataSettings, load_dataset
+from relax_hpc.media.items import PromptMedia
 from relax_hpc.data.rows import sample_to_row
 from relax_hpc.data.sample import Sample
 from relax_hpc.engines.base import Generator, RolloutEngine, SamplingParams
@@ -156,6 +157,17 @@ def _max_context(engine: EngineRouter, model_path: str) -> int | None:
     return getattr(config, "max_position_embeddings", None)
 
 
+def _media_processor(model_path: str) -> Any:
+    """The model's media processor, or None for a text-only model (or a path with no model)."""
+    from relax_hpc.models.hf import is_multimodal
+
+    if not (Path(model_path) / "config.json").is_file() or not is_multimodal(model_path):
+        return None
+    from relax_hpc.media.processor import MediaProcessor
+
+    return MediaProcessor(model_path)
+
+
 class RolloutWorker(WeightReceiverEndpoint):
     def __init__(self, cfg: RolloutConfig, engine: RolloutEngine | list[RolloutEngine] | None = None,
                  engine_hosts: list[Any] | None = None) -> None:
@@ -169,7 +181,10 @@ class RolloutWorker(WeightReceiverEndpoint):
         tok = self.engine.tokenizer
         stop_ids = tuple(cfg.sampling.stop_token_ids) + (self.engine.eos_id,)
         self.sampling = SamplingParams(**{**cfg.sampling.__dict__, "stop_token_ids": stop_ids})
-        self.rows, self.report = load_dataset(cfg.data, tok)
+        # A multimodal model: every sample carries its prompt's media (empty for a text prompt),
+        # and the media travel with the prompts to the engines.
+        self.media_processor = _media_processor(cfg.model_path)
+        self.rows, self.report = load_dataset(cfg.data, tok, self.media_processor)
         self.cursor = DataCursor(len(self.rows), cfg.seed, cfg.data.shuffle)
         judge, judge_tokenizer = build_genrm_judge(cfg.reward, cfg.dtype, cfg.device)
         self.rewards = RewardHub.from_settings(cfg.reward, genrm_engine=judge, genrm_tokenizer=judge_tokenizer)
@@ -392,7 +407,11 @@ class RolloutWorker(WeightReceiverEndpoint):
             reward_stats = self.rewards.score([s for g in groups for s in g])
             return groups, {**extra, **reward_stats, "time/generate_s": t1 - t0,
                             "time/reward_s": time.perf_counter() - t1}
-        gens = self.engine.generate(flat, self.sampling, seed=seed, group_size=n)
+        media = None
+        if self.media_processor is not None:
+            media = [row.media or PromptMedia() for row in picked for _ in range(n)]
+        gens = (self.engine.generate(flat, self.sampling, seed=seed, group_size=n) if media is None else
+                self.engine.generate(flat, self.sampling, seed=seed, group_size=n, media=media))
         groups: list[list[Sample]] = []
         for k, gen in enumerate(gens):
             row = picked[k // n]
@@ -405,7 +424,7 @@ class RolloutWorker(WeightReceiverEndpoint):
                 group_id=self._next_group, prompt_index=row.index,
                 label=row.label, prompt_text=row.prompt_text, response_text=gen.text,
                 finish_reason=gen.finish_reason, metadata=dict(row.metadata),
-                routed_experts=gen.routed_experts,
+                routed_experts=gen.routed_experts, media=None if media is None else media[k],
             ))
         t1 = time.perf_counter()
         reward_stats = self.rewards.score([s for g in groups for s in g])

@@ -117,6 +117,8 @@ class ModelSpec:
 
     path: str = required(non_empty, plain_text)
     build_tiny_if_missing: bool = setting(False)
+    # The architecture build_tiny_if_missing writes: "qwen3" (text) or a tiny multimodal one.
+    tiny_arch: Literal["qwen3", "qwen2_5_vl", "qwen3_vl", "qwen2_5_omni", "qwen3_omni"] = setting("qwen3")
     dtype: Literal["float32", "bfloat16", "float16"] = setting("float32")
 
 
@@ -134,6 +136,14 @@ class DataSpec:
     image_key: str | None = setting(None, non_empty, plain_text)
     audio_key: str | None = setting(None, non_empty, plain_text)
     video_key: str | None = setting(None, non_empty, plain_text)
+    drop_media: bool = setting(False)  # blank every medium (a control run: does the model use them?)
+    max_media_bytes: int = setting(64 << 20, within(1, 1 << 40))  # per file / cell, checked before reading
+    video_fps: float = setting(2.0, within(0, 240, low_open=True))  # frames sampled per second of video
+    max_frames: int = setting(32, within(1, 4096))  # per video, sampled uniformly over the clip
+    max_media_seconds: float = setting(600.0, within(0, 86400, low_open=True))  # per audio / video clip
+    # Write the data set named here at `path` when it does not exist (the tiny omni task,
+    # relax_hpc.media.synthetic: an answer needs the image, the tone or the flashes).
+    build_if_missing: Literal["tiny_omni"] | None = setting(None)
     shuffle: bool = setting(True)
     max_prompt_tokens: int = setting(512, within(1, MAX_TOKENS))
 
