@@ -157,6 +157,16 @@ def _max_context(engine: EngineRouter, model_path: str) -> int | None:
     return getattr(config, "max_position_embeddings", None)
 
 
+def reward_by_media(samples: list[Sample]) -> dict[str, float]:
+    """Mean reward per kind of prompt media ("image", "audio", "image+audio"; "text" for none):
+    which media a multimodal policy has learnt to use."""
+    by_kind: dict[str, list[float]] = {}
+    for s in samples:
+        kind = "+".join(i.kind for i in s.media.items) if s.media else "text"
+        by_kind.setdefault(kind, []).append(s.reward)
+    return {f"reward/by_media/{kind}": sum(v) / len(v) for kind, v in sorted(by_kind.items())}
+
+
 def _media_processor(model_path: str) -> Any:
     """The model's media processor, or None for a text-only model (or a path with no model)."""
     from relax_hpc.models.hf import is_multimodal
@@ -428,4 +438,6 @@ class RolloutWorker(WeightReceiverEndpoint):
             ))
         t1 = time.perf_counter()
         reward_stats = self.rewards.score([s for g in groups for s in g])
+        if media is not None:
+            reward_stats.update(reward_by_media([s for g in groups for s in g]))
         return groups, {**reward_stats, "time/generate_s": t1 - t0, "time/reward_s": time.perf_counter() - t1}

@@ -15,6 +15,7 @@ import tomli_w
 
 from e2e_helpers import REPO
 from relax_hpc.driver.run import run_job
+from relax_hpc.ops.metrics import read_metrics
 from relax_hpc.spec import parse_spec
 
 pytestmark = pytest.mark.slow
@@ -38,6 +39,8 @@ def test_the_reward_rises_with_the_media_and_stays_at_chance_without(tmp_path: P
     first, last = sum(media[:5]) / 5, sum(media[-10:]) / 10
     assert len(media) == STEPS
     assert last >= 3 * first and last > 0.3, (first, last)
+    metrics = read_metrics(tmp_path / "omni" / "metrics.jsonl")
+    assert {"reward/by_media/image", "reward/by_media/audio", "reward/by_media/video"} <= set(metrics[-1])
 
     blank = _run(tmp_path, "omni-control", drop_media=True)
     control = sum(blank[-10:]) / 10
