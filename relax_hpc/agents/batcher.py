@@ -4,17 +4,20 @@ Every episode (or agent session) runs as its own coroutine and awaits `generate`
 A rollout engine is fastest when it sees many prompts at once, so requests are held until every
 live caller is waiting (then all active episodes generate together, one engine call per turn) or
 until `max_wait_s` passes (a caller busy with a slow tool must not stall the others). The engine
-runs in a worker thread, so the event loop keeps serving HTTP and environments meanwhile.
+runs in a worker thread, so the event loop keeps serving HTTP and environments meanwhile. A
+prompt's media (a multimodal model) travel with it; a call whose prompts carry none is made
+without them, so engines that read text only are called exactly as before.
 """
 
 from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import Hashable
+from typing import Any, Hashable
 
 from relax_hpc.engines.base import Generation, Generator, SamplingParams
 from relax_hpc.engines.router import EngineRouter
+from relax_hpc.media.items import PromptMedia
 
 
 @dataclass
@@ -23,6 +26,7 @@ class _Request:
     params: SamplingParams
     future: asyncio.Future[Generation]
     session: Hashable | None = None
+    media: PromptMedia | None = None
 
 
 class EngineBatcher:
@@ -57,14 +61,15 @@ class EngineBatcher:
         self._poke()
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams,
-                       session: Hashable | None = None) -> Generation:
+                       session: Hashable | None = None, media: PromptMedia | None = None) -> Generation:
         """Generate one response; resolves when the batch it joined has been decoded. Calls with
-        the same `session` key go to the same engine when the engine is a router over several."""
+        the same `session` key go to the same engine when the engine is a router over several.
+        `media`: the prompt's images / audios, its placeholders already expanded in `prompt_ids`."""
         loop = asyncio.get_running_loop()
         if self._runner is None or self._runner.done():
             self._changed = asyncio.Event()
             self._runner = loop.create_task(self._run())
-        request = _Request(list(prompt_ids), params, loop.create_future(), session)
+        request = _Request(list(prompt_ids), params, loop.create_future(), session, media)
         self._pending.append(request)
         self._poke()
         return await request.future
@@ -106,11 +111,12 @@ class EngineBatcher:
             self.batch_sizes.append(len(requests))
             try:
                 prompts = [r.prompt_ids for r in requests]
+                kwargs: dict[str, Any] = {}
+                if any(r.media for r in requests):
+                    kwargs["media"] = [r.media for r in requests]
                 if isinstance(self.engine, EngineRouter) and any(r.session is not None for r in requests):
-                    sessions = [r.session if r.session is not None else id(r) for r in requests]
-                    gens = await asyncio.to_thread(self.engine.generate, prompts, params, seed, sessions=sessions)
-                else:
-                    gens = await asyncio.to_thread(self.engine.generate, prompts, params, seed)
+                    kwargs["sessions"] = [r.session if r.session is not None else id(r) for r in requests]
+                gens = await asyncio.to_thread(self.engine.generate, prompts, params, seed, **kwargs)
             except Exception as e:  # every waiter sees the engine's error
                 for r in requests:
                     if not r.future.done():

@@ -16,6 +16,12 @@ method or a coroutine (an environment that calls a remote tool can await it).
 
 A plain 5-tuple `(observation, reward, terminated, truncated, info)` is accepted from `step`
 as well, as in Gymnasium.
+
+An observation is text, or, for a multimodal model, a list of parts shown in one message: `str`
+text, images as RGB uint8 (H, W, 3) numpy arrays or PIL images, and `MediaItem`s (image, video,
+audio); a lone image counts as a one-part list:
+
+    return StepResult([board_png_array, "your move?"], reward=0.0)
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import inspect
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, NamedTuple
 
+from relax_hpc.agents.media import is_media_value
 from relax_hpc.data.sample import Sample
 
 ChatMessage = dict[str, Any]
@@ -33,7 +40,7 @@ ChatMessage = dict[str, Any]
 class StepResult(NamedTuple):
     """What the environment answers to one model turn (Gymnasium's step tuple)."""
 
-    observation: Any = None  # None or "": nothing is shown to the model
+    observation: Any = None  # None, "" or []: nothing is shown to the model
     reward: float = 0.0
     terminated: bool = False  # the task is over (solved or failed)
     truncated: bool = False  # the environment cut the episode short (its own limit)
@@ -58,7 +65,12 @@ class BaseInteractionEnv(abc.ABC):
         """React to the model's latest turn (its text, the stop token left out); every env defines it."""
 
     def format_observation(self, observation: Any) -> ChatMessage:
-        """The chat message an observation becomes; the chat template turns it into tokens."""
+        """The chat message an observation becomes; the chat template turns it into tokens. Text
+        becomes a string content, a list of parts (or one medium) a list content."""
+        if isinstance(observation, list):
+            return {"role": self.observation_role, "content": list(observation)}
+        if is_media_value(observation):
+            return {"role": self.observation_role, "content": [observation]}
         return {"role": self.observation_role, "content": str(observation)}
 
 

@@ -6,13 +6,16 @@ to rewards. `assign_rewards` spreads them backwards with `turn_discount` (geomet
 completion without its own reward gets `turn_discount` times the reward of the completion after
 it. `export_individual` makes one sample per completion; `export_concat` makes one sample per
 chain of completions in which each prompt extends the previous prompt and response (a normal
-multi-turn chat), with the tokens between model turns masked out.
+multi-turn chat), with the tokens between model turns masked out. A sample keeps its prompt's
+media (a multimodal model): a chain's are its last completion's, which re-sent every earlier one.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any, Mapping
+
+from relax_hpc.media.items import MEDIA_ORDER, PromptMedia
 
 
 @dataclass
@@ -26,6 +29,7 @@ class CompletionRecord:
     finish_reason: str
     weight_version: int
     text: str
+    media: PromptMedia | None = None  # the prompt's images / audios; None for a text model
 
 
 @dataclass
@@ -41,6 +45,7 @@ class ExportedSample:
     finish_reason: str
     text: str
     completion_ids: list[str] = field(default_factory=list)
+    media: PromptMedia | None = None
 
 
 def assign_rewards(records: list[CompletionRecord], result: float | Mapping[str, float],
@@ -77,7 +82,7 @@ def export_individual(records: list[CompletionRecord], rewards: list[float]) -> 
     """One sample per completion: its prompt, its response, all response tokens trained."""
     return [
         ExportedSample(r.prompt_ids, r.response_ids, r.logprobs, [1] * len(r.response_ids), w,
-                       r.weight_version, r.finish_reason, r.text, [r.completion_id])
+                       r.weight_version, r.finish_reason, r.text, [r.completion_id], r.media)
         for r, w in zip(records, rewards)
     ]
 
@@ -89,10 +94,11 @@ def export_concat(records: list[CompletionRecord], rewards: list[float]) -> list
     for r, w in zip(records, rewards):
         cur = out[-1] if out else None
         context = cur.prompt_ids + cur.response_ids if cur else None
-        if cur is None or context is None or r.prompt_ids[:len(context)] != context:
+        if (cur is None or context is None or r.prompt_ids[:len(context)] != context
+                or not _media_extends(cur.media, r.media)):
             out.append(ExportedSample(list(r.prompt_ids), list(r.response_ids), list(r.logprobs),
                                       [1] * len(r.response_ids), w, r.weight_version,
-                                      r.finish_reason, r.text, [r.completion_id]))
+                                      r.finish_reason, r.text, [r.completion_id], r.media))
             continue
         between = r.prompt_ids[len(context):]
         cur.response_ids += between + r.response_ids
@@ -101,7 +107,16 @@ def export_concat(records: list[CompletionRecord], rewards: list[float]) -> list
         cur.reward, cur.weight_version = w, r.weight_version
         cur.finish_reason, cur.text = r.finish_reason, r.text
         cur.completion_ids.append(r.completion_id)
+        cur.media = r.media
     return out
+
+
+def _media_extends(before: PromptMedia | None, after: PromptMedia | None) -> bool:
+    """Whether `after` holds `before`'s items first, kind by kind. Equal token ids are not enough:
+    an image swapped for another of the same size keeps the ids and changes what they mean."""
+    if before is None or after is None:
+        return before is None and after is None
+    return all(after.of(kind)[:len(before.of(kind))] == before.of(kind) for kind in MEDIA_ORDER)
 
 
 def session_metadata(records: list[CompletionRecord], rewards: list[float]) -> dict[str, Any]:

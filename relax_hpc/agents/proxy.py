@@ -8,12 +8,17 @@ which the completion routes also require, and which the agent gets as its OpenAI
 (`workflow.py`); `/v1/models` takes the bare token too. The proxy applies the model's chat
 template to the request's messages, generates through the `EngineBatcher` (so concurrent
 sessions share engine calls) and keeps the prompt and response token ids and log-probs of each
-completion for training. Sampling uses the rollout's configured temperature/top-p/top-k (the
-trainer recomputes log-probs at that temperature); a request may lower `max_tokens` and add
-`stop` strings. Requests that cannot be served get a 4xx with a message saying why: a body over
-`max_body_bytes` gets 413 before it is read whole, one nested deeper than `max_json_depth` 400.
+completion for training. User messages may carry images and audio as OpenAI content parts
+(`image_url` with a data: URL, `input_audio`; see `relax_hpc/agents/media.py`) when the model is
+multimodal: they are decoded and fitted once, their placeholders expanded, and they go to the
+engine and into the record with the prompt. Sampling uses the rollout's configured
+temperature/top-p/top-k (the trainer recomputes log-probs at that temperature); a request may
+lower `max_tokens` and add `stop` strings. Requests that cannot be served get a 4xx with a
+message saying why: a body over `max_body_bytes` gets 413 before it is read whole, one nested
+deeper than `max_json_depth` 400.
 
-    proxy = AgentProxy(batcher, tokenizer, sampling, token=proxy_token(), model_name="policy", ttl_s=600)
+    proxy = AgentProxy(batcher, tokenizer, sampling, token=proxy_token(), model_name="policy", ttl_s=600,
+                       media_processor=MediaProcessor(model_dir))  # None (the default): a text model
     await proxy.start()                 # in the event loop that owns the batcher
     session = proxy.sessions.open()     # session.api_key, proxy.base_url
     ...
@@ -37,13 +42,25 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from relax_hpc.agents.batcher import EngineBatcher
 from relax_hpc.agents.export import CompletionRecord
+from relax_hpc.agents.media import (
+    REQUEST_MEDIA_TYPES,
+    MediaPart,
+    PartError,
+    load_part,
+    parse_media_part,
+    prompt_media,
+)
 from relax_hpc.agents.sessions import SessionAuthError, SessionStore
 from relax_hpc.auth import bearer_matches, job_secret
 from relax_hpc.engines.base import SamplingParams
 from relax_hpc.engines.http_auth import check_token
 from relax_hpc.engines.http_server import JsonBodyError, load_json_body
+from relax_hpc.media.families import supported_model_types
+from relax_hpc.media.items import MediaError, PromptMedia
+from relax_hpc.media.load import MediaLimits
 
-# A chat request's body: 8 MiB is about 2M tokens of text, far beyond any model's context.
+# A chat request's body: 8 MiB is about 2M tokens of text, far beyond any model's context, or a
+# few images inline (a multi-turn request re-sends every image of the conversation so far).
 MAX_BODY_BYTES = 8 * 1024 * 1024
 # Messages with text parts nest 5 levels; the limit leaves room for fields the proxy ignores.
 MAX_JSON_DEPTH = 32
@@ -91,28 +108,45 @@ class RequestError(Exception):
 
 @dataclass(frozen=True)
 class ChatRequest:
-    messages: list[dict[str, str]]
+    messages: list[dict[str, Any]]  # content: a string, or template parts with {"type": "image" | "audio"}
     max_tokens: int | None
     stop: tuple[str, ...]
+    media: tuple[MediaPart, ...] = ()  # in conversation order, not yet decoded
 
 
 _ROLES = ("system", "user", "assistant", "tool", "developer")
+_PART_FORMS = ('text parts ({"type": "text", "text": "..."}), and in user messages image_url parts with a '
+               'data: URL and input_audio parts')
 
 
-def _text_content(content: Any, where: str) -> str:
+def _content(content: Any, where: str, role: str) -> tuple[str | list[dict[str, Any]], list[MediaPart]]:
+    """A message's content for the chat template and its media. All-text content becomes one
+    string (as text-only templates expect); with media it stays a list of parts, each medium a
+    {"type": kind} part for which the template writes one placeholder."""
     if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for k, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise RequestError(400, f"{where}.content[{k}]: only text parts "
-                                        '({"type": "text", "text": "..."}) are supported')
-            parts.append(part["text"])
-        return "".join(parts)
+        return content, []
     if content is None:
-        return ""
-    raise RequestError(400, f"{where}.content must be a string or a list of text parts")
+        return "", []
+    if not isinstance(content, list):
+        raise RequestError(400, f"{where}.content must be a string or a list of content parts")
+    parts: list[dict[str, Any]] = []
+    media: list[MediaPart] = []
+    for k, part in enumerate(content):
+        at, kind = f"{where}.content[{k}]", part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            parts.append({"type": "text", "text": part["text"]})
+        elif isinstance(kind, str) and kind in REQUEST_MEDIA_TYPES and role == "user":
+            try:
+                media.append(parse_media_part(part, at))
+            except PartError as e:
+                raise RequestError(400, str(e)) from None
+            parts.append({"type": media[-1].kind})
+        else:
+            what = f"part type {str(kind)[:40]!r}" if isinstance(part, dict) else f"a {type(part).__name__}"
+            raise RequestError(400, f"{at}: {what} is not accepted in {role} messages; the proxy takes {_PART_FORMS}")
+    if not media:
+        return "".join(p["text"] for p in parts), []
+    return parts, media
 
 
 def parse_chat_request(body: Any) -> ChatRequest:
@@ -129,11 +163,13 @@ def parse_chat_request(body: Any) -> ChatRequest:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise RequestError(400, "messages must be a non-empty list of {role, content} objects")
-    parsed = []
+    parsed, media = [], []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in _ROLES:
             raise RequestError(400, f"messages[{i}] must be an object with role one of {', '.join(_ROLES)}")
-        parsed.append({"role": str(m["role"]), "content": _text_content(m.get("content"), f"messages[{i}]")})
+        content, parts = _content(m.get("content"), f"messages[{i}]", str(m["role"]))
+        parsed.append({"role": str(m["role"]), "content": content})
+        media += parts
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1):
         raise RequestError(400, f"max_tokens = {max_tokens!r}: must be an integer >= 1")
@@ -146,7 +182,7 @@ def parse_chat_request(body: Any) -> ChatRequest:
         stops = tuple(stop)
     else:
         raise RequestError(400, "stop must be a string or a list of non-empty strings")
-    return ChatRequest(parsed, max_tokens, stops)
+    return ChatRequest(parsed, max_tokens, stops, tuple(media))
 
 
 async def read_body(request: Request, max_bytes: int) -> bytes:
@@ -169,13 +205,16 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
 
 
 class AgentProxy:
-    """The HTTP proxy; start it inside the event loop that owns `batcher`."""
+    """The HTTP proxy; start it inside the event loop that owns `batcher`. `media_processor`: the
+    model's `relax_hpc.media.processor.MediaProcessor` (None: a text model, which refuses media)."""
 
     def __init__(self, batcher: EngineBatcher, tokenizer: Any, sampling: SamplingParams, *, token: str,
                  model_name: str = "policy", ttl_s: float = 600.0, host: str = "127.0.0.1",
                  max_context_tokens: int | None = None, max_body_bytes: int = MAX_BODY_BYTES,
-                 max_json_depth: int = MAX_JSON_DEPTH) -> None:
+                 max_json_depth: int = MAX_JSON_DEPTH, media_processor: Any = None,
+                 media_limits: MediaLimits | None = None) -> None:
         self.batcher, self.tokenizer, self.sampling = batcher, tokenizer, sampling
+        self.media_processor, self.media_limits = media_processor, media_limits or MediaLimits()
         self.model_name, self.host = model_name, host
         self.max_context_tokens = max_context_tokens
         self.max_body_bytes, self.max_json_depth = max_body_bytes, max_json_depth
@@ -265,11 +304,17 @@ class AgentProxy:
         return app
 
     async def _complete(self, req: ChatRequest, session: int | None = None) -> CompletionRecord:
+        media = await self._load_media(req)
         try:
             text = self.tokenizer.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=False)
         except Exception as e:  # a template may reject a role order; that is the caller's to fix
             raise RequestError(400, f"the chat template rejected these messages: {e}") from e
         prompt_ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+        if media:
+            try:
+                prompt_ids = self.media_processor.expand(prompt_ids, media)
+            except MediaError as e:
+                raise RequestError(400, f"the chat template did not write one placeholder per medium: {e}") from e
         limit = self.sampling.max_new_tokens
         max_new = min(limit, req.max_tokens) if req.max_tokens is not None else limit
         if self.max_context_tokens is not None and len(prompt_ids) + max_new > self.max_context_tokens:
@@ -277,9 +322,28 @@ class AgentProxy:
                                     f"model's context of {self.max_context_tokens} tokens")
         params = SamplingParams(**{**self.sampling.__dict__, "max_new_tokens": max_new,
                                    "stop": tuple(self.sampling.stop) + req.stop})
-        gen = await self.batcher.generate(prompt_ids, params, session=session)  # one engine per session
+        # One engine per session; the media go along (the whole conversation's, every turn).
+        gen = await self.batcher.generate(prompt_ids, params, session=session, media=media)
         return CompletionRecord(f"chatcmpl-{uuid.uuid4().hex}", prompt_ids, list(gen.token_ids),
-                                list(gen.logprobs), gen.finish_reason, gen.weight_version, gen.text)
+                                list(gen.logprobs), gen.finish_reason, gen.weight_version, gen.text, media)
+
+    async def _load_media(self, req: ChatRequest) -> PromptMedia | None:
+        """The request's media, decoded and fitted to the model; None for a text model, whose
+        samples carry no media. Decoding runs in a thread: the event loop keeps serving."""
+        processor = self.media_processor
+        if processor is None:
+            if req.media:
+                raise RequestError(400, f"{req.media[0].where}: the model reads text only; send text content, "
+                                        f"or serve a multimodal model ({supported_model_types()})")
+            return None
+        if not req.media:
+            return PromptMedia()  # every sample of a multimodal model carries media, maybe none
+        try:
+            items = await asyncio.to_thread(
+                lambda: [load_part(part, processor, self.media_limits) for part in req.media])
+        except PartError as e:
+            raise RequestError(400, str(e)) from None
+        return prompt_media(items)
 
     def _response(self, r: CompletionRecord) -> dict[str, Any]:
         return {

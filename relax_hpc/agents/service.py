@@ -3,7 +3,9 @@
 `RolloutWorker` makes one `AgenticRollout` when `[rollout] env`, `generate` or `agent` is set and
 calls `generate_groups` instead of its single-turn path. It owns an event loop in a background
 thread; the engine batcher and (for agents) the HTTP proxy live there for the whole run, and
-each call blocks the caller until the step's episodes or sessions are done.
+each call blocks the caller until the step's episodes or sessions are done. With a multimodal
+model (`media_processor` given), samples carry their prompt's media, environment observations
+and agent requests may add images and audio, and every sample has media (maybe none).
 """
 
 from __future__ import annotations
@@ -22,14 +24,17 @@ from relax_hpc.agents.proxy import AgentProxy, proxy_token
 from relax_hpc.agents.workflow import AgentRunner, SessionResult
 from relax_hpc.data.sample import Sample
 from relax_hpc.engines.base import RolloutEngine, SamplingParams
+from relax_hpc.media.items import PromptMedia
 
 T = TypeVar("T")
 
 
 class AgenticRollout:
     def __init__(self, cfg: AgenticConfig, engine: RolloutEngine, tokenizer: Any, sampling: SamplingParams,
-                 eos_id: int, max_context_tokens: int | None = None) -> None:
+                 eos_id: int, max_context_tokens: int | None = None, media_processor: Any = None) -> None:
+        """`media_processor`: the model's `relax_hpc.media.processor.MediaProcessor`, None for a text model."""
         self.cfg, self.engine, self.sampling = cfg, engine, sampling
+        self.media_processor = media_processor
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="agentic-rollout", daemon=True)
         self._thread.start()
@@ -38,7 +43,8 @@ class AgenticRollout:
         self.runner: AgentRunner | None = None
         if cfg.agent:
             self.proxy = AgentProxy(self.batcher, tokenizer, sampling, token=proxy_token(),
-                                    ttl_s=cfg.session_timeout_s, max_context_tokens=max_context_tokens)
+                                    ttl_s=cfg.session_timeout_s, max_context_tokens=max_context_tokens,
+                                    media_processor=media_processor)
             self._call(self.proxy.start())
             self.runner = AgentRunner(cfg.agent, cfg.agent_mode, self.proxy,  # type: ignore[arg-type]
                                       cfg.subproc_max_workers)
@@ -47,7 +53,7 @@ class AgenticRollout:
             self.generate_fn = (load_dotted("[rollout] generate", cfg.generate) if cfg.generate
                                 else generate_with_env)
             self.args = GenerateArgs(self.batcher, tokenizer, env_class, cfg.max_turns,
-                                     cfg.max_total_tokens, eos_id)
+                                     cfg.max_total_tokens, eos_id, media_processor)
 
     def _call(self, coro: Coroutine[Any, Any, T]) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
@@ -61,7 +67,7 @@ class AgenticRollout:
             Sample(prompt_ids=list(row.prompt_ids), response_ids=[], rollout_log_probs=[],
                    weight_version=self.engine.weight_version, group_id=first_group_id + k,
                    prompt_index=row.index, label=row.label, prompt_text=row.prompt_text,
-                   metadata=dict(row.metadata))
+                   metadata=dict(row.metadata), media=self._row_media(row))
             for k, row in enumerate(rows) for _ in range(n)
         ]
         done = self._call(run_generate(self.generate_fn, self.args, samples, self.sampling, seed))
@@ -73,6 +79,11 @@ class AgenticRollout:
         for reason, count in Counter(s.metadata.get("termination") for s in done if "termination" in s.metadata).items():
             stats[f"rollout/end_{reason}_frac"] = count / len(done)
         return groups, stats
+
+    def _row_media(self, row: Any) -> PromptMedia | None:
+        if self.media_processor is None:
+            return row.media
+        return row.media or PromptMedia()
 
     def _agent_groups(self, rows: list[Any], n: int, seed: int, first_group_id: int
                       ) -> tuple[list[list[Sample]], dict[str, float]]:
@@ -124,7 +135,7 @@ class AgenticRollout:
                 prompt_ids=e.prompt_ids, response_ids=e.response_ids, rollout_log_probs=e.logprobs,
                 weight_version=e.weight_version, group_id=group_id, prompt_index=row.index,
                 label=row.label, prompt_text=row.prompt_text, response_text=e.text,
-                finish_reason=e.finish_reason, loss_mask=e.loss_mask, metadata=meta,
+                finish_reason=e.finish_reason, loss_mask=e.loss_mask, metadata=meta, media=e.media,
             ))
         return out
 

@@ -203,7 +203,8 @@ class RolloutWorker(WeightReceiverEndpoint):
             from relax_hpc.agents.service import AgenticRollout
 
             self.agentic = AgenticRollout(cfg.agentic, self.engine, tok, self.sampling,
-                                          self.engine.eos_id, _max_context(self.engine, cfg.model_path))
+                                          self.engine.eos_id, _max_context(self.engine, cfg.model_path),
+                                          media_processor=self.media_processor)
         # Producer state: new weights wait in the inbox until the next batch boundary.
         self._lock = threading.Lock()
         self._inbox = WeightInbox()

@@ -1,4 +1,4 @@
-"""Test doubles for the agent tests: an environment, a generate function and inline agents (the
+"""Test doubles for the agent tests: environments, a generate function and inline agents (the
 subprocess agent is in sync_agent.py, which imports no torch). The engine is the package's
 in-memory twin, relax_hpc.engines.memory.ScriptedEngine (re-exported here)."""
 
@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import numpy as np
+from PIL import Image
 
 from relax_hpc.agents.env import BaseInteractionEnv, StepResult
 from relax_hpc.engines.base import SamplingParams
@@ -74,3 +76,46 @@ class DictRewardAgent:
         a = await client.chat.completions.create(model="policy", messages=data["messages"])
         await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "x"}])
         return {a.id: 0.5}
+
+
+class ImageEnv(BaseInteractionEnv):
+    """Shows an image after each of the first two turns (a numpy array, then a PIL image, both
+    seeded by the row's label), then ends."""
+
+    def __init__(self, sample: Any) -> None:
+        super().__init__(sample)
+        self.turn = 0
+
+    def step(self, response_text: str) -> StepResult:
+        self.turn += 1
+        if self.turn == 3:
+            return StepResult(None, 1.0, terminated=True)
+        pixels = observation_image(int(self.sample.label), self.turn)
+        image = pixels if self.turn == 1 else Image.fromarray(pixels)
+        return StepResult([image, f"and {self.turn}?"], 0.0)
+
+
+def observation_image(seed: int, turn: int) -> np.ndarray:
+    return np.random.default_rng([seed, turn]).integers(0, 256, (40, 56, 3), dtype=np.uint8)
+
+
+class MediaChatAgent:
+    """Inline agent, two turns: an image, an audio clip and text, then a second image with the
+    conversation so far re-sent. The data URLs and the base64 WAV are in the row's metadata."""
+
+    async def run(self, data: dict, **kw: Any) -> float:
+        from openai import AsyncOpenAI
+
+        client = AsyncOpenAI(base_url=kw["base_url"], api_key=kw["api_key"], http_client=kw["http_client"])
+        meta = data["metadata"]
+        msgs: list[dict[str, Any]] = [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": meta["images"][0]}},
+            {"type": "input_audio", "input_audio": {"data": meta["audio"], "format": "wav"}},
+            {"type": "text", "text": "what?"},
+        ]}]
+        first = await client.chat.completions.create(model="policy", messages=msgs)
+        msgs += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": [{"type": "image_url", "image_url": {"url": meta["images"][1]}},
+                                              {"type": "text", "text": "and this?"}]}]
+        await client.chat.completions.create(model="policy", messages=msgs)
+        return 1.0

@@ -1,12 +1,15 @@
-"""Session export: reward assignment with turn discount, individual and concat samples."""
+"""Session export: reward assignment with turn discount, individual and concat samples, and the
+media each sample keeps."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from relax_hpc.agents.export import (
     CompletionRecord, assign_rewards, export_concat, export_individual,
 )
+from relax_hpc.media.items import MediaItem, PromptMedia
 
 
 def rec(cid: str, prompt: list[int], resp: list[int]) -> CompletionRecord:
@@ -53,3 +56,23 @@ def test_concat_export_masks_the_tokens_between_model_turns() -> None:
     assert s.logprobs == [-0.5, -0.6, 0.0, 0.0, -0.5]
     assert s.reward == 1.0 and s.completion_ids == ["a", "b"]
     assert out[1].response_ids == [6] and out[1].reward == 0.2
+
+
+def _image(value: int) -> MediaItem:
+    return MediaItem("image", np.full((16, 16, 3), value, dtype=np.uint8))
+
+
+def test_media_follow_their_samples_and_a_swapped_image_breaks_the_chain() -> None:
+    a, b, c = _image(1), _image(2), _image(3)
+    audio = MediaItem("audio", np.zeros(400, dtype=np.float32), rate=16000)
+    t1 = CompletionRecord("a", [1, 2], [3], [-0.5], "stop", 2, "t", PromptMedia((a, audio)))
+    t2 = CompletionRecord("b", [1, 2, 3, 7], [9], [-0.5], "stop", 2, "t", PromptMedia((a, b, audio)))
+    [s] = export_concat([t1, t2], [0.0, 1.0])
+    assert s.media == t2.media and s.completion_ids == ["a", "b"]  # the chain's last completion's media
+    assert [x.media for x in export_individual([t1, t2], [0.0, 1.0])] == [t1.media, t2.media]
+    # Same token ids, but the first image is another one of its size: the earlier tokens would
+    # be trained against the wrong pixels, so the second completion starts its own sample.
+    swapped = CompletionRecord("b", [1, 2, 3, 7], [9], [-0.5], "stop", 2, "t", PromptMedia((c, b, audio)))
+    assert [x.media for x in export_concat([t1, swapped], [0.0, 1.0])] == [t1.media, swapped.media]
+    # A text model's records carry no media and chain as before.
+    assert [x.media for x in export_concat([rec("a", [1], [2]), rec("b", [1, 2, 5], [6])], [0.0, 1.0])] == [None]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
 
 import pytest
 
@@ -12,6 +11,7 @@ from relax_hpc.agents.config import AgenticConfig
 from relax_hpc.agents.dotted import load_dotted
 from relax_hpc.agents.multiturn import GenerateArgs, generate_with_env, observation_token_ids, run_generate
 from relax_hpc.agents.service import AgenticRollout
+from relax_hpc.data.dataset import PromptRow as Row
 from relax_hpc.data.sample import Sample
 from relax_hpc.engines.base import SamplingParams
 from agent_doubles import EchoEnv, ScriptedEngine, tiny_tokenizer
@@ -98,15 +98,6 @@ def test_dotted_paths_load_and_fail_with_the_key_named() -> None:
         AgenticConfig(env="bad_mod:E", agent="agent_doubles:ChatAgent", export_style="x").check()
     msg = str(e.value)
     assert "cannot be combined" in msg and "bad_mod" in msg and "agent_export_style" in msg
-
-
-@dataclass
-class Row:
-    index: int
-    prompt_ids: list[int]
-    prompt_text: str
-    label: str
-    metadata: dict
 
 
 def test_custom_generate_through_the_rollout_service() -> None:

@@ -7,7 +7,6 @@ import asyncio
 import json
 import socket
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import httpx
 import pytest
@@ -17,21 +16,13 @@ from relax_hpc.agents.proxy import PROXY_AUTH_MESSAGE, RequestError, parse_chat_
 from relax_hpc.agents.service import AgenticRollout
 from relax_hpc.agents.sessions import SessionAuthError, SessionStore
 from relax_hpc.auth import JobSecret
+from relax_hpc.data.dataset import PromptRow as Row
 from relax_hpc.engines.base import SamplingParams
 from agent_doubles import ScriptedEngine, tiny_tokenizer
 
 TOK = tiny_tokenizer()
 EOS = int(TOK.eos_token_id)
 PARAMS = SamplingParams(max_new_tokens=6, stop_token_ids=(EOS,))
-
-
-@dataclass
-class Row:
-    index: int
-    prompt_ids: list[int]
-    prompt_text: str
-    label: str
-    metadata: dict
 
 
 ROWS = [Row(0, [], "hi", "x", {}), Row(1, [], "yo", "y", {})]
@@ -145,7 +136,8 @@ def test_security_401_cross_session_expiry_and_malformed_requests() -> None:
             ({**body, "stream": True}, None, "stream"),
             ({**body, "max_tokens": 0}, None, "max_tokens"),
             ({"messages": [{"role": "robot", "content": "x"}]}, None, "role"),
-            ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, None, "text parts"),
+            ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, None, '"image_url": {"url"'),
+            ({"messages": [{"role": "user", "content": [{"type": "video_url"}]}]}, None, "text parts"),
             ({**body, "messages": [{"role": "user", "content": "z" * 300}]}, None, "context"),
         ]:
             r = post(b.api_key, payload, raw)

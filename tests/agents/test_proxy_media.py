@@ -1,0 +1,232 @@
+"""Images and audio through the agent paths, on a tiny Qwen2.5-Omni model and the native engine:
+OpenAI content parts sent with the official SDK through the real proxy, and the image
+observations of an environment, reach the engine with every turn; the exported samples carry
+them; the trainer's recomputed log-probs match the engine's; and media that cannot be used get a
+400 that names the part and says what to send."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+import openai
+import pytest
+
+from relax_hpc.agents.batcher import EngineBatcher
+from relax_hpc.agents.config import AgenticConfig
+from relax_hpc.agents.multiturn import GenerateArgs, generate_with_env, run_generate
+from relax_hpc.agents.service import AgenticRollout
+from relax_hpc.algos.loss_types import LossConfig
+from relax_hpc.backends.torch_backend import OptimConfig, TorchBackend
+from relax_hpc.data.dataset import PromptRow
+from relax_hpc.data.rows import row_to_sample, sample_to_row
+from relax_hpc.data.sample import Sample
+from relax_hpc.engines.base import Generation, SamplingParams
+from relax_hpc.engines.native import NativeEngine
+from relax_hpc.media.canonical import fit_image
+from relax_hpc.media.encode import data_url, encode_audio_wav, encode_image_png
+from relax_hpc.media.items import MediaItem, PromptMedia
+from relax_hpc.media.processor import MediaProcessor
+from relax_hpc.models.hf import load_tokenizer
+from relax_hpc.models.tiny_mm import write_tiny_multimodal
+from agent_doubles import ImageEnv, ScriptedEngine, observation_image, tiny_tokenizer
+
+TOLERANCE = 1e-5  # float32 on CPU, as tests/media/test_media_parity.py
+SINE = (0.5 * np.sin(2 * np.pi * 500 * np.arange(16000) / 16000)).astype(np.float32)  # 1 s at 16 kHz
+
+
+@dataclass
+class Omni:
+    engine: NativeEngine
+    backend: TorchBackend
+
+    @property
+    def processor(self) -> MediaProcessor:
+        assert self.engine.media_processor is not None
+        return self.engine.media_processor
+
+    def rollout(self, cfg: AgenticConfig, engine: Any = None) -> AgenticRollout:
+        params = SamplingParams(max_new_tokens=4, stop_token_ids=(self.engine.eos_id,))
+        return AgenticRollout(cfg, engine or self.engine, self.engine.tokenizer, params, self.engine.eos_id, 512,
+                              media_processor=self.processor)
+
+    def fitted(self, pixels: np.ndarray) -> MediaItem:
+        return MediaItem("image", fit_image(pixels, self.processor.geometry()))
+
+
+@pytest.fixture(scope="module")
+def omni(tmp_path_factory: pytest.TempPathFactory) -> Omni:
+    path = write_tiny_multimodal(tmp_path_factory.mktemp("agents") / "omni", "qwen2_5_omni", seed=0)
+    return Omni(NativeEngine(path), TorchBackend(path, OptimConfig(), LossConfig()))
+
+
+def pixels(seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (40, 56, 3), dtype=np.uint8)
+
+
+def image_url(image: np.ndarray) -> str:
+    return data_url(encode_image_png(image), "image/png")
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+def through_queue(samples: list[Sample]) -> list[Sample]:
+    """The samples as the trainer receives them: through the transfer queue's row codec."""
+    return [row_to_sample(sample_to_row(s)) for s in samples]
+
+
+def trained_diff(recomputed: list[float], sample: Sample) -> float:
+    """The largest difference on the tokens the sample trains (the model's own)."""
+    return max(abs(recomputed[i] - sample.rollout_log_probs[i]) for i, m in enumerate(sample.mask()) if m)
+
+
+def test_agent_images_and_audio_reach_the_engine_and_the_trainer(omni: Omni) -> None:
+    images = [pixels(0), pixels(1)]
+    row = PromptRow(0, [], "look", "x", {"images": [image_url(p) for p in images],
+                                         "audio": b64(encode_audio_wav(SINE, 16000))})
+    svc = omni.rollout(AgenticConfig(agent="agent_doubles:MediaChatAgent"))
+    try:
+        [[first, second]], _ = svc.generate_groups([row], 1, seed=5, first_group_id=1)
+    finally:
+        svc.close()
+    shown = [omni.fitted(p) for p in images]
+    # Turn 1 carried the image and the clip; turn 2 re-sent them with the second image.
+    assert first.media == PromptMedia((shown[0], *first.media.of("audio")))
+    assert second.media == PromptMedia((*shown, *first.media.of("audio")))
+    [clip] = first.media.of("audio")
+    assert clip.rate == 16000 and np.abs(clip.data - SINE).max() <= 1 / 32768  # the WAV's 16-bit steps
+    placeholders = omni.processor.placeholders
+    for s in (first, second):  # each placeholder expanded to its medium's token count
+        assert s.prompt_ids.count(placeholders.image) == sum(map(omni.processor.token_count, s.media.of("image")))
+        assert s.prompt_ids.count(placeholders.audio) == omni.processor.token_count(clip)
+    samples = through_queue([first, second])
+    for s, recomputed in zip(samples, omni.backend.compute_log_probs(samples)):
+        assert trained_diff(recomputed, s) < TOLERANCE
+    # Another image of the same size: the same tokens, other log-probs: the model reads the pixels.
+    swapped = replace(samples[1], media=PromptMedia((shown[0], omni.fitted(pixels(2)), clip)))
+    assert trained_diff(omni.backend.compute_log_probs([swapped])[0], samples[1]) > 1e-3
+
+
+def test_media_the_proxy_cannot_use_get_400_naming_the_part(omni: Omni) -> None:
+    svc = omni.rollout(AgenticConfig(agent="agent_doubles:ChatAgent"))
+    try:
+        assert svc.proxy is not None
+        session = svc.proxy.sessions.open()
+        client = openai.OpenAI(base_url=svc.proxy.base_url, api_key=session.api_key, max_retries=0)
+
+        def refused(part: dict[str, Any], role: str = "user") -> str:
+            messages = [{"role": role, "content": [{"type": "text", "text": "hi"}, part]}]
+            with pytest.raises(openai.BadRequestError) as e:
+                client.chat.completions.create(model="policy", messages=messages)  # type: ignore[arg-type]
+            message = e.value.body["message"]  # type: ignore[index]
+            assert message.startswith("messages[0].content[1]: "), message
+            return message
+
+        def image(url: str) -> dict[str, Any]:
+            return {"type": "image_url", "image_url": {"url": url}}
+
+        remote = refused(image("https://example.com/cat.png"))
+        assert "https:// URL, which the proxy does not fetch" in remote and "data:image/png;base64" in remote
+        assert "must be a data: URL" in refused(image("file:///etc/hostname"))
+        assert "not valid base64" in refused(image("data:image/png;base64,@@not base64@@"))
+        assert "corrupt image" in refused(image("data:image/png;base64," + b64(b"\x89PNG truncated")))
+        assert "corrupt audio" in refused({"type": "input_audio", "input_audio": {"data": b64(b"RIFF?"),
+                                                                                  "format": "wav"}})
+        assert "not accepted in assistant messages" in refused(image(image_url(pixels(0))), role="assistant")
+        assert session.completions == []
+        # The same session still works; usage counts the image's expanded placeholders.
+        ok = client.chat.completions.create(model="policy", messages=[
+            {"role": "user", "content": [image(image_url(pixels(0))), {"type": "text", "text": "hi"}]}])
+        [record] = session.completions
+        assert ok.usage is not None and ok.usage.prompt_tokens == len(record.prompt_ids)
+        assert record.media == PromptMedia((omni.fitted(pixels(0)),))
+    finally:
+        svc.close()
+
+
+def test_models_that_cannot_read_a_kind_refuse_it(tmp_path: Any) -> None:
+    tok = tiny_tokenizer()
+    eos = int(tok.eos_token_id)
+    params = SamplingParams(max_new_tokens=4, stop_token_ids=(eos,))
+    vl = write_tiny_multimodal(tmp_path / "vl", "qwen2_5_vl")
+    vl_tok = load_tokenizer(vl)
+    cases = [
+        (tok, None, {"type": "image_url", "image_url": {"url": image_url(pixels(0))}}, "the model reads text only"),
+        (vl_tok, MediaProcessor(vl),
+         {"type": "input_audio", "input_audio": {"data": b64(encode_audio_wav(SINE, 16000))}},
+         "qwen2_5_vl does not read audio; it reads image, video"),
+    ]
+    for tokenizer, processor, part, needle in cases:
+        engine = ScriptedEngine(tokenizer, ["ab"])
+        svc = AgenticRollout(AgenticConfig(agent="agent_doubles:ChatAgent"), engine, tokenizer, params,
+                             engine.eos_id, media_processor=processor)
+        try:
+            assert svc.proxy is not None
+            session = svc.proxy.sessions.open()
+            client = openai.OpenAI(base_url=svc.proxy.base_url, api_key=session.api_key, max_retries=0)
+            with pytest.raises(openai.BadRequestError) as e:
+                client.chat.completions.create(model="policy", messages=[{"role": "user", "content": [part]}])
+            assert needle in e.value.body["message"]  # type: ignore[index]
+            assert engine.produced == []
+            # Text parts are served as before; a text model's records carry no media.
+            client.chat.completions.create(model="policy", messages=[
+                {"role": "user", "content": [{"type": "text", "text": "hi"}]}])
+            assert [r.media for r in session.completions] == [None if processor is None else PromptMedia()]
+        finally:
+            svc.close()
+    # An environment that shows an image to a text model stops the episode with the reason.
+    args = GenerateArgs(EngineBatcher(ScriptedEngine(tok, ["ab"])), tok, ImageEnv, 3, 200, eos)
+    episode = Sample(prompt_ids=tok.encode("hi", add_special_tokens=False), response_ids=[], rollout_log_probs=[],
+                     weight_version=0, group_id=1, prompt_index=0, label="7")
+    with pytest.raises(ValueError, match="observation part 0 is media \\(image\\), but the model reads text only"):
+        asyncio.run(run_generate(generate_with_env, args, [episode], params, seed=1))
+
+
+class RecordingEngine:
+    """The native engine, with each call's prompts and media kept."""
+
+    def __init__(self, engine: NativeEngine) -> None:
+        self.engine = engine
+        self.calls: list[tuple[list[list[int]], list[PromptMedia | None] | None]] = []
+
+    @property
+    def weight_version(self) -> int:
+        return self.engine.weight_version
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int | None = None,
+                 media: list[PromptMedia | None] | None = None) -> list[Generation]:
+        self.calls.append(([list(p) for p in prompts], media))
+        return self.engine.generate(prompts, params, seed, media=media)
+
+
+def test_image_observations_reach_the_engine_and_the_trainer(omni: Omni) -> None:
+    tok = omni.engine.tokenizer
+    text = tok.apply_chat_template([{"role": "user", "content": "look"}], add_generation_prompt=True, tokenize=False)
+    row = PromptRow(0, tok.encode(text, add_special_tokens=False), "look", "7", {})
+    engine = RecordingEngine(omni.engine)
+    svc = omni.rollout(AgenticConfig(env="agent_doubles:ImageEnv", max_turns=3), engine)
+    try:
+        [[s]], _ = svc.generate_groups([row], 1, seed=3, first_group_id=1)
+    finally:
+        svc.close()
+    # ImageEnv showed a numpy image after turn 1 and a PIL image after turn 2, then ended.
+    shown = [omni.fitted(observation_image(7, turn)) for turn in (1, 2)]
+    assert s.metadata["num_turns"] == 3 and s.media == PromptMedia(tuple(shown))
+    image, per_image = omni.processor.placeholders.image, [omni.processor.token_count(i) for i in shown]
+    assert len(engine.calls) == 3
+    for k, ([prompt], media) in enumerate(engine.calls):  # turn k+1 saw the k images shown so far
+        assert prompt.count(image) == sum(per_image[:k])
+        assert (media[0].of("image") if media else ()) == tuple(shown[:k])  # type: ignore[union-attr]
+    # The observations are in the response, masked; the prompt is the row's.
+    assert s.prompt_ids == row.prompt_ids
+    assert [t for t, m in zip(s.response_ids, s.mask()) if not m].count(image) == sum(per_image)
+    [sample] = through_queue([s])
+    assert trained_diff(omni.backend.compute_log_probs([sample])[0], sample) < TOLERANCE
+    # The first image blanked: the turns after it get other log-probs: the model read it.
+    blank = replace(sample, media=PromptMedia((MediaItem("image", np.zeros_like(shown[0].data)), shown[1])))
+    assert trained_diff(omni.backend.compute_log_probs([blank])[0], sample) > 1e-3
