@@ -17,6 +17,15 @@ to `weights_dir/v<version>` (a temp dir, then a rename) and the server loads the
 update runs inside `/begin_weight_update` ... `/end_weight_update` (0.5.23 refuses it outside).
 The request bodies are built in sglang_requests.py and checked against SGLang's own classes by
 the tests. Servers started, restarted and stopped for a job: sglang_fleet.py.
+
+Media (a multimodal model, docs/multimodal.md): a prompt arrives with its placeholders expanded
+and its canonical media (`PromptMedia`). SGLang expands placeholders itself with its own HF
+processor, so each run of one placeholder goes as a single token, the media as data URLs
+(lossless PNG / WAV / Matroska, `relax_hpc.media.encode`), and the reply's expanded ids must
+equal ours (`check_expanded_prompts`) or the call fails. Media markup tokens get a -1e30 logit
+bias on every prompt of a multimodal model, as the native engine and the trainer mask them.
+Refused, with the fix in the message: a family SGLang 0.5.23 does not serve (Qwen2.5-Omni), and
+video on a CPU server (SGLang decodes video with torchcodec or decord; neither runs there).
 """
 
 from __future__ import annotations
@@ -24,9 +33,9 @@ from __future__ import annotations
 import dataclasses
 import shutil
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -34,19 +43,12 @@ from relax_hpc.engines import sglang_requests as requests
 from relax_hpc.engines.base import Generation, SamplingParams
 from relax_hpc.engines.call_gate import CallGate
 from relax_hpc.engines.http_client import EngineHttpError, HttpEngine
-from relax_hpc.engines.sglang_weights import WeightPush
-from relax_hpc.models.hf import load_tokenizer
+from relax_hpc.engines.sglang_weights import WeightPush, checkpoint_named
+from relax_hpc.media.items import MEDIA_ORDER, MediaItem, PromptMedia
+from relax_hpc.media.processor import MARKUP_FLOOR, MediaProcessor
+from relax_hpc.models.hf import is_multimodal, load_tokenizer
 
 __all__ = ["SGLangEngine"]
-
-
-def refuse_media(media: Sequence[Any] | None) -> None:
-    """Prompts with images, video or audio do not reach an SGLang server from relax-hpc yet."""
-    if media is not None and any(media):
-        raise ValueError(
-            "the SGLang engine does not pass images, video or audio to its servers yet; "
-            'set [rollout] engine = "native" for a multimodal data set (docs/multimodal.md)'
-        )
 
 
 class SGLangEngine:
@@ -77,7 +79,12 @@ class SGLangEngine:
         self.weight_push = weight_push
         self.request_fields = dict(request_fields or {})
         self._weights_dir = Path(weights_dir) if weights_dir is not None else None
-        self.server_version = requests.check_server_version(self._server_info(), self.base_url)
+        info = self._server_info()
+        self.server_version = requests.check_server_version(info, self.base_url)
+        # Where the server runs ("cpu", "cuda", ...), as it says; None when it does not say.
+        self.server_device: str | None = info.get("device") if isinstance(info.get("device"), str) else None
+        # A multimodal model's placeholder and markup token ids; None for a text model.
+        self.media_processor = MediaProcessor(self.model_path) if is_multimodal(self.model_path) else None
         self._version = 0
         self._gate = CallGate()
 
@@ -122,20 +129,49 @@ class SGLangEngine:
         """`seed` goes to SGLang as one `sampling_seed` per prompt, which SGLang 0.5.23 honours only
         on a server started with --enable-deterministic-inference (attention backends fa3, fa4,
         triton, ...; not torch_native, so not on CPU): elsewhere sampling is not reproducible.
-        `media`: refused when any prompt has some (see `refuse_media`)."""
-        refuse_media(media)
+        `media[i]`: prompt i's images / videos / audios, its placeholders already expanded in
+        `prompts[i]` (see the module docstring; `admit_media` says what is refused)."""
+        admitted = self.admit_media(prompts, media)
         if not prompts:
             return []
         with self._gate.admit():
-            return self._generate(prompts, params, seed)
+            return self._generate(prompts, params, seed, admitted)
 
-    def _generate(self, prompts: list[list[int]], params: SamplingParams, seed: int | None) -> list[Generation]:
+    def admit_media(self, prompts: list[list[int]], media: Sequence[PromptMedia | None] | None,
+                    ) -> Sequence[PromptMedia | None] | None:
+        """`media` when some prompt has any and this server can take them, None when none has;
+        a ValueError naming the fix when the model or the server cannot take them."""
+        if media is None or not any(media):
+            return None
+        if len(media) != len(prompts):
+            raise ValueError(f"generate got {len(prompts)} prompts but {len(media)} media entries")
+        processor = self.media_processor
+        if processor is None:
+            raise ValueError(f"prompts with images, video or audio need a multimodal model; {self.model_path} is "
+                             "text-only: point [model] path at a multimodal model or unset the [data] media keys")
+        if not processor.family.sglang:
+            raise ValueError(
+                f"SGLang {self.server_version} does not serve {processor.family.model_type} models (no model file "
+                f'for it in SGLang); set [rollout] engine = "native" for {self.model_path} (docs/multimodal.md)')
+        if self.server_device == "cpu" and any(m is not None and m.of("video") for m in media):
+            raise ValueError(
+                f"the SGLang server {self.base_url} runs on CPU, where it cannot decode video (SGLang needs "
+                'torchcodec or decord, which the CPU environment lacks); serve on a GPU, set [rollout] engine = '
+                '"native", or drop the video column ([data] video_key)')
+        return media
+
+    def _generate(self, prompts: list[list[int]], params: SamplingParams, seed: int | None,
+                  media: Sequence[PromptMedia | None] | None = None) -> list[Generation]:
         # Stop on the tokenizer's EOS as NativeEngine does (SGLang's own comes from the model config).
         stops = params.stop_token_ids if self.eos_id in params.stop_token_ids else (*params.stop_token_ids, self.eos_id)
-        body = requests.generate_request(prompts, dataclasses.replace(params, stop_token_ids=stops), seed,
-                                         **self.request_fields)
+        sent, fields = (prompts, self.request_fields) if media is None else self._media_request(prompts, media)
+        bias = None if self.media_processor is None else dict.fromkeys(self.media_processor.markup_ids, MARKUP_FLOOR)
+        body = requests.generate_request(sent, dataclasses.replace(params, stop_token_ids=stops), seed,
+                                         logit_bias=bias, **fields)
         reply = self._call("POST", "/generate", body)
         generations = requests.parse_generate_response(reply, prompts, self._version, self.base_url)
+        if media is not None:  # the ids we train on are the ones the server sampled from
+            requests.check_expanded_prompts(reply, prompts, self.base_url)
         if self.request_fields.get("return_routed_experts"):
             self._attach_routes(generations, reply)
         for g in generations:
@@ -146,6 +182,37 @@ class SGLangEngine:
                 else g.token_ids
             g.text = self._decode(shown)
         return generations
+
+    def _media_request(self, prompts: list[list[int]], media: Sequence[PromptMedia | None],
+                       ) -> tuple[list[list[int]], dict[str, Any]]:
+        """The unexpanded prompts and the request's media fields (each item encoded once per call:
+        the samples of a group share their prompt's media)."""
+        assert self.media_processor is not None
+        ids = self.media_processor.placeholders
+        placeholders = {t: kind for kind in MEDIA_ORDER if (t := getattr(ids, kind)) is not None}
+        urls: dict[str, str] = {}
+
+        def url(item: MediaItem) -> str:
+            if item.digest not in urls:
+                from relax_hpc.media.encode import item_data_url
+
+                urls[item.digest] = item_data_url(item)
+            return urls[item.digest]
+
+        sent: list[list[int]] = []
+        per_prompt: list[dict[str, list[str]] | None] = []
+        for i, (prompt, m) in enumerate(zip(prompts, media)):
+            if not m:
+                sent.append(prompt)
+                per_prompt.append(None)
+                continue
+            counts: dict[str, int] = {kind: len(m.of(kind)) for kind in MEDIA_ORDER}
+            try:
+                sent.append(requests.collapse_placeholders(prompt, placeholders, counts))
+            except ValueError as e:
+                raise ValueError(f"prompt {i} of the batch: {e}") from e
+            per_prompt.append({kind: [url(item) for item in m.of(kind)] for kind in MEDIA_ORDER})
+        return sent, {**self.request_fields, **requests.media_fields(per_prompt)}
 
     def _attach_routes(self, generations: list[Generation], reply: Any) -> None:
         """Routing replay: each reply's `meta_info.routed_experts` as `Generation.routed_experts`."""
@@ -178,7 +245,10 @@ class SGLangEngine:
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Replace the served weights (HF names) with `version`, which later generations report:
         through `weight_push`, or else written to `weights_dir/v<version>` and loaded from there
-        (older version directories are deleted afterwards)."""
+        (older version directories are deleted afterwards). A multimodal model's names go in its
+        checkpoint's form (`checkpoint_named`), the one SGLang's loaders read."""
+        if self.media_processor is not None:
+            named_tensors = checkpoint_named(named_tensors, self.media_processor.family.model_type)
         if self.weight_push is not None:
             named = list(named_tensors)
             self.post("/begin_weight_update", requests.begin_weight_update_request())

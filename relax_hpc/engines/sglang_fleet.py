@@ -26,15 +26,15 @@ import concurrent.futures
 import json
 import logging
 import subprocess
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence, TypeVar
+from typing import Any, TypeVar
 
 import torch
 
 from relax_hpc.engines.base import EngineGone, Generation, SamplingParams
-from relax_hpc.engines.sglang import SGLangEngine, refuse_media
+from relax_hpc.engines.sglang import SGLangEngine
 from relax_hpc.engines.sglang_server import SGLangServer
 from relax_hpc.engines.sglang_weights import (
     DistributedWeightPush,
@@ -155,8 +155,9 @@ class ManagedSGLangEngine:
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int | None = None,
                  media: Sequence[Any] | None = None) -> list[Generation]:
-        refuse_media(media)
-        generations = self._survive(lambda: self.client.generate(prompts, params, seed), redo=True)
+        # Refusals first: a media call the server cannot take is no reason to look for a dead server.
+        admitted = self.client.admit_media(prompts, media)
+        generations = self._survive(lambda: self.client.generate(prompts, params, seed, admitted), redo=True)
         assert generations is not None  # redo=True returns only what the call returned
         return generations
 

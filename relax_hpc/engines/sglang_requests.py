@@ -9,7 +9,7 @@ SGLang's API shows up as a failing test rather than as a 400 in a run. Written a
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from relax_hpc.engines.base import Generation, SamplingParams
@@ -20,9 +20,10 @@ from relax_hpc.engines.http_client import (
 )
 
 __all__ = [
-    "SUPPORTED_SGLANG_VERSIONS", "begin_weight_update_request", "check_server_version",
-    "continue_request", "cut_at_stop_strings", "destroy_weights_update_group_request", "end_weight_update_request",
-    "generate_request", "init_weights_update_group_request", "parse_generate_response",
+    "SUPPORTED_SGLANG_VERSIONS", "begin_weight_update_request", "check_expanded_prompts", "check_server_version",
+    "collapse_placeholders", "continue_request", "cut_at_stop_strings",
+    "destroy_weights_update_group_request", "end_weight_update_request", "generate_request",
+    "init_weights_update_group_request", "media_fields", "parse_generate_response",
     "pause_request", "prompt_seed", "release_memory_request", "resume_memory_request",
     "update_weights_from_disk_request", "update_weights_from_distributed_request",
     "update_weights_from_tensor_request",
@@ -39,11 +40,14 @@ def prompt_seed(seed: int, index: int) -> int:
     return int.from_bytes(digest, "big") >> 1
 
 
-def generate_request(prompts: list[list[int]], params: SamplingParams, seed: int | None,
-                     **fields: Any) -> dict[str, Any]:
+def generate_request(prompts: list[list[int]], params: SamplingParams, seed: int | None, *,
+                     logit_bias: Mapping[int, float] | None = None, **fields: Any) -> dict[str, Any]:
     """`POST /generate` for a batch of token-id prompts: one sampling_params object per prompt
-    (each its own seed when `seed` is given), log-probs returned. `fields`: more top-level
-    `GenerateReqInput` fields (e.g. `return_routed_experts=True`), sent as given.
+    (each its own seed when `seed` is given), log-probs returned. `logit_bias`: token id -> what
+    SGLang adds to its logit before sampling and before the log-probs it returns (a multimodal
+    model's media markup gets -1e30, as `MediaProcessor.mask_markup` does in the native engine and
+    the trainer). `fields`: more top-level `GenerateReqInput` fields (e.g.
+    `return_routed_experts=True`, or `media_fields`'s), sent as given.
 
     Stop strings are not sent: a server started with --skip-tokenizer-init (token ids in and out)
     refuses them ("stop=[...] is unavailable when skip_tokenizer_init=True"); the engine applies
@@ -55,6 +59,8 @@ def generate_request(prompts: list[list[int]], params: SamplingParams, seed: int
         # sampling_payload maps our top_k 0 (no filter) to SGLang's -1.
         one = sampling_payload(params, None if seed is None else prompt_seed(seed, i))
         one.pop("stop", None)
+        if logit_bias:  # SGLang's keys are token ids as strings
+            one["logit_bias"] = {str(int(t)): float(b) for t, b in logit_bias.items()}
         per_prompt.append(one)
     return {
         "input_ids": [[int(t) for t in p] for p in prompts],
@@ -62,6 +68,70 @@ def generate_request(prompts: list[list[int]], params: SamplingParams, seed: int
         "return_logprob": True,
         **fields,
     }
+
+
+def collapse_placeholders(prompt: Sequence[int], placeholders: Mapping[int, str],
+                          counts: Mapping[str, int] | None = None) -> list[int]:
+    """`prompt` with each run of one placeholder token cut to a single token: the unexpanded
+    prompt, which an SGLang server expands again with its own processor. `placeholders`: token id
+    -> media kind. `counts`: how many items of each kind the prompt carries; each run is one item
+    (media markup separates neighbouring items), so a different number of runs is an error."""
+    out: list[int] = []
+    runs: dict[str, int] = {}
+    for token in prompt:
+        token = int(token)
+        if token in placeholders and out and out[-1] == token:
+            continue
+        if token in placeholders:
+            runs[placeholders[token]] = runs.get(placeholders[token], 0) + 1
+        out.append(token)
+    for kind, count in (counts or {}).items():
+        if runs.get(kind, 0) != count:
+            raise ValueError(
+                f"the prompt has {runs.get(kind, 0)} run(s) of {kind} placeholder tokens but {count} {kind} item(s); "
+                f"each {kind} must be its own run, between the chat template's {kind} start and end tokens")
+    return out
+
+
+def media_fields(urls: Sequence[Mapping[str, Sequence[str]] | None]) -> dict[str, Any]:
+    """The `GenerateReqInput` media fields of a batch: `urls[i]` maps a kind ("image", "video",
+    "audio") to prompt i's data URLs of that kind (None: a prompt without media). A field is sent
+    only when some prompt has that kind, as one list per prompt (empty for the others: SGLang
+    then processes no media of that kind for them). `return_prompt_token_ids` asks for the ids
+    as the server expanded them, for `check_expanded_prompts`."""
+    fields: dict[str, Any] = {}
+    for kind in ("image", "video", "audio"):
+        per_prompt = [list((u or {}).get(kind, ())) for u in urls]
+        if any(per_prompt):
+            fields[f"{kind}_data"] = per_prompt
+    fields["return_prompt_token_ids"] = True
+    return fields
+
+
+def check_expanded_prompts(body: Any, prompts: list[list[int]], url: str = "the SGLang server") -> None:
+    """Each reply's prompt ids, as the server's processor expanded the media placeholders
+    (`prompt_token_ids`), must equal ours: the trainer recomputes log-probs on our ids, so
+    sampling from other ones would train on the wrong prompt. Raises EngineHttpError naming the
+    first position that differs."""
+    items = body if isinstance(body, list) else [body]
+    for i, (item, ours) in enumerate(zip(items, prompts)):
+        theirs = item.get("prompt_token_ids") if isinstance(item, dict) else None
+        if theirs is None and isinstance(item, dict) and isinstance(item.get("meta_info"), dict):
+            theirs = item["meta_info"].get("prompt_token_ids")
+        if not isinstance(theirs, list):
+            raise EngineHttpError(f"SGLang server {url} sent no prompt_token_ids for prompt {i} although the "
+                                  "request asked for them (return_prompt_token_ids)")
+        theirs = [int(t) for t in theirs]
+        if theirs == list(ours):
+            continue
+        at = next((k for k, (a, b) in enumerate(zip(theirs, ours)) if a != b), min(len(theirs), len(ours)))
+        raise EngineHttpError(
+            f"SGLang server {url} expanded the media placeholders of prompt {i} differently from relax-hpc: the "
+            f"token ids first differ at position {at} (server {theirs[at:at + 1] or 'ends'}, relax-hpc "
+            f"{list(ours[at:at + 1]) or 'ends'}; {len(theirs)} vs {len(ours)} tokens). Refusing to train on ids "
+            "the server did not sample from: the server's processor config (preprocessor_config.json / "
+            "processor_config.json: patch and merge size, min/max pixels, video fps, audio rate) must match the "
+            "model directory relax-hpc reads ([model] path), so serve that very directory")
 
 
 def _reported_version(item: Any) -> int | None:

@@ -60,6 +60,10 @@ CPU_FLAGS = (
 )
 
 
+# SGLang's cache of multimodal encoder outputs, in MB (see SGLangServer.environment).
+VLM_CACHE_VARIABLE = "SGLANG_VLM_CACHE_SIZE_MB"
+
+
 class SGLangServerError(RuntimeError):
     """The SGLang server process did not start or stopped answering."""
 
@@ -126,6 +130,10 @@ class SGLangServer:
     def environment(self) -> dict[str, str]:
         """This process's environment minus what points into relax-hpc's own venv."""
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
+        # No cache of vision / audio encoder outputs: SGLang 0.5.23 keeps it across weight updates
+        # (no route clears it), so an image seen before an update would be read with the old
+        # encoder. Within one batch an image is still encoded once (the samples of a group).
+        env[VLM_CACHE_VARIABLE] = "0"
         if self.device == "cpu":
             env["SGLANG_USE_CPU_ENGINE"] = "1"
         env.update(self.extra_env)

@@ -23,6 +23,12 @@ client does (`ForkingPickler`: the tensors' storage moves to shared memory and o
 travels), under torch's "file_system" sharing strategy, which this process then keeps: the
 default one passes file descriptors over a socket that SGLang's scheduler cannot authenticate
 to ("digest sent was rejected"). A pickle from this torch loads in the server's newer one.
+
+SGLang's `load_weights` reads weights by their names in the model's checkpoint, whatever the
+update route. transformers 5 renames some on load (Qwen2.5-VL's `model.*` becomes
+`model.language_model.*`, a Qwen3-Omni thinker loses `thinker.`, MoE experts are fused into
+3-D tensors), so `checkpoint_named` turns the trainer's names back before any push; an unknown
+name would otherwise stop the server (KeyError in its scheduler).
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ import itertools
 import logging
 import os
 import socket
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from datetime import timedelta
 from typing import Any, Protocol
 
@@ -42,7 +48,9 @@ import torch
 
 from relax_hpc.engines import sglang_requests as requests
 
-__all__ = ["DistributedWeightPush", "RequestSender", "TensorWeightPush", "WeightPush", "buckets"]
+__all__ = [
+    "DistributedWeightPush", "RequestSender", "TensorWeightPush", "WeightPush", "buckets", "checkpoint_named",
+]
 
 log = logging.getLogger(__name__)
 _GROUPS = itertools.count()  # a fresh group name per group this process forms
@@ -62,6 +70,47 @@ class WeightPush(Protocol):
     def push(self, server: RequestSender, named: list[tuple[str, torch.Tensor]], version: int) -> None: ...
 
     def close(self, server: RequestSender | None) -> None: ...
+
+
+# model_type -> (trainer prefix, checkpoint prefix), first match wins: the renames transformers 5
+# makes on load, undone (checked against relax_hpc.models.hf.checkpoint_state_dict by the tests).
+# Families absent here keep their names (Qwen3-VL's checkpoints use the in-memory ones).
+_CHECKPOINT_PREFIXES: dict[str, tuple[tuple[str, str], ...]] = {
+    "qwen2_5_vl": (("model.language_model.", "model."), ("model.visual.", "visual.")),
+    "qwen3_omni_moe": (("model.language_model.", "thinker.model."), ("model.", "thinker."),
+                       ("lm_head.", "thinker.lm_head.")),
+}
+_FUSED_EXPERTS = ("qwen3_omni_moe",)  # families whose checkpoints store one tensor per expert
+
+
+def checkpoint_named(named: Iterable[tuple[str, torch.Tensor]], model_type: str) -> list[tuple[str, torch.Tensor]]:
+    """`named` (a transformers-5 model's state-dict names) with the names and layout of the
+    model's checkpoint, which SGLang's loaders read. Names already in checkpoint form pass
+    unchanged, so a backend that exports checkpoint names is not affected."""
+    prefixes = _CHECKPOINT_PREFIXES.get(model_type, ())
+    out: list[tuple[str, torch.Tensor]] = []
+    for name, tensor in named:
+        for ours, theirs in prefixes:
+            if name.startswith(ours):
+                name = theirs + name[len(ours):]
+                break
+        if model_type in _FUSED_EXPERTS and name.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")):
+            out.extend(_split_experts(name, tensor))
+        else:
+            out.append((name, tensor))
+    return out
+
+
+def _split_experts(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """transformers 5's fused experts -> one nn.Linear weight per expert: `gate_up_proj`
+    (experts, 2 * intermediate, hidden) holds the gate rows, then the up rows; `down_proj` is
+    (experts, hidden, intermediate)."""
+    stem, kind = name.rsplit(".", 1)
+    if kind == "down_proj":
+        return [(f"{stem}.{e}.down_proj.weight", tensor[e]) for e in range(tensor.shape[0])]
+    half = tensor.shape[1] // 2
+    return [(f"{stem}.{e}.{part}_proj.weight", tensor[e, rows])
+            for e in range(tensor.shape[0]) for part, rows in (("gate", slice(0, half)), ("up", slice(half, None)))]
 
 
 def buckets(named: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:

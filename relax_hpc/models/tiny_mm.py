@@ -116,11 +116,13 @@ def build_mm_chat_template(audio: bool) -> str:
     )
 
 
-def write_tiny_multimodal(out_dir: Path, arch: str, seed: int = 0) -> Path:
+def write_tiny_multimodal(out_dir: Path, arch: str, seed: int = 0, patch_size: int = PATCH_SIZE) -> Path:
     """Write a randomly initialised tiny `arch` model, tokenizer and processor configs to `out_dir`.
 
     Deterministic from `seed` for one transformers version. Written to a temporary directory, then
-    renamed; refuses to overwrite an existing directory.
+    renamed; refuses to overwrite an existing directory. `patch_size`: the vision patch side;
+    SGLang 0.5.23's Qwen2.5-VL reads only the real models' 14 (it takes rows of any other width
+    for precomputed embeddings), so a tiny Qwen2.5-VL meant for SGLang needs patch_size=14.
     """
     from relax_hpc.models.hf import quiet_transformers
 
@@ -129,7 +131,7 @@ def write_tiny_multimodal(out_dir: Path, arch: str, seed: int = 0) -> Path:
     out_dir = refuse_existing(out_dir)
     specials = mm_special_tokens(arch)
     torch.manual_seed(seed)
-    model = _build_model(arch, mm_token_ids(arch))
+    model = _build_model(arch, mm_token_ids(arch), patch_size)
     return save_model_dir(
         model,
         out_dir,
@@ -139,7 +141,7 @@ def write_tiny_multimodal(out_dir: Path, arch: str, seed: int = 0) -> Path:
             "chat_template": build_mm_chat_template(audio=is_omni(arch)),
             "extra_special_tokens": _named_specials(arch),
         },
-        extra_files=_processor_files(arch),
+        extra_files=_processor_files(arch, patch_size),
     )
 
 
@@ -185,13 +187,13 @@ def _text_config(arch: str, ids: dict[str, int]) -> dict[str, Any]:
     return text
 
 
-def _vision_config(arch: str) -> dict[str, Any]:
+def _vision_config(arch: str, patch_size: int) -> dict[str, Any]:
     vision: dict[str, Any] = {
-        "depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "patch_size": PATCH_SIZE,
+        "depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "patch_size": patch_size,
         "spatial_merge_size": MERGE_SIZE, "temporal_patch_size": TEMPORAL_PATCH_SIZE, "out_hidden_size": 64,
     }
     if arch in ("qwen2_5_vl", "qwen2_5_omni"):  # windowed attention, the last block full
-        vision |= {"window_size": PATCH_SIZE * MERGE_SIZE * 2, "fullatt_block_indexes": [1]}
+        vision |= {"window_size": patch_size * MERGE_SIZE * 2, "fullatt_block_indexes": [1]}
     else:  # learned position embeddings and one deepstack feature merged into the text tower
         vision |= {"num_position_embeddings": 64, "deepstack_visual_indexes": [0]}
     if arch == "qwen2_5_vl":
@@ -209,12 +211,12 @@ def _audio_config(arch: str) -> dict[str, Any]:
     return audio
 
 
-def _build_model(arch: str, ids: dict[str, int]) -> torch.nn.Module:
+def _build_model(arch: str, ids: dict[str, int], patch_size: int) -> torch.nn.Module:
     media_ids: dict[str, Any] = {
         "image_token_id": ids[IMAGE_PAD], "video_token_id": ids[VIDEO_PAD],
         "vision_start_token_id": ids[VISION_START], "vision_end_token_id": ids[VISION_END],
     }
-    text, vision = _text_config(arch, ids), _vision_config(arch)
+    text, vision = _text_config(arch, ids), _vision_config(arch, patch_size)
     if arch == "qwen2_5_vl":
         from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
@@ -246,7 +248,7 @@ def _build_model(arch: str, ids: dict[str, int]) -> torch.nn.Module:
     return Qwen3OmniMoeForConditionalGeneration(Qwen3OmniMoeConfig(thinker_config=thinker, enable_audio_output=False))
 
 
-def _processor_files(arch: str) -> dict[str, str]:
+def _processor_files(arch: str, patch_size: int) -> dict[str, str]:
     """processor_config.json (and for VL preprocessor_config.json), as transformers writes them.
 
     An omni processor has two "preprocessors" (image and audio) that would both save as
@@ -259,7 +261,7 @@ def _processor_files(arch: str) -> dict[str, str]:
     )
 
     size = {"shortest_edge": 16 * 16, "longest_edge": 64 * 64}
-    geometry: dict[str, Any] = {"patch_size": PATCH_SIZE, "merge_size": MERGE_SIZE, "temporal_patch_size": TEMPORAL_PATCH_SIZE}
+    geometry: dict[str, Any] = {"patch_size": patch_size, "merge_size": MERGE_SIZE, "temporal_patch_size": TEMPORAL_PATCH_SIZE}
     image = Qwen2VLImageProcessorPil(**geometry, size=size)
     image_dict = image.to_dict()
     video_dict = {key: image_dict[key] for key in (

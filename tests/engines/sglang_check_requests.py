@@ -5,7 +5,9 @@
 requests.json: {"generate": [body, ...], "structs": [[class name in io_struct, body], ...]}.
 A /generate body must construct `GenerateReqInput` and pass its `normalize_batch_and_arguments`,
 and each of its sampling_params must construct SGLang's `SamplingParams` and pass `verify` and
-`normalize` (what the tokenizer manager does). A control body must name only fields of its
+`normalize` (what the tokenizer manager does); media fields (one list of URLs per prompt) must
+reach each prompt's own request (`request[i]`, as the tokenizer manager splits a batch) intact,
+a prompt's empty list counting as no media of that kind. A control body must name only fields of its
 `msgspec.Struct` and validate as the HTTP server parses it (pydantic through the struct's
 `__get_pydantic_core_schema__`, which ignores unknown keys, hence the field check); the result
 must then survive the msgpack round trip the server uses to reach its scheduler; a base64 string
@@ -27,10 +29,16 @@ VOCAB_SIZE = 1 << 20  # large enough for any token id the tests send
 
 def check_generate(body: dict[str, Any]) -> None:
     from sglang.srt.managers.io_struct import GenerateReqInput
+    from sglang.srt.multimodal.mm_utils import has_valid_data
     from sglang.srt.sampling.sampling_params import SamplingParams
 
     request = GenerateReqInput(**body)
     request.normalize_batch_and_arguments()
+    for key in ("image_data", "video_data", "audio_data"):
+        for i, sent in enumerate(body.get(key) or []):
+            got = getattr(request[i], key)
+            if (got or []) != sent or has_valid_data(got) != bool(sent):
+                raise ValueError(f"{key} of prompt {i} reached its request as {got!r}, sent {sent!r}")
     params = body.get("sampling_params") or {}
     for one in params if isinstance(params, list) else [params]:
         sampling = SamplingParams(**one)

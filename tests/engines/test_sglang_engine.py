@@ -148,11 +148,27 @@ def sglang_python() -> Path:
     return SGLANG.python_or_skip()
 
 
+def _media_request_bodies(sampled: SamplingParams) -> list[dict]:
+    """A multimodal model's bodies (SGLangEngine._media_request): unexpanded ids (5/6 media start/end,
+    8 image, 9 video, 7 audio placeholders), a markup logit bias, per-prompt data URLs."""
+    png, mkv, wav = "data:image/png;base64,iVBO", "data:video/x-matroska;base64,GkXf", "data:audio/wav;base64,UklG"
+    bias = dict.fromkeys((5, 6, 7, 8, 9), -1e30)
+    return [
+        requests.generate_request([[1, 5, 8, 6, 5, 8, 6, 2], [1, 2], [5, 8, 6, 3]], sampled, seed=5, logit_bias=bias,
+                                  **requests.media_fields([{"image": [png, png]}, None, {"image": [png]}])),
+        requests.generate_request([[1, 5, 8, 6, 5, 9, 6, 5, 7, 6, 2], [5, 7, 6]], GREEDY, seed=None, logit_bias=bias,
+                                  **requests.media_fields([{"image": [png], "video": [mkv], "audio": [wav]},
+                                                           {"audio": [wav]}])),
+        requests.generate_request([[1, 2]], GREEDY, seed=None, logit_bias=bias),  # a text prompt of such a model
+    ]
+
+
 def _every_request_body() -> dict:
     sampled = SamplingParams(max_new_tokens=3, temperature=0.7, top_p=0.9, top_k=0, stop_token_ids=(2,), stop=("x",))
     return {
         "generate": [requests.generate_request([[1, 2, 3], [4]], sampled, seed=5),
-                     requests.generate_request([[1]], GREEDY, seed=None)],
+                     requests.generate_request([[1]], GREEDY, seed=None),
+                     *_media_request_bodies(sampled)],
         "structs": [
             ["PauseGenerationReqInput", requests.pause_request()],
             ["ContinueGenerationReqInput", requests.continue_request()],
@@ -181,7 +197,7 @@ def test_every_request_body_is_valid_for_sglangs_own_classes(sglang_python: Path
     done = subprocess.run([str(sglang_python), str(HERE / "sglang_check_requests.py"), str(path)],
                           capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
-    assert "15 of 15 bodies valid" in done.stdout
+    assert "18 of 18 bodies valid" in done.stdout
 
 
 @pytest.fixture(scope="module")

@@ -79,3 +79,28 @@ def __getattr__(attr: str) -> MissingKernel:
 
 if not any(isinstance(finder, _SubmoduleFinder) for finder in sys.meta_path):
     sys.meta_path.append(_SubmoduleFinder())
+
+
+# Some SGLang model files look CPU kernels up as `torch.ops.sgl_kernel.<name>` when they are
+# imported (SGLang's Qwen-VL processor module imports them all, so without these names no VL
+# processor registers: "No processor registered for architecture"). Their schemas are defined
+# here, never implemented: the CPU server's paths for the tiny models do not call them.
+CPU_OP_NAMES = (
+    "fused_sigmoid_mul_cpu",
+    "fused_qk_gemma_rmsnorm_cpu",
+    "fused_qk_gemma_rmsnorm_with_gate_cpu",
+    "fused_qkvzba_split_reshape_cat_contiguous_cpu",
+)
+
+
+def _define_cpu_op_names() -> Any:
+    import torch
+
+    library = torch.library.Library("sgl_kernel", "FRAGMENT")
+    for name in CPU_OP_NAMES:
+        if not hasattr(torch.ops.sgl_kernel, name):
+            library.define(f"{name}(Tensor x) -> ()")
+    return library  # the definitions live as long as this object
+
+
+_CPU_OPS = _define_cpu_op_names()
