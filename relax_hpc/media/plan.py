@@ -74,6 +74,11 @@ def _check(spec: JobSpec, plan: MediaPlan, columns: dict[str, str]) -> None:
             "train.backend", show_value(spec.train.backend),
             'the Megatron backend has no vision or audio towers yet; set backend = "torch" '
             '(strategy = "fsdp2" shards a large model) for a data set with media'))
+    if "video" in columns and spec.rollout.engine == "sglang" and spec.train.device == "cpu":
+        problems.append(SpecProblem(
+            "data.video_key", show_value(columns["video"]),
+            'an SGLang server on CPU cannot decode video (it needs torchcodec or decord); set [rollout] '
+            'engine = "native" to train on video on CPU, or run the engines on GPUs'))
     if columns and spec.rollout.engine == "sglang" and family is not None and not family.sglang:
         problems.append(SpecProblem(
             "rollout.engine", show_value(spec.rollout.engine),
@@ -98,7 +103,8 @@ def _explain(spec: JobSpec, plan: MediaPlan, columns: dict[str, str], config: di
                          "(preprocessor_config.json or processor_config.json beside the weights)")
             lines.append("rollout: " + ("the native engine loads the same" if spec.rollout.engine == "native" else
                                         "each SGLang server loads the model and its processor; relax-hpc sends "
-                                        "each prompt's media as data URLs"))
+                                        "each prompt's media as data URLs" +
+                                        ("; video only on GPU servers" if "video" in columns else "")))
         return
     from relax_hpc.models.hf import MULTIMODAL_FAMILIES
 
@@ -117,9 +123,10 @@ def _explain(spec: JobSpec, plan: MediaPlan, columns: dict[str, str], config: di
         lines.append("rollout: the native engine loads the same model and pieces; it prefills with the media "
                      "and never samples media markup tokens")
     else:
+        video = "; video only on GPU servers" if "video" in columns else ""
         lines.append(f"rollout: SGLang servers load the model with their own processor; relax-hpc sends each "
-                     f"prompt's media as data URLs (SGLang serves {family.model_type}: "
-                     f"{'yes' if family.sglang else 'no'})")
+                     f"prompt's media as data URLs and checks the servers' placeholder expansion against its "
+                     f"own (SGLang serves {family.model_type}: {'yes' if family.sglang else 'no'}{video})")
 
 
 def check_media_plan(spec: JobSpec, source: str) -> MediaPlan:

@@ -69,6 +69,7 @@ def test_unreadable_production_model_still_gets_each_components_needs() -> None:
     ({"train": {"backend": "megatron", "strategy": "ddp"}}, "train.backend"),
     ({"model": {"path": "QWEN2_5_OMNI"}}, "rollout.engine"),  # SGLang has no Qwen2.5-Omni model
     ({"model": {"path": "TEXT"}}, "model.path"),  # media columns with a text-only model
+    ({"train": {"device": "cpu"}}, "data.video_key"),  # SGLang on CPU cannot decode video
 ])
 def test_what_this_version_cannot_run_is_refused_with_the_key_to_change(
     tiny: dict, tiny_model_dir: Path, change: dict, key: str
