@@ -36,6 +36,7 @@ from relax_hpc.backends.batch import TrainBatch, pack_samples
 from relax_hpc.backends.parallel import STRATEGIES, Strategy, full_weights, shard_model
 from relax_hpc.ckpt import CheckpointManager, ResumeState
 from relax_hpc.data.sample import Sample
+from relax_hpc.media.processor import media_processor_for
 from relax_hpc.models.hf import is_multimodal, load_policy_model, load_tokenizer
 from relax_hpc.spec.schema import TrainSpec
 
@@ -115,7 +116,7 @@ class TorchBackend:
         self.model.train()
         # A multimodal model: each micro-batch's media tensors and M-RoPE positions are built
         # from its rows' canonical media, exactly as the engine builds them for the prompt.
-        self.media_processor = _media_processor(model_path) if is_multimodal(model_path) else None
+        self.media_processor = media_processor_for(model_path)
         # Dropout would make recomputed log-probs differ from the engine's. The attention modules
         # copy the rate from the config when they are built, so the config alone is not enough.
         self.model.config.attention_dropout = 0.0
@@ -161,12 +162,9 @@ class TorchBackend:
     def _media_kwargs(self, model: torch.nn.Module, batch: TrainBatch) -> dict[str, Any]:
         if self.media_processor is None:
             return {}
-        from relax_hpc.media.positions import forward_kwargs
+        from relax_hpc.media.positions import rows_forward_kwargs
 
-        media = batch.media if batch.media is not None else (None,) * len(batch)
-        kwargs = forward_kwargs(model, self.media_processor, batch.input_ids.cpu(), batch.attention_mask.cpu(),
-                                self.media_processor.batch_media(media))
-        return {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+        return rows_forward_kwargs(model, self.media_processor, batch.input_ids, batch.attention_mask, batch.media)
 
     def _advantages(self, micro: TrainBatch, logp: torch.Tensor) -> torch.Tensor:
         """Per-sequence advantages, or per-token ones with the teacher's pull under OPD."""
@@ -448,9 +446,3 @@ class TorchBackend:
 
     def load_checkpoint(self, manager: CheckpointManager) -> ResumeState | None:
         return manager.load_latest(self.model, self.optimizer)
-
-
-def _media_processor(model_path: str | Path) -> Any:
-    from relax_hpc.media.processor import MediaProcessor
-
-    return MediaProcessor(model_path)

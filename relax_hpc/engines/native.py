@@ -21,7 +21,8 @@ from relax_hpc.engines.lean_decoder import LeanDecoder
 from relax_hpc.engines.routed_experts import RoutingRecorder, assemble_routes, expert_index_dtype
 from relax_hpc.engines.sampling import sample_next
 from relax_hpc.media.items import PromptMedia
-from relax_hpc.models.hf import is_multimodal, load_policy_model, load_tokenizer
+from relax_hpc.media.processor import media_processor_for
+from relax_hpc.models.hf import load_policy_model, load_tokenizer
 from relax_hpc.weights.flat import FlatWeights, bind_module, copy_into_module
 
 
@@ -39,7 +40,7 @@ class NativeEngine:
         self.model = load_policy_model(model_path, dtype=dtype, device=device).eval()
         self.lean = lean
         # A multimodal model: media prefill through the model's own encoders, M-RoPE positions.
-        self.media_processor = _media_processor(model_path) if is_multimodal(model_path) else None
+        self.media_processor = media_processor_for(model_path)
         # Checked here, so a dense model with routing replay on fails at start-up.
         self.record_routing = record_routing and RoutingRecorder(self.model).num_layers > 0
         self.tokenizer = load_tokenizer(model_path)
@@ -205,7 +206,9 @@ class NativeEngine:
         positions = (attention.cumsum(-1) - 1).clamp(min=0)
         extra: dict[str, Any] = {}
         if self.media_processor is not None:
-            extra = self._media_inputs(input_ids, attention, media or [None] * batch)
+            from relax_hpc.media.positions import rows_forward_kwargs
+
+            extra = rows_forward_kwargs(self.model, self.media_processor, input_ids, attention, media)
             positions = extra["position_ids"]  # (3, B, L): M-RoPE
         # The recorder hooks the HF routers, which only the HF forward runs.
         use_lean = self.lean and recorder is None and not extra and LeanDecoder.supports(self.model)
@@ -258,16 +261,6 @@ class NativeEngine:
             next_pos = next_pos + 1
         return tokens, logprobs, finish
 
-    def _media_inputs(
-        self, input_ids: torch.Tensor, attention: torch.Tensor, media: Sequence[PromptMedia | None]
-    ) -> dict[str, Any]:
-        from relax_hpc.media.positions import forward_kwargs
-
-        assert self.media_processor is not None
-        batch_media = self.media_processor.batch_media(media)
-        kwargs = forward_kwargs(self.model, self.media_processor, input_ids.cpu(), attention.cpu(), batch_media)
-        return {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
-
     def _hit_stop_string(self, token_ids: list[int], stop: tuple[str, ...]) -> bool:
         if not stop:
             return False
@@ -277,12 +270,6 @@ class NativeEngine:
         window = max(16, 4 * max(len(s) for s in stop))
         tail = self.tokenizer.decode(token_ids[-window:], skip_special_tokens=False)
         return any(s in tail for s in stop)
-
-
-def _media_processor(model_path: str | Path) -> Any:
-    from relax_hpc.media.processor import MediaProcessor
-
-    return MediaProcessor(model_path)
 
 
 def _nbytes(tensors: list[torch.Tensor]) -> int:

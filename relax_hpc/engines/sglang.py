@@ -45,8 +45,8 @@ from relax_hpc.engines.call_gate import CallGate
 from relax_hpc.engines.http_client import EngineHttpError, HttpEngine
 from relax_hpc.engines.sglang_weights import WeightPush, checkpoint_named
 from relax_hpc.media.items import MEDIA_ORDER, MediaItem, PromptMedia
-from relax_hpc.media.processor import MARKUP_FLOOR, MediaProcessor
-from relax_hpc.models.hf import is_multimodal, load_tokenizer
+from relax_hpc.media.processor import MARKUP_FLOOR, media_processor_for
+from relax_hpc.models.hf import load_tokenizer
 
 __all__ = ["SGLangEngine"]
 
@@ -84,7 +84,7 @@ class SGLangEngine:
         # Where the server runs ("cpu", "cuda", ...), as it says; None when it does not say.
         self.server_device: str | None = info.get("device") if isinstance(info.get("device"), str) else None
         # A multimodal model's placeholder and markup token ids; None for a text model.
-        self.media_processor = MediaProcessor(self.model_path) if is_multimodal(self.model_path) else None
+        self.media_processor = media_processor_for(self.model_path)
         self._version = 0
         self._gate = CallGate()
 

@@ -12,10 +12,11 @@ for the prompt, the trainer for prompt + response, and both get the same numbers
 from __future__ import annotations
 
 import inspect
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
+from relax_hpc.media.items import PromptMedia
 from relax_hpc.media.processor import BatchMedia, MediaProcessor
 
 
@@ -73,3 +74,17 @@ def forward_kwargs(
     if processor.family.rope == "vl":
         kwargs["mm_token_type_ids"] = processor.mm_token_type_ids(input_ids)
     return kwargs
+
+
+def rows_forward_kwargs(
+    model: torch.nn.Module,
+    processor: MediaProcessor,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    rows: Sequence[PromptMedia | None] | None,
+) -> dict[str, Any]:
+    """`forward_kwargs` for a batch whose rows carry `rows` (None: no row has media), built on the
+    CPU and moved to `input_ids`' device: what the engine, the trainer and the forward roles pass."""
+    rows = rows if rows is not None else (None,) * input_ids.shape[0]
+    kwargs = forward_kwargs(model, processor, input_ids.cpu(), attention_mask.cpu(), processor.batch_media(rows))
+    return {k: v.to(input_ids.device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}

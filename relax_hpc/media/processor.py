@@ -31,6 +31,16 @@ MARKUP_FLOOR = -1e30  # the logit of a media markup token: never sampled, probab
 MIN_AUDIO_SAMPLES = 400  # one Whisper FFT window (25 ms at 16 kHz); shorter clips cannot be framed
 
 
+def media_processor_for(model_dir: str | Path) -> MediaProcessor | None:
+    """The processor of a multimodal model; None for a text model or a path with no config.json
+    (tests' scripted engines). A multimodal model outside the supported families raises."""
+    from relax_hpc.models.hf import is_multimodal
+
+    if not (Path(model_dir) / "config.json").is_file() or not is_multimodal(model_dir):
+        return None
+    return MediaProcessor(model_dir)
+
+
 def read_model_config(model_dir: str | Path) -> dict[str, Any]:
     path = Path(model_dir) / "config.json"
     if not path.is_file():

@@ -26,7 +26,8 @@ from relax_hpc.algos import token_logprobs_and_entropy
 from relax_hpc.backends.batch import pack_samples
 from relax_hpc.data.rows import MEDIA_FIELDS, media_from_fields
 from relax_hpc.data.sample import Sample
-from relax_hpc.models.hf import is_multimodal, load_policy_model, load_tokenizer
+from relax_hpc.media.processor import media_processor_for
+from relax_hpc.models.hf import load_policy_model, load_tokenizer
 from relax_hpc.roles.step_loop import StepLoopWorker
 from relax_hpc.spec.schema import ModelSpec, RolloutSpec, TrainSpec
 from relax_hpc.transfer.queue import partition_name
@@ -59,12 +60,9 @@ def response_log_probs(model: torch.nn.Module, samples: list[Sample], pad_id: in
     batch = pack_samples(samples, pad_id).to(torch.device(device))
     extra: dict[str, Any] = {}
     if media_processor is not None:
-        from relax_hpc.media.positions import forward_kwargs
+        from relax_hpc.media.positions import rows_forward_kwargs
 
-        media = batch.media if batch.media is not None else (None,) * len(batch)
-        extra = forward_kwargs(model, media_processor, batch.input_ids.cpu(), batch.attention_mask.cpu(),
-                               media_processor.batch_media(media))
-        extra = {k: v.to(batch.input_ids.device) if isinstance(v, torch.Tensor) else v for k, v in extra.items()}
+        extra = rows_forward_kwargs(model, media_processor, batch.input_ids, batch.attention_mask, batch.media)
     with torch.no_grad():
         logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, **extra).logits
         if media_processor is not None:
@@ -86,13 +84,9 @@ class ForwardWorker(StepLoopWorker, WeightReceiverEndpoint):
             torch.set_num_threads(cfg.num_threads)
         self.cfg = cfg
         self.model = load_policy_model(cfg.model_path, dtype=cfg.dtype, device=cfg.device).eval()
-        self.media_processor: Any = None
-        self.input_fields: tuple[str, ...] = INPUT_FIELDS
-        if is_multimodal(cfg.model_path):
-            from relax_hpc.media.processor import MediaProcessor
-
-            self.media_processor = MediaProcessor(cfg.model_path)
-            self.input_fields = (*INPUT_FIELDS, *MEDIA_FIELDS)
+        self.media_processor = media_processor_for(cfg.model_path)
+        # A multimodal model reads each row's media too.
+        self.input_fields = INPUT_FIELDS if self.media_processor is None else (*INPUT_FIELDS, *MEDIA_FIELDS)
         tok = load_tokenizer(cfg.model_path)
         self.pad_id = int(tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
         self._version = 0

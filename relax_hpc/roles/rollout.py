@@ -24,7 +24,6 @@ from relax_hpc.agents.config import AgenticConfig
 from relax_hpc.algos import group_advantages
 from relax_hpc.algos.advantages import advantages_by_group
 from relax_hpc.data.dataset import DataCursor, DataSettings, load_dataset
-from relax_hpc.media.items import PromptMedia
 from relax_hpc.data.rows import sample_to_row
 from relax_hpc.data.sample import Sample
 from relax_hpc.engines.base import Generator, RolloutEngine, SamplingParams
@@ -33,6 +32,8 @@ from relax_hpc.engines.http_auth import engine_token, read_token_file
 from relax_hpc.engines.http_client import HttpEngine
 from relax_hpc.engines.router import EngineRouter, LocalEngineClient
 from relax_hpc.engines.sglang_fleet import SGLangLaunch, start_sglang_engines
+from relax_hpc.media.items import PromptMedia
+from relax_hpc.media.processor import media_processor_for
 from relax_hpc.models.hf import load_tokenizer
 from relax_hpc.ops.heap import settle_heap
 from relax_hpc.ops.ports import port_slot_from_env
@@ -167,17 +168,6 @@ def reward_by_media(samples: list[Sample]) -> dict[str, float]:
     return {f"reward/by_media/{kind}": sum(v) / len(v) for kind, v in sorted(by_kind.items())}
 
 
-def _media_processor(model_path: str) -> Any:
-    """The model's media processor, or None for a text-only model (or a path with no model)."""
-    from relax_hpc.models.hf import is_multimodal
-
-    if not (Path(model_path) / "config.json").is_file() or not is_multimodal(model_path):
-        return None
-    from relax_hpc.media.processor import MediaProcessor
-
-    return MediaProcessor(model_path)
-
-
 class RolloutWorker(WeightReceiverEndpoint):
     def __init__(self, cfg: RolloutConfig, engine: RolloutEngine | list[RolloutEngine] | None = None,
                  engine_hosts: list[Any] | None = None) -> None:
@@ -193,7 +183,7 @@ class RolloutWorker(WeightReceiverEndpoint):
         self.sampling = SamplingParams(**{**cfg.sampling.__dict__, "stop_token_ids": stop_ids})
         # A multimodal model: every sample carries its prompt's media (empty for a text prompt),
         # and the media travel with the prompts to the engines.
-        self.media_processor = _media_processor(cfg.model_path)
+        self.media_processor = media_processor_for(cfg.model_path)
         self.rows, self.report = load_dataset(cfg.data, tok, self.media_processor)
         self.cursor = DataCursor(len(self.rows), cfg.seed, cfg.data.shuffle)
         judge, judge_tokenizer = build_genrm_judge(cfg.reward, cfg.dtype, cfg.device)

@@ -94,3 +94,12 @@ def test_the_megatron_backend_refuses_a_multimodal_model_before_building_anythin
     with pytest.raises(ValueError, match=r"no vision or audio towers yet; set \[train\] backend = \"torch\""):
         refuse_multimodal(tiny["qwen3_vl"])
     refuse_multimodal(tiny_model_dir)  # a text model passes
+
+
+def test_the_loader_and_the_media_layer_know_the_same_families() -> None:
+    # relax_hpc.models.hf loads them and relax_hpc.media.families builds their inputs; a family
+    # in one table only would load without inputs, or have inputs for a class nothing loads.
+    from relax_hpc.media.families import FAMILIES
+    from relax_hpc.models.hf import MULTIMODAL_FAMILIES
+
+    assert sorted(MULTIMODAL_FAMILIES) == sorted(FAMILIES)
