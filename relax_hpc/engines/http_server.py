@@ -17,6 +17,14 @@ Routes (see docs/engines.md for the full field list):
     GET  /health                  200 {"status": "ok"}
     GET  /model_info              {"model_path", "tokenizer_path", "is_generation", "weight_version", ...}
     GET  /get_model_info          the same (SGLang's older name)
+    POST /update_weights_from_disk {"model_path": "<weights_root>/v3", "weight_version": 3}
+                                  -> {"success": true, "message": "...", "weight_version": 3}
+
+`/update_weights_from_disk` (SGLang's route and body) loads a directory of safetensors files that
+the training job wrote (disk_weights.py) into the engine, only on a server started with
+`weights_root` (`--weights-root`) and only from a directory inside it. Every tensor is read and
+checked against the model's names and shapes before any is copied in, so a refused load leaves
+the old weights serving; the copy holds the generate lock, so no generation sees half of it.
 
 Run it as `relax-hpc serve-engine MODEL_DIR --port 0`, or in a test:
 
@@ -37,9 +45,11 @@ import time
 from dataclasses import dataclass, fields
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 from relax_hpc.engines.base import Generation, RolloutEngine, SamplingParams
+from relax_hpc.engines.disk_weights import WeightsDirError, parameter_shapes, read_weights_dir, resolve_weights_dir
 from relax_hpc.engines.http_auth import ENGINE_AUTH_MESSAGE, BearerAuthHandler, check_token
 
 __all__ = [
@@ -52,6 +62,7 @@ __all__ = [
     "exposure_warning",
     "generation_to_sglang",
     "load_json_body",
+    "parse_disk_update_request",
     "parse_generate_request",
 ]
 
@@ -65,6 +76,8 @@ SAMPLING_KEYS = ("max_new_tokens", "temperature", "top_p", "top_k", "stop", "sto
 # Top-level SGLang fields that change nothing here and are accepted so SGLang clients work as they are.
 IGNORED_KEYS = ("rid", "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs", "stream")
 REQUEST_KEYS = ("input_ids", "sampling_params", "return_logprob", "seed", *IGNORED_KEYS)
+POST_ROUTES = ("/generate", "/update_weights_from_disk")
+ROUTES = "POST /generate, GET /health, GET /model_info, POST /update_weights_from_disk"
 
 
 @dataclass(frozen=True)
@@ -298,6 +311,27 @@ def parse_generate_request(body: Any, vocab_size: int | None = None,
     return GenerateRequest(prompts, params, seed, return_logprob, batched)
 
 
+def parse_disk_update_request(body: Any) -> tuple[str, int]:
+    """`model_path` and `weight_version` of a decoded `POST /update_weights_from_disk` body.
+
+    SGLang sends the version as a string ("3"), which is read as its number. SGLang's other keys
+    (flush_cache, load_format, abort_all_requests, ...) vary between its releases and change
+    nothing here, so any other key is ignored."""
+    if not isinstance(body, dict):
+        raise RequestError(f"the body must be a JSON object with 'model_path' and 'weight_version', got {_show(body)}")
+    path = body.get("model_path")
+    if not isinstance(path, str) or not path:
+        raise RequestError("model_path must be the path of a directory of *.safetensors files under this server's "
+                           f"--weights-root, got {_show(path)}")
+    version = body.get("weight_version")
+    if isinstance(version, str) and version.isascii() and version.isdigit() and len(version) <= 18:
+        version = int(version)
+    if not isinstance(version, int) or isinstance(version, bool) or version < 0:
+        raise RequestError("weight_version must be an integer >= 0 (or its decimal string, as SGLang clients send "
+                           f"it): the version later generations report, got {_show(version)}")
+    return path, version
+
+
 def generation_to_sglang(gen: Generation, return_logprob: bool, request_id: str) -> dict[str, Any]:
     """One prompt's answer in SGLang's `/generate` shape."""
     finish: dict[str, Any] = {"type": gen.finish_reason}
@@ -398,7 +432,8 @@ class EngineServer:
     """An HTTP server in front of one engine; `start()` serves from a background thread.
 
     `token` is the bearer token every request must carry: `engine_token()` (http_auth.py) in a
-    job, a fresh one for `relax-hpc serve-engine` run by hand."""
+    job, a fresh one for `relax-hpc serve-engine` run by hand. `weights_root`: the directory
+    whose weight versions `/update_weights_from_disk` may load; None refuses every update."""
 
     def __init__(
         self,
@@ -410,13 +445,19 @@ class EngineServer:
         model_info: dict[str, Any] | None = None,
         vocab_size: int | None = None,
         limits: ServerLimits | None = None,
+        weights_root: str | Path | None = None,
     ) -> None:
+        if weights_root is not None and not Path(weights_root).is_dir():
+            raise ValueError(f"weights root {weights_root} (--weights-root) is not a directory; create it, or pass "
+                             "the directory the training job writes its weight versions to")
+        self.weights_root = Path(weights_root).resolve() if weights_root is not None else None
         self.engine = engine
         self.token = check_token(token, "EngineServer")
         self.model_info = dict(model_info or {})
         self.vocab_size = vocab_size
         self.limits = limits or ServerLimits()
         self._generate_lock = threading.Lock()
+        self._update_lock = threading.Lock()  # one weight load at a time: versions land in the order asked
         self._request_count = 0
         self._httpd = _BoundedHTTPServer((host, port), _make_handler(self), self.limits.max_connections)
         self._thread: threading.Thread | None = None
@@ -471,6 +512,27 @@ class EngineServer:
         answers = [generation_to_sglang(g, request.return_logprob, f"{rid}-{i}") for i, g in enumerate(gens)]
         return answers if request.batched else answers[0]
 
+    def update_weights_from_disk(self, body: Any) -> dict[str, Any]:
+        """Answer one decoded `/update_weights_from_disk` body: load the weights directory it
+        names into the engine. RequestError (403 without a weights root, 400 for a bad body or
+        directory) leaves the old weights serving."""
+        if self.weights_root is None:
+            raise RequestError("this server was started without --weights-root; it takes no weight updates. Restart "
+                               "it with `relax-hpc serve-engine MODEL_DIR --weights-root DIR`, DIR the directory the "
+                               "training job writes its weight versions to", HTTPStatus.FORBIDDEN)
+        model_path, version = parse_disk_update_request(body)
+        with self._update_lock:
+            try:  # read and check everything before touching the engine
+                directory = resolve_weights_dir(model_path, self.weights_root)
+                named = read_weights_dir(directory, self.weights_root, parameter_shapes(self.engine))
+            except WeightsDirError as e:
+                raise RequestError(str(e)) from None
+            with self._generate_lock:
+                self.engine.update_weights(named, version)
+        log.info("loaded weight version %d (%d tensors) from %s", version, len(named), directory)
+        return {"success": True, "message": f"loaded {len(named)} tensors from {directory}",
+                "weight_version": version}
+
 
 def _make_handler(server: EngineServer) -> type[BaseHTTPRequestHandler]:
     limits = server.limits
@@ -504,8 +566,10 @@ def _make_handler(server: EngineServer) -> type[BaseHTTPRequestHandler]:
             self.end_headers()
             self.wfile.write(data)
 
-        def _error(self, status: int, message: str) -> None:
-            self._reply(status, {"error": {"message": message, "code": status}})
+        def _error(self, status: int, message: str, sglang_failure: bool = False) -> None:
+            # SGLang answers a failed weight update with {"success": false, "message": ...}.
+            failure = {"success": False, "message": message} if sglang_failure else {}
+            self._reply(status, {**failure, "error": {"message": message, "code": status}})
 
         def do_GET(self) -> None:
             path = self.path.split("?", 1)[0].rstrip("/")
@@ -513,14 +577,14 @@ def _make_handler(server: EngineServer) -> type[BaseHTTPRequestHandler]:
                 self._reply(HTTPStatus.OK, {"status": "ok"})
             elif path in ("/model_info", "/get_model_info"):
                 self._reply(HTTPStatus.OK, server.info())
-            elif path == "/generate":
-                self._error(HTTPStatus.METHOD_NOT_ALLOWED, "use POST for /generate")
+            elif path in POST_ROUTES:
+                self._error(HTTPStatus.METHOD_NOT_ALLOWED, f"use POST for {path}")
             else:
                 self._not_found(path)
 
         def do_POST(self) -> None:
             path = self.path.split("?", 1)[0].rstrip("/")
-            if path != "/generate":
+            if path not in POST_ROUTES:
                 self._drain()
                 self._not_found(path)
                 return
@@ -532,23 +596,24 @@ def _make_handler(server: EngineServer) -> type[BaseHTTPRequestHandler]:
                 if e.status == HTTPStatus.REQUEST_ENTITY_TOO_LARGE:
                     self.discard_refused_body()
                 return
+            update = path == "/update_weights_from_disk"
             try:
-                self._reply(HTTPStatus.OK, server.generate(body))
+                self._reply(HTTPStatus.OK, server.update_weights_from_disk(body) if update else server.generate(body))
             except RequestError as e:
-                self._error(e.status, str(e))
+                self._error(e.status, str(e), sglang_failure=update)
             except Exception as e:  # an engine failure: short message, the traceback stays in the log
-                log.exception("generation failed")
-                self._error(HTTPStatus.INTERNAL_SERVER_ERROR, f"engine failed: {type(e).__name__}: {e}"[:500])
+                log.exception("%s failed", path)
+                self._error(HTTPStatus.INTERNAL_SERVER_ERROR, f"engine failed: {type(e).__name__}: {e}"[:500],
+                            sglang_failure=update)
 
         def do_PUT(self) -> None:
             self._drain()
-            self._error(HTTPStatus.METHOD_NOT_ALLOWED, "only GET /health, GET /model_info and POST /generate exist")
+            self._error(HTTPStatus.METHOD_NOT_ALLOWED, f"this server has only these routes: {ROUTES}")
 
         do_DELETE = do_PATCH = do_PUT
 
         def _not_found(self, path: str) -> None:
-            routes = "POST /generate, GET /health, GET /model_info"
-            self._error(HTTPStatus.NOT_FOUND, f"no route {path!r}; routes: {routes}")
+            self._error(HTTPStatus.NOT_FOUND, f"no route {path!r}; routes: {ROUTES}")
 
         def _length(self) -> int:
             raw = self.headers.get("Content-Length")

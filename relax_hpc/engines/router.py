@@ -10,7 +10,16 @@ that session before, so its prefix stays warm there.
 A dead engine (its client says so of the error) is taken out of service, and the chunk it held
 goes back to the front of the queue for the others: every prompt gets exactly one answer,
 whatever dies, as long as one engine lives. New weights go to every live engine (one shared
-copy of the tensors, `EngineClient.share`); an engine that dies meanwhile is dropped there too.
+copy of the tensors per kind of client, `EngineClient.share`); an engine that dies meanwhile is
+dropped there too.
+
+Engines come and go at run time (the elastic API, federated grow jobs; engines/elastic.py):
+`add_engine` registers one ("joining"), `join` gives it the current weights and puts it in
+service ("active"), `drain` stops sending it work, waits for what it holds, and retires it
+("draining" -> "gone"); an engine that dies is "failed". Entries are never removed, so indices
+stay stable and `report()` shows what left. A chunk held by an engine that is retired without
+finishing goes back to the queue once, and its late answer is ignored: no prompt is answered
+twice, none is dropped.
 
     router = EngineRouter([LocalEngineClient("engine-0", a), LocalEngineClient("engine-1", b)],
                           tokenizer, eos_id)
@@ -35,6 +44,7 @@ log = logging.getLogger(__name__)
 
 Future = concurrent.futures.Future
 MAX_SESSIONS = 65_536  # sessions remembered for affinity; a forgotten one is placed anew
+RETIRED_POLL_S = 0.5  # how often a generate call looks for chunks held by engines retired meanwhile
 
 
 class EngineClient(Protocol):
@@ -45,8 +55,9 @@ class EngineClient(Protocol):
     def submit(self, prompts: list[list[int]], params: SamplingParams, seed: int | None,
                media: Sequence[PromptMedia | None] | None = None) -> Future: ...
 
-    def share(self, named_tensors: list[tuple[str, torch.Tensor]]) -> Any:
-        """The form of a weight update every client of this kind can load (made once per update)."""
+    def share(self, named_tensors: list[tuple[str, torch.Tensor]], version: int) -> Any:
+        """The form of a weight update every client of this kind can load (made once per update
+        and kind: the router groups its engines by client class)."""
 
     def load_weights(self, shared: Any, version: int) -> Future: ...
 
@@ -76,7 +87,7 @@ class LocalEngineClient:
             return self._thread.submit(self.engine.generate, prompts, params, seed)
         return self._thread.submit(self.engine.generate, prompts, params, seed, media=media)
 
-    def share(self, named_tensors: list[tuple[str, torch.Tensor]]) -> Any:
+    def share(self, named_tensors: list[tuple[str, torch.Tensor]], version: int) -> Any:
         return named_tensors
 
     def load_weights(self, shared: Any, version: int) -> Future:
@@ -84,6 +95,13 @@ class LocalEngineClient:
 
     def call(self, method: str) -> Future:
         return self._thread.submit(getattr(self.engine, method))
+
+    def current_weights(self) -> list[tuple[str, torch.Tensor]]:
+        """The weights this engine serves, by the names `update_weights` takes (for a joining engine)."""
+        model = getattr(self.engine, "model", None)
+        if model is None:
+            raise NotImplementedError(f"engine {self.id} ({type(self.engine).__name__}) cannot hand over its weights")
+        return list(model.state_dict().items())
 
     def died(self, error: BaseException) -> bool:
         # Else a local engine's error is the caller's error.
@@ -100,14 +118,30 @@ class NoEngineLeft(RuntimeError):
     """Every engine behind the router is dead."""
 
 
+class JoinFailed(RuntimeError):
+    """An engine could not be given the current weights; it is marked failed and never served."""
+
+
 @dataclass
 class EngineState:
     client: EngineClient
-    alive: bool = True
+    state: str = "active"  # elastic_api.ENGINE_STATES: joining, active, draining, gone, failed
     samples: int = 0  # responses this engine produced that were kept
     version: int = 0
     busy: bool = False
     sessions: int = 0  # sessions pinned here
+    slurm_job: str | None = None  # the Slurm job that runs it when it is not this job's own engine
+    protected: bool = True  # an engine of the job's start-up set: scaled in only when forced
+    closed: bool = False  # its client was closed (retired engines are closed at once)
+
+    @property
+    def alive(self) -> bool:
+        """In service: it takes work and weight updates."""
+        return self.state == "active"
+
+    @property
+    def address(self) -> str:
+        return str(getattr(self.client, "address", "") or "in-job")
 
 
 @dataclass
@@ -133,6 +167,11 @@ class EngineRouter:
         # Session key -> engine, newest last; the oldest are forgotten past MAX_SESSIONS.
         self._sessions: collections.OrderedDict[Hashable, int] = collections.OrderedDict()
         self._lock = threading.Lock()
+        # Signalled when an engine finishes a chunk or changes state (drain waits on it).
+        self._changed = threading.Condition(self._lock)
+        # Held while weights are installed: a join loads the version every other engine runs.
+        self._weights_lock = threading.Lock()
+        self._installed_version = self.weight_version
 
     # -- what the rollout role reads -----------------------------------------------------------
 
@@ -150,8 +189,105 @@ class EngineRouter:
         return sum(e.alive for e in self.engines)
 
     def report(self) -> list[dict[str, Any]]:
-        """Per engine: its id, the samples it produced, whether it still serves."""
-        return [{"id": e.client.id, "samples": e.samples, "alive": e.alive} for e in self.engines]
+        """Per engine: its id, address, state, weight version, the samples it produced, the job
+        it belongs to (None: this job), whether it is protected from scale-in, whether it serves."""
+        with self._lock:
+            return [{"id": e.client.id, "address": e.address, "state": e.state, "weight_version": e.version,
+                     "samples": e.samples, "job": e.slurm_job, "protected": e.protected, "alive": e.alive}
+                    for e in self.engines]
+
+    def serving_by_job(self) -> dict[str, int]:
+        """Active engines per job ("main" for this job's own)."""
+        counts: dict[str, int] = {}
+        with self._lock:
+            for e in self.engines:
+                if e.alive:
+                    counts[e.slurm_job or "main"] = counts.get(e.slurm_job or "main", 0) + 1
+        return counts
+
+    # -- engines joining and leaving -------------------------------------------------------------
+
+    def add_engine(self, client: EngineClient, job: str | None = None, protected: bool = False) -> int:
+        """Register an engine ("joining"); `join` puts it in service. Returns its index."""
+        with self._lock:
+            if any(e.client.id == client.id for e in self.engines):
+                raise ValueError(f"an engine with id {client.id!r} is already registered")
+            self.engines.append(EngineState(client, state="joining", slurm_job=job, protected=protected,
+                                            version=getattr(client, "weight_version", 0)))
+            return len(self.engines) - 1
+
+    def join(self, k: int, timeout_s: float = 600.0) -> None:
+        """Give joining engine k the weights the others run, then put it in service.
+
+        An engine that already holds that version (a fresh engine while the job still runs its
+        initial weights) is not sent them again. JoinFailed (the engine marked failed) when the
+        weights cannot be had or loaded; nothing it never served can be lost."""
+        engine = self.engines[k]
+        if engine.state != "joining":
+            raise ValueError(f"engine {engine.client.id} is {engine.state}, not joining")
+        with self._weights_lock:
+            version = self._installed_version
+            try:
+                if engine.version != version:
+                    named = self._current_weights()
+                    shared = engine.client.share(named, version)
+                    engine.client.load_weights(shared, version).result(timeout=timeout_s)
+                    engine.version = version
+            except BaseException as e:
+                self._retire(k, "failed")
+                raise JoinFailed(f"engine {engine.client.id} ({engine.address}) could not load weight version "
+                                 f"{version}: {type(e).__name__}: {e}") from e
+            with self._changed:
+                engine.state = "active"
+                self._changed.notify_all()
+        log.info("rollout engine %s (%s) joined at weight version %d; %d engines serve",
+                 engine.client.id, engine.address, version, self.serving())
+
+    def _current_weights(self) -> list[tuple[str, torch.Tensor]]:
+        """The installed version's weights, from an engine that can hand them over."""
+        problems = []
+        for e in self.engines:
+            get = getattr(e.client, "current_weights", None)
+            if not e.alive or get is None:
+                continue
+            try:
+                return get()
+            except NotImplementedError as error:
+                problems.append(str(error))
+        raise JoinFailed("no serving engine can hand over its weights (" + ("; ".join(problems) or
+                         "none in this job") + "); engines join with the job's current weights only when a "
+                         "native engine of the job serves")
+
+    def drain(self, k: int, timeout_s: float) -> bool:
+        """Send engine k no more work, wait up to `timeout_s` for the chunk it holds, then retire
+        it ("gone"). True when it finished its work; False when the wait ran out and its chunk
+        went back to the queue for the others (its late answer is ignored)."""
+        engine = self.engines[k]
+        with self._changed:
+            if engine.state in ("gone", "failed"):
+                return True
+            engine.state = "draining"
+            self._changed.notify_all()
+            finished = self._changed.wait_for(lambda: not engine.busy, timeout=max(timeout_s, 0.0))
+        self._retire(k, "gone")
+        return finished
+
+    def _retire(self, k: int, state: str) -> None:
+        engine = self.engines[k]
+        with self._changed:
+            engine.state = state
+            self._changed.notify_all()
+        self._close(engine)
+
+    def _close(self, engine: EngineState) -> None:
+        with self._lock:
+            if engine.closed:
+                return
+            engine.closed = True
+        try:
+            engine.client.close()
+        except Exception:  # a client that cannot close cleanly is gone all the same
+            log.warning("closing rollout engine %s failed", engine.client.id, exc_info=True)
 
     # -- generation ------------------------------------------------------------------------------
 
@@ -175,11 +311,12 @@ class EngineRouter:
                 self._dispatch(todo, running, prompts, params, seed, len(chunks), media)
                 if not running:
                     raise self._no_engine_left(len(prompts))
-                done, _ = concurrent.futures.wait(running, return_when=concurrent.futures.FIRST_COMPLETED)
+                done, _ = concurrent.futures.wait(running, timeout=RETIRED_POLL_S,
+                                                  return_when=concurrent.futures.FIRST_COMPLETED)
                 for future in done:
                     chunk, k = running.pop(future)
                     engine = self.engines[k]
-                    engine.busy = False
+                    self._set_idle(engine)
                     error = future.exception()
                     if error is None:
                         results[chunk.index] = future.result()
@@ -189,16 +326,36 @@ class EngineRouter:
                         raise error
                     self._bury(k, error, len(chunk.rows))
                     todo.appendleft(chunk)  # first in line: its prompts waited longest
+                self._take_back_retired(running, todo)
         finally:
             for future, (_, k) in running.items():  # an error above: let nothing dangle as busy
                 future.cancel()
-                self.engines[k].busy = False
+                self._set_idle(self.engines[k])
         answers: list[Generation | None] = [None] * len(prompts)
         for chunk, gens in zip(chunks, results):
             assert gens is not None and len(gens) == len(chunk.rows)
             for row, gen in zip(chunk.rows, gens):
                 answers[row] = gen
         return [a for a in answers if a is not None]
+
+    def _set_idle(self, engine: EngineState) -> None:
+        with self._changed:
+            engine.busy = False
+            self._changed.notify_all()
+
+    def _take_back_retired(self, running: dict[Future, tuple[_Chunk, int]], todo: collections.deque) -> None:
+        """Chunks held by an engine retired meanwhile (a drain that ran out of time, a forced
+        scale-in) go back to the front of the queue; their futures are forgotten, so a late
+        answer is never used and every prompt is answered once."""
+        for future, (chunk, k) in list(running.items()):
+            engine = self.engines[k]
+            if engine.state in ("gone", "failed"):
+                del running[future]
+                future.cancel()
+                self._set_idle(engine)
+                log.warning("rollout engine %s left holding %d prompts; they go to the %d engines serving",
+                            engine.client.id, len(chunk.rows), self.serving())
+                todo.appendleft(chunk)
 
     def _plan(self, n: int, group_size: int, sessions: Sequence[Hashable] | None) -> list[_Chunk]:
         if sessions is not None:
@@ -259,7 +416,8 @@ class EngineRouter:
                 todo.append(chunk)
                 continue
             engine = self.engines[k]
-            engine.busy = True
+            with self._lock:
+                engine.busy = True
             chunk_seed = seed if seed is None or chunk_count == 1 else seed * 1_000 + chunk.index
             chunk_prompts = [prompts[r] for r in chunk.rows]
             if media is None:  # a text-only call: clients without media support take it too
@@ -270,8 +428,10 @@ class EngineRouter:
 
     def _bury(self, k: int, error: BaseException, prompts: int) -> None:
         engine = self.engines[k]
-        if engine.alive:
-            engine.alive = False
+        if engine.state in ("active", "draining", "joining"):
+            with self._changed:
+                engine.state = "failed"
+                self._changed.notify_all()
             log.warning("rollout engine %s died (%s); %d prompts of its work go to the %d engines left",
                         engine.client.id, str(error).strip().splitlines()[-1] if str(error).strip() else
                         type(error).__name__, prompts, self.serving())
@@ -288,24 +448,38 @@ class EngineRouter:
     # -- weights and memory ----------------------------------------------------------------------
 
     def bind_weights(self, flat: Any, version: int) -> bool:
-        """Zero-copy binding works only for a single engine in this process."""
+        """Zero-copy binding works only for a single engine in this process (none joined, or
+        every engine that joined has left again)."""
         bind = getattr(self._local, "bind_weights", None)
-        if bind is None or not bind(flat, version):
+        if bind is None or any(e.state not in ("gone", "failed") for e in self.engines[1:]):
             return False
-        self.engines[0].version = version
+        with self._weights_lock:
+            if not bind(flat, version):
+                return False
+            self.engines[0].version = self._installed_version = version
         return True
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Load `version` into every live engine (they share one copy of the tensors)."""
-        live = [(k, e) for k, e in enumerate(self.engines) if e.alive]
-        if not live:
-            raise self._no_engine_left(0)
-        shared = live[0][1].client.share(list(named_tensors))
-        for k, future in [(k, e.client.load_weights(shared, version)) for k, e in live]:
-            if self._settled(k, future):
-                self.engines[k].version = version
-        if not self.serving():
-            raise self._no_engine_left(0)
+        """Load `version` into every live engine: one shared form of the tensors per kind of
+        client (Ray's object store, a directory on the shared filesystem, ...)."""
+        with self._weights_lock:
+            live = [(k, e) for k, e in enumerate(self.engines) if e.alive]
+            if not live:
+                raise self._no_engine_left(0)
+            named = list(named_tensors)
+            shared: dict[type, Any] = {}
+            calls = []
+            for k, e in live:
+                kind = type(e.client)
+                if kind not in shared:
+                    shared[kind] = e.client.share(named, version)
+                calls.append((k, e.client.load_weights(shared[kind], version)))
+            for k, future in calls:
+                if self._settled(k, future):
+                    self.engines[k].version = version
+            self._installed_version = version
+            if not self.serving():
+                raise self._no_engine_left(0)
 
     def _settled(self, k: int, future: Future) -> bool:
         """Wait for a call on engine k: True when it succeeded, False when the engine died."""
@@ -335,4 +509,4 @@ class EngineRouter:
 
     def close(self) -> None:
         for e in self.engines:
-            e.client.close()
+            self._close(e)

@@ -42,6 +42,7 @@ import torch
 from relax_hpc.engines import sglang_requests as requests
 from relax_hpc.engines.base import Generation, SamplingParams
 from relax_hpc.engines.call_gate import CallGate
+from relax_hpc.engines.disk_weights import write_safetensors_dir
 from relax_hpc.engines.http_client import EngineHttpError, HttpEngine
 from relax_hpc.engines.sglang_weights import WeightPush, checkpoint_named
 from relax_hpc.media.items import MEDIA_ORDER, MediaItem, PromptMedia
@@ -258,7 +259,7 @@ class SGLangEngine:
                 self.post("/end_weight_update", requests.end_weight_update_request())
             self._version = version
             return
-        target = self._write_weights(named_tensors, version)
+        target = write_safetensors_dir(named_tensors, self.weights_dir, version)
         self._call("POST", "/begin_weight_update", requests.begin_weight_update_request(), attempts=1)
         try:
             reply = self._call("POST", "/update_weights_from_disk",
@@ -271,33 +272,6 @@ class SGLangEngine:
         for old in self.weights_dir.glob("v*"):
             if old != target and old.is_dir():
                 shutil.rmtree(old, ignore_errors=True)
-
-    def _write_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> Path:
-        from safetensors.torch import save_file
-
-        tensors: dict[str, torch.Tensor] = {}
-        seen: set[int] = set()
-        for name, tensor in named_tensors:
-            t = tensor.detach().to("cpu").contiguous()
-            # safetensors refuses tensors that share storage (tied embeddings): copy the second one.
-            if t.data_ptr() in seen:
-                t = t.clone()
-            seen.add(t.data_ptr())
-            tensors[name] = t
-        if not tensors:
-            raise ValueError("update_weights got no tensors")
-        self.weights_dir.mkdir(parents=True, exist_ok=True)
-        target = self.weights_dir / f"v{version}"
-        staging = Path(tempfile.mkdtemp(prefix=f".tmp-v{version}-", dir=self.weights_dir))
-        try:
-            save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
-            if target.exists():
-                shutil.rmtree(target)
-            staging.rename(target)
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
-        return target
 
     def release_memory(self) -> int:
         """Have the server release its weights and KV cache (`/release_memory_occupation`).

@@ -1,0 +1,408 @@
+"""The elastic REST API of a running job: list, add and remove rollout engines over HTTP.
+
+The driver serves it so that users and grow jobs (extra rollout engines submitted as separate
+Slurm jobs) can change the rollout fleet at run time. Each route is one call of
+`ElasticControl.elastic(action, body)` (elastic_api.py has the actions, their bodies and their
+replies), whose status and body go back to the client as they are:
+
+    GET  /health                       200 {"status": "ok"}
+    GET  /rollout/engines              "engines"
+    POST /rollout/scale_out            "scale_out"   body: a JSON object, e.g. {"num_engines": 2}
+    POST /rollout/scale_in             "scale_in"    body: a JSON object, e.g. {"num_engines": 1}
+    GET  /rollout/operations           "operations"
+    GET  /rollout/operations/{op_id}   "operation"   with {"id": op_id}
+
+Every request, any path or method, needs `Authorization: Bearer <token>` (the job's
+`JobSecret.token("rest")`, `rest_token()`); without it the answer is 401, given before the body
+is read. Every error is `{"error": "<what is wrong and what to do>"}`: a body that is not a JSON
+object 400, over `max_body_bytes` 413, an unknown path 404, a wrong method 405, a control that
+raised (the rollout actor died) 503. FastAPI's /docs, /redoc and /openapi.json are switched off:
+the routes are the table above and docs/federation.md.
+
+    app = make_rest_app(control, token=rest_token())
+    with RestServer(app, host="0.0.0.0", port=0) as server:   # in the driver
+        print(server.url)
+    status, body = RestClient(url, token).get("/rollout/engines")   # in a grow job, or the CLI
+
+Tests: tests/engines/test_rest_api.py (a real uvicorn server on 127.0.0.1 and real clients).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import threading
+import time
+from types import TracebackType
+from typing import Any, Self
+
+import httpx
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.websockets import WebSocketClose
+
+from relax_hpc.auth import bearer_matches, job_secret
+from relax_hpc.engines.elastic_api import ElasticControl, ElasticReply
+from relax_hpc.engines.http_auth import check_token
+
+__all__ = [
+    "MAX_BODY_BYTES",
+    "REST_AUTH_MESSAGE",
+    "REST_ROUTES",
+    "REST_TOKEN_PURPOSE",
+    "RestClient",
+    "RestServer",
+    "RestServerError",
+    "RestUnavailable",
+    "make_rest_app",
+    "rest_token",
+]
+
+log = logging.getLogger(__name__)
+
+REST_TOKEN_PURPOSE = "rest"
+# Elastic bodies are a few keys and at most a list of engine URLs; 1 MiB is thousands of URLs.
+MAX_BODY_BYTES = 1024 * 1024
+REST_AUTH_MESSAGE = (
+    "missing or wrong bearer token: send 'Authorization: Bearer <token>' with the job's REST token, "
+    f"JobSecret.token('{REST_TOKEN_PURPOSE}') of the job secret in JOBDIR/.secret; the job directory's "
+    "cluster.json names this server (docs/federation.md)"
+)
+REST_ROUTES = (
+    "GET /health",
+    "GET /rollout/engines",
+    "POST /rollout/scale_out",
+    "POST /rollout/scale_in",
+    "GET /rollout/operations",
+    "GET /rollout/operations/{op_id}",
+)
+_ROUTE_LIST = ", ".join(REST_ROUTES)
+_BODY_EXAMPLES = {"scale_out": '{"num_engines": 2}', "scale_in": '{"num_engines": 1}'}
+_MAX_ERROR_CHARS = 300  # of a control's exception message; Ray's can carry a remote traceback
+
+
+def rest_token() -> str:
+    """This job's REST token (RELAX_HPC_SECRET_FILE names the secret)."""
+    return job_secret().token(REST_TOKEN_PURPOSE)
+
+
+def _error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"error": message}, status_code=status, headers=headers)
+
+
+class _Refusal(Exception):
+    """A request refused before it reaches the control: its status and message."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status, self.message = status, message
+
+
+class _RequireToken:
+    """ASGI middleware: 401 to every HTTP request whose bearer token is not `token`, answered
+    from the headers alone, before routing, so no body is read (and no "100 Continue" sent)."""
+
+    def __init__(self, app: ASGIApp, token: str) -> None:
+        self.app, self.token = app, token
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "websocket":  # no route speaks it
+            await WebSocketClose(code=1008)(scope, receive, send)
+            return
+        if scope["type"] == "http" and not bearer_matches(Headers(scope=scope).get("authorization"), self.token):
+            await _error(401, REST_AUTH_MESSAGE, {"WWW-Authenticate": "Bearer"})(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+async def _read_body(request: Request, max_bytes: int) -> bytes:
+    """The body, refused (413) from its Content-Length before reading, or as soon as a body sent
+    without one (chunked) passes `max_bytes`."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.strip().isascii() and declared.strip().isdigit() and int(declared) > max_bytes:
+        raise _Refusal(413, f"the request body is {int(declared)} bytes; at most {max_bytes} are accepted")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise _Refusal(413, f"the request body is over {max_bytes} bytes; at most {max_bytes} are accepted")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _json_object(raw: bytes, action: str) -> dict[str, Any]:
+    """The body as a dict; 400 naming what was sent and showing an example when it is not one."""
+    example = f"send a JSON object, e.g. {_BODY_EXAMPLES[action]} (docs/federation.md lists the keys)"
+    try:
+        value = json.loads(raw)  # bytes: UTF-8, -16 or -32, as RFC 8259 allows
+    except RecursionError:
+        raise _Refusal(400, f"the body nests too deep to decode; {example}") from None
+    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError both are
+        what = "empty" if not raw.strip() else f"not valid JSON ({e})"
+        raise _Refusal(400, f"the body is {what}; {example}") from None
+    if not isinstance(value, dict):
+        kind = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(type(value), "a number")
+        raise _Refusal(400, f"the body is {kind}, not a JSON object; {example}")
+    return value
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    line = text[0] if text else ""
+    return line if len(line) <= _MAX_ERROR_CHARS else line[: _MAX_ERROR_CHARS - 3] + "..."
+
+
+def _reply_response(action: str, reply: Any) -> JSONResponse:
+    """The control's reply as an HTTP response; 500 when it is not a JSON-able ElasticReply."""
+    usable = (isinstance(reply, ElasticReply) and isinstance(reply.status, int) and 100 <= reply.status <= 599
+              and isinstance(reply.body, dict))
+    if usable:
+        try:
+            return JSONResponse(reply.body, status_code=reply.status)
+        except (TypeError, ValueError) as e:  # a body json.dumps refuses (an object, NaN)
+            log.error("the rollout role's reply to %r is not JSON: %s", action, e)
+    else:
+        log.error("the rollout role answered %r with %r, not an ElasticReply", action, reply)
+    return _error(500, f"the rollout role's reply to {action!r} is not an HTTP status and a JSON object; this is "
+                       "a bug in relax-hpc: the driver log has the reply")
+
+
+async def _call(control: ElasticControl, action: str, body: dict[str, Any]) -> JSONResponse:
+    """One control call, in a worker thread (it blocks on Ray). An exception becomes 503 with
+    its type and first line; the traceback goes to the driver log only."""
+    try:
+        reply = await run_in_threadpool(control.elastic, action, body)
+    except Exception as e:  # a dead or unreachable rollout role: the client learns it, the log keeps the trace
+        log.exception("elastic action %r failed in the rollout role", action)
+        return _error(503, f"the rollout role did not answer: {type(e).__name__}: {_first_line(e)}; "
+                           "the driver log (JOBDIR/logs/) has the traceback; retry once the job is running again")
+    return _reply_response(action, reply)
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    """Every error in the {"error": message} shape: 404 and 405 list the routes, FastAPI's
+    validation errors become 400 (not 422), anything unexpected 500 without a traceback."""
+
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        where = f"{request.method} {request.url.path}"
+        if exc.status_code == 404:
+            message = f"no route {where}; routes: {_ROUTE_LIST}"
+        elif exc.status_code == 405:
+            allowed = (exc.headers or {}).get("Allow", "")
+            message = f"method {request.method} is not allowed on {request.url.path} (it takes {allowed}); routes: {_ROUTE_LIST}"
+        else:
+            message = str(exc.detail)
+        return _error(exc.status_code, message, dict(exc.headers or {}))
+
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        problems = "; ".join(f"{'.'.join(map(str, e.get('loc', ())))}: {e.get('msg', '')}" for e in exc.errors())
+        return _error(400, f"bad request to {request.method} {request.url.path}: {problems}; routes: {_ROUTE_LIST}")
+
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.error("REST %s %s failed", request.method, request.url.path, exc_info=exc)
+        return _error(500, f"the REST server failed on {request.method} {request.url.path} ({type(exc).__name__}); "
+                           "the driver log has the traceback")
+
+    app.add_exception_handler(StarletteHTTPException, http_error)  # type: ignore[arg-type]
+    app.add_exception_handler(RequestValidationError, validation_error)  # type: ignore[arg-type]
+    app.add_exception_handler(Exception, unexpected)
+
+
+def make_rest_app(control: ElasticControl, token: str, *, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+    """The REST app over `control`; every request must carry `Authorization: Bearer <token>`."""
+    check_token(token, "the REST server")
+    if max_body_bytes < 1:
+        raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
+    app = FastAPI(title="relax-hpc elastic REST API", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(_RequireToken, token=token)
+    _install_error_handlers(app)
+
+    async def post(request: Request, action: str) -> JSONResponse:
+        try:
+            body = _json_object(await _read_body(request, max_body_bytes), action)
+        except _Refusal as e:
+            return _error(e.status, e.message)
+        return await _call(control, action, body)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/rollout/engines")
+    async def engines() -> JSONResponse:
+        return await _call(control, "engines", {})
+
+    @app.post("/rollout/scale_out")
+    async def scale_out(request: Request) -> JSONResponse:
+        return await post(request, "scale_out")
+
+    @app.post("/rollout/scale_in")
+    async def scale_in(request: Request) -> JSONResponse:
+        return await post(request, "scale_in")
+
+    @app.get("/rollout/operations")
+    async def operations() -> JSONResponse:
+        return await _call(control, "operations", {})
+
+    @app.get("/rollout/operations/{op_id}")
+    async def operation(op_id: str) -> JSONResponse:
+        return await _call(control, "operation", {"id": op_id})
+
+    return app
+
+
+class RestServerError(RuntimeError):
+    """The REST server could not start listening; the message says where and why."""
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A listening socket on (host, port); port 0 picks a free one."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        return socket.create_server((host, port), family=family, backlog=128)
+    except OSError as e:
+        hint = "pick another port, or 0 for a free one" if port else "check that the host is an address of this machine"
+        raise RestServerError(f"the REST server cannot listen on {host}:{port}: {e}; {hint}") from None
+
+
+class RestServer:
+    """Runs an ASGI app with uvicorn in a daemon thread: `start()` returns once it listens,
+    `url` has the real port, `stop()` closes the port and joins the thread. A context manager.
+
+    It binds the socket itself before uvicorn starts, so a port in use fails `start()` with a
+    RestServerError saying so (uvicorn would log it and exit the thread)."""
+
+    def __init__(self, app: ASGIApp, host: str, port: int = 0, *, start_timeout_s: float = 30.0,
+                 shutdown_timeout_s: float = 5.0) -> None:
+        self.app, self.host, self.start_timeout_s = app, host, start_timeout_s
+        self.port = port  # the real port once started
+        config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off", access_log=False,
+                                timeout_graceful_shutdown=max(1, round(shutdown_timeout_s)))
+        self._server = uvicorn.Server(config)
+        self._shutdown_timeout_s = shutdown_timeout_s
+        self._socket: socket.socket | None = None
+        self._thread: threading.Thread | None = None
+        self._failure: Exception | SystemExit | None = None
+
+    @property
+    def url(self) -> str:
+        """http://host:port; a wildcard host (0.0.0.0, ::) becomes this machine's name."""
+        if self._thread is None:
+            raise RuntimeError("RestServer.url is known once start() has returned")
+        host = socket.gethostname() if self.host in ("", "0.0.0.0", "::") else self.host
+        return f"http://[{host}]:{self.port}" if ":" in host else f"http://{host}:{self.port}"
+
+    def start(self) -> Self:
+        if self._thread is not None:
+            raise RuntimeError("RestServer.start() was already called; make a new RestServer to serve again")
+        self._socket = _listen(self.host, self.port)
+        self.port = self._socket.getsockname()[1]
+        self._thread = threading.Thread(target=self._run, name=f"relax-rest-{self.port}", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + self.start_timeout_s
+        while not self._server.started:
+            if not self._thread.is_alive():
+                self._socket.close()
+                raise RestServerError(f"the REST server on {self.host}:{self.port} stopped while starting: "
+                                      f"{self._failure!r}; the log above has uvicorn's message")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RestServerError(f"the REST server on {self.host}:{self.port} did not start within "
+                                      f"{self.start_timeout_s} s; the log above has uvicorn's messages")
+            time.sleep(0.01)
+        return self
+
+    def _run(self) -> None:
+        try:
+            self._server.run(sockets=[self._socket] if self._socket else None)
+        except (Exception, SystemExit) as e:  # uvicorn exits with SystemExit on start-up failures
+            self._failure = e
+            log.exception("the REST server on %s:%s stopped", self.host, self.port)
+
+    def stop(self) -> None:
+        """Stop listening, finish or cut open requests, join the thread. Safe to call twice."""
+        if self._thread is None:
+            return
+        self._server.should_exit = True
+        self._thread.join(self._shutdown_timeout_s + 5)
+        if self._thread.is_alive():  # a request still running past the graceful window
+            self._server.force_exit = True
+            self._thread.join(5)
+            if self._thread.is_alive():
+                log.warning("the REST server thread on port %s did not stop; it is a daemon and ends with "
+                            "the process", self.port)
+        if self._socket is not None:
+            self._socket.close()
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()
+
+
+class RestUnavailable(ConnectionError):
+    """The REST server did not answer (refused, reset or timed out); the message names its URL."""
+
+
+class RestClient:
+    """Calls a job's REST API: `get(path)` and `post(path, body)` return (status, JSON body);
+    4xx and 5xx replies come back the same way, only a server that does not answer raises
+    RestUnavailable. The token goes to `url` only: no redirects, no HTTP(S)_PROXY.
+
+        with RestClient(url, token) as client:
+            status, body = client.post("/rollout/scale_out", {"num_engines": 2})
+    """
+
+    def __init__(self, url: str, token: str, timeout_s: float = 30.0) -> None:
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"a REST URL starts with http:// or https://, got {url!r} "
+                             "(the job directory's cluster.json has the job's)")
+        self.url = url.rstrip("/")
+        self.timeout_s = timeout_s
+        self._client = httpx.Client(timeout=timeout_s, follow_redirects=False, trust_env=False,
+                                    headers={"Authorization": f"Bearer {token}"})
+
+    def get(self, path: str) -> tuple[int, dict[str, Any]]:
+        return self._request("GET", path, None)
+
+    def post(self, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        return self._request("POST", path, body)
+
+    def _request(self, method: str, path: str, body: dict[str, Any] | None) -> tuple[int, dict[str, Any]]:
+        if not path.startswith("/"):
+            raise ValueError(f"a REST path starts with '/', e.g. '/rollout/engines'; got {path!r}")
+        target = self.url + path
+        try:
+            reply = self._client.request(method, target, json=body)
+        except httpx.TransportError as e:  # refused, reset, timed out, not HTTP
+            raise RestUnavailable(
+                f"the REST server at {self.url} did not answer {method} {path} ({type(e).__name__}: {e or 'no detail'}"
+                f"; timeout {self.timeout_s} s): is the job still running? Its URL is in the job directory's "
+                "cluster.json, and the driver log (JOBDIR/logs/) says why it stopped") from None
+        try:
+            value = reply.json()
+        except ValueError:
+            value = None
+        if not isinstance(value, dict):
+            value = {"error": f"{method} {target} answered {reply.status_code} with a body that is not a JSON "
+                              f"object: {reply.text[:200]!r}"}
+        return reply.status_code, value
+
+    def close(self) -> None:
+        self._client.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
