@@ -7,12 +7,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from relax_hpc.data.sample import Sample
+from relax_hpc.data.sample import NO_SAMPLE_ID, Sample
 from relax_hpc.media.items import MEDIA_ORDER, MediaItem, PromptMedia
 
 # Fields the trainer needs; the names follow REFERENCE.md's data-bus fields.
 TRAIN_FIELDS = ("tokens", "prompt_length", "rollout_log_probs", "loss_mask", "advantages",
                 "rewards", "raw_reward", "weight_version", "group_id")
+# What the trainer asks for too when it keeps the trajectory archive: training needs neither the
+# dataset row nor the sample's slot in the step (relax_hpc.data.sample.make_sample_id).
+ARCHIVE_FIELDS = ("prompt_index", "sample_id")
 # With routing replay on, the trainer also asks for this field: the engine's routed experts,
 # [P + R - 1, layers, top_k] in the narrow integer dtype the engine chose (uint8 up to 256 experts).
 ROUTED_EXPERTS_FIELD = "routed_experts"
@@ -71,6 +74,7 @@ def sample_to_row(s: Sample) -> dict[str, Any]:
         "weight_version": int(s.weight_version),
         "group_id": int(s.group_id),
         "prompt_index": int(s.prompt_index),
+        "sample_id": int(s.sample_id),
     }
     if s.routed_experts is not None:
         row[ROUTED_EXPERTS_FIELD] = s.routed_experts.contiguous()
@@ -86,7 +90,8 @@ def row_to_sample(row: dict[str, Any]) -> Sample:
         prompt_ids=tokens[:p], response_ids=tokens[p:],
         rollout_log_probs=row["rollout_log_probs"].tolist(),
         weight_version=int(row["weight_version"]), group_id=int(row["group_id"]),
-        prompt_index=int(row.get("prompt_index", -1)), reward=float(row["rewards"]),
+        prompt_index=int(row.get("prompt_index", -1)),
+        sample_id=int(row.get("sample_id", NO_SAMPLE_ID)), reward=float(row["rewards"]),
         raw_reward=float(row["raw_reward"]), advantage=float(row["advantages"]),
         loss_mask=[int(x) for x in row["loss_mask"].tolist()],
         old_log_probs=row["log_probs"].tolist() if "log_probs" in row else None,

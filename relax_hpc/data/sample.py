@@ -1,18 +1,35 @@
 """`Sample`: one prompt + one sampled response and everything the roles add to it.
 
 A sample is the row that travels from rollout to training. Roles fill its fields in order:
-rollout (response, log-probs, weight version), reward (reward), advantages (advantage),
-and the trainer reads them. Field names follow REFERENCE.md's data-bus fields.
+rollout (response, log-probs, weight version, sample id), reward (reward), advantages
+(advantage), and the trainer reads them. Field names follow REFERENCE.md's data-bus fields.
+
+A sample id names a sample's slot in its step: (step, group position in the step, member in the
+group), packed in one int64 so it travels as a queue scalar and an archive column
+(`make_sample_id`; `relax-hpc inspect JOBDIR --check-exactly-once` checks that every slot was
+trained exactly once, docs/archive.md).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
 from relax_hpc.media.items import PromptMedia
+from relax_hpc.ops.sample_ids import (  # the id scheme lives with the archive that stores it
+    NO_SAMPLE_ID,
+    SAMPLE_ID_GROUPS,
+    SAMPLE_ID_MAX_STEP,
+    SAMPLE_ID_MEMBERS,
+    format_sample_id,
+    make_sample_id,
+    split_sample_id,
+)
+
+__all__ = ["NO_SAMPLE_ID", "SAMPLE_ID_GROUPS", "SAMPLE_ID_MAX_STEP", "SAMPLE_ID_MEMBERS", "Sample",
+           "assign_sample_ids", "format_sample_id", "make_sample_id", "split_sample_id"]
 
 
 @dataclass
@@ -39,6 +56,7 @@ class Sample:
     # The prompt's images / videos / audios (canonical, relax_hpc.media.items); None: a text model
     media: PromptMedia | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
+    sample_id: int = NO_SAMPLE_ID  # its slot in the step (make_sample_id), set by the rollout role
 
     @property
     def response_length(self) -> int:
@@ -46,3 +64,14 @@ class Sample:
 
     def mask(self) -> list[int]:
         return self.loss_mask if self.loss_mask is not None else [1] * len(self.response_ids)
+
+
+def assign_sample_ids(step: int, groups: Sequence[Sequence[Sample]]) -> None:
+    """Number the samples of the groups a step trains on: group position, then member, from 0.
+
+    Called once the step's groups are final (after dynamic sampling), so ids are dense; an
+    agentic group may hold any number of samples, or none, and keeps its position.
+    """
+    for g, group in enumerate(groups):
+        for m, sample in enumerate(group):
+            sample.sample_id = make_sample_id(step, g, m)

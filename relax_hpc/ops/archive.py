@@ -7,7 +7,8 @@ step, the samples it trained on to
 
 with one row per sample: prompt and response token ids and rollout log-probs (variable-length
 arrays), the loss mask, reward, raw_reward, advantage, weight_version, group_id, prompt_index,
-the step and the rank. `step` is the rollout step (the queue partition `train_<step>`, counted
+sample_id (the sample's slot in its step, relax_hpc.data.sample.make_sample_id), the step and the
+rank. Files of format 1, written before sample ids, read back with sample_id -1. `step` is the rollout step (the queue partition `train_<step>`, counted
 from 0; metrics.jsonl calls the same training step `step + 1`), so `step - weight_version` is the
 sample's staleness: 0 for strictly on-policy samples, at most `max_staleness` otherwise.
 
@@ -23,7 +24,8 @@ step files from that step on (and leftover temporary files): the archive always 
 training history of the weights the run continues from. A rewrite of the same (step, rank)
 replaces the old file, so readers never see a row twice.
 
-Read it with `read_archive(job_dir)`, or `relax-hpc inspect JOBDIR [--step N] [--samples K]`.
+Read it with `read_archive(job_dir)`, or `relax-hpc inspect JOBDIR [--step N] [--samples K]`;
+`relax-hpc inspect JOBDIR --check-exactly-once` checks it (relax_hpc.ops.exactly_once).
 """
 
 from __future__ import annotations
@@ -35,14 +37,19 @@ from pathlib import Path
 from statistics import mean
 from typing import Any, Callable, Iterable, Protocol, Sequence
 
+from relax_hpc.ops.sample_ids import NO_SAMPLE_ID
+
 ARCHIVE_DIRNAME = "trajectories"
 _STEP_FILE = re.compile(r"^step_(\d+)\.h5$")
 _RANK_DIR = re.compile(r"^rank(\d+)$")
 _VLEN_FIELDS = {"prompt_ids": "int32", "response_ids": "int32",
                 "rollout_log_probs": "float32", "loss_mask": "int8"}
 _SCALAR_FIELDS = {"reward": "float32", "raw_reward": "float32", "advantage": "float32",
-                  "weight_version": "int64", "group_id": "int64", "prompt_index": "int64"}
-FORMAT_VERSION = 1
+                  "weight_version": "int64", "group_id": "int64", "prompt_index": "int64",
+                  "sample_id": "int64"}
+# Columns added after format 1, and the value a file without them reads back as.
+_ADDED_FIELDS = {"sample_id": NO_SAMPLE_ID}
+FORMAT_VERSION = 2  # 2: the sample_id column
 
 
 class ArchiveError(ValueError):
@@ -58,6 +65,7 @@ class ArchivableSample(Protocol):
     weight_version: int
     group_id: int
     prompt_index: int
+    sample_id: int
     reward: float
     raw_reward: float
     advantage: float
@@ -81,6 +89,7 @@ class TrajectoryRow:
     weight_version: int
     group_id: int
     prompt_index: int
+    sample_id: int = NO_SAMPLE_ID  # NO_SAMPLE_ID: not assigned, or a format 1 file
 
     @property
     def staleness(self) -> int:
@@ -110,7 +119,7 @@ def to_row(step: int, rank: int, s: ArchivableSample) -> TrajectoryRow:
         loss_mask=[int(x) for x in s.mask()], reward=float(s.reward),
         raw_reward=float(s.raw_reward), advantage=float(s.advantage),
         weight_version=int(s.weight_version), group_id=int(s.group_id),
-        prompt_index=int(s.prompt_index),
+        prompt_index=int(s.prompt_index), sample_id=int(s.sample_id),
     )
 
 
@@ -229,19 +238,34 @@ def step_files(root: Path) -> dict[int, list[Path]]:
     return dict(sorted(by_step.items()))
 
 
-def read_step_file(path: Path) -> list[TrajectoryRow]:
-    """The rows of one step file; ArchiveError if it is not a readable archive file."""
+def read_columns(path: Path, names: Sequence[str]) -> tuple[int, int, dict[str, Any]]:
+    """(step, rank, name -> numpy column) of one step file, reading only the named columns.
+
+    A column added after format 1 (sample_id) that an older file lacks comes back filled with
+    its default (NO_SAMPLE_ID). ArchiveError if it is not a readable archive file.
+    """
     import h5py
+    import numpy as np
 
     try:
         with h5py.File(path, "r", locking=False) as f:
-            step, rank = int(f.attrs["step"]), int(f.attrs["rank"])
-            cols: dict[str, Any] = {n: f[n][()] for n in (*_VLEN_FIELDS, *_SCALAR_FIELDS)}
+            step, rank, rows = int(f.attrs["step"]), int(f.attrs["rank"]), int(f.attrs["rows"])
+            cols: dict[str, Any] = {
+                n: f[n][()] if n in f or n not in _ADDED_FIELDS
+                else np.full(rows, _ADDED_FIELDS[n], dtype=_SCALAR_FIELDS[n])
+                for n in names
+            }
     except (OSError, KeyError) as e:
         raise ArchiveError(
             f"cannot read trajectory archive file {path} ({e}); it is not a complete archive "
             "step file: delete it (only that step is lost) or move it out of the archive"
         ) from e
+    return step, rank, cols
+
+
+def read_step_file(path: Path) -> list[TrajectoryRow]:
+    """The rows of one step file; ArchiveError if it is not a readable archive file."""
+    step, rank, cols = read_columns(path, (*_VLEN_FIELDS, *_SCALAR_FIELDS))
     return [
         TrajectoryRow(
             step=step, rank=rank,
@@ -250,7 +274,7 @@ def read_step_file(path: Path) -> list[TrajectoryRow]:
             loss_mask=cols["loss_mask"][i].tolist(), reward=float(cols["reward"][i]),
             raw_reward=float(cols["raw_reward"][i]), advantage=float(cols["advantage"][i]),
             weight_version=int(cols["weight_version"][i]), group_id=int(cols["group_id"][i]),
-            prompt_index=int(cols["prompt_index"][i]),
+            prompt_index=int(cols["prompt_index"][i]), sample_id=int(cols["sample_id"][i]),
         )
         for i in range(len(cols["reward"]))
     ]
@@ -273,7 +297,7 @@ def read_archive(job_dir: Path, steps: Iterable[int] | None = None) -> dict[int,
     if missing:
         raise ArchiveError(
             f"step {missing[0]} is not in the trajectory archive of {job_dir}; archived steps: "
-            f"{_ranges(sorted(files))}"
+            f"{format_ranges(sorted(files))}"
         )
     return {s: [row for path in files[s] for row in read_step_file(path)] for s in wanted}
 
@@ -346,7 +370,7 @@ def inspect_report(job_dir: Path, step: int | None = None, samples: int = 0,
     summaries = [summarize_step(s, rows) for s, rows in by_step.items()]
     total = sum(s.rows for s in summaries)
     out = [f"trajectory archive {archive_dir(job_dir)}: {len(summaries)} step(s) "
-           f"({_ranges(sorted(by_step))}), {total} rows; step = rollout step from 0 "
+           f"({format_ranges(sorted(by_step))}), {total} rows; step = rollout step from 0 "
            "(metrics.jsonl step - 1), staleness = step - weight_version",
            format_summaries(summaries)]
     if samples > 0:
@@ -356,7 +380,7 @@ def inspect_report(job_dir: Path, step: int | None = None, samples: int = 0,
     return "\n".join(out)
 
 
-def _ranges(steps: list[int]) -> str:
+def format_ranges(steps: list[int]) -> str:
     """[0,1,2,5,6] -> '0-2, 5-6'."""
     parts, start = [], None
     for i, s in enumerate(steps):

@@ -31,7 +31,7 @@ from relax_hpc.backends.batch import pack_rows
 from relax_hpc.backends.parallel import Strategy, rank_device, ray_gpu_ids
 from relax_hpc.backends.torch_backend import OptimConfig
 from relax_hpc.ckpt import CheckpointManager, ResumeState
-from relax_hpc.data.rows import MEDIA_FIELDS, ROUTED_EXPERTS_FIELD, TRAIN_FIELDS, row_to_sample
+from relax_hpc.data.rows import ARCHIVE_FIELDS, MEDIA_FIELDS, ROUTED_EXPERTS_FIELD, TRAIN_FIELDS, row_to_sample
 from relax_hpc.data.sample import Sample
 from relax_hpc.ops.archive import HDF5TrajectoryArchive, TrajectoryArchive
 from relax_hpc.ops.heap import settle_heap
@@ -198,7 +198,7 @@ class ActorWorker(WeightSenderEndpoint):
         # Training does not need the dataset row of a sample; the archive records it.
         fields = (*TRAIN_FIELDS, *self.role_fields)
         if self.archive is not None:
-            fields = (*fields, "prompt_index")
+            fields = (*fields, *ARCHIVE_FIELDS)
 
         def row_batches() -> Iterator[list[dict[str, Any]]]:
             if not reads_rows:  # a model-parallel peer reads this replica's rows and shares them
