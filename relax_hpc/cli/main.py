@@ -6,10 +6,13 @@
     relax-hpc make-tiny DIR     write the tiny Qwen3-architecture model + tokenizer (--kind vl|omni:
                                 a tiny Qwen2.5/3-VL or Qwen2.5/3-Omni with processor configs)
     relax-hpc plot JOBDIR       (re)draw JOBDIR/reward_curve.png from JOBDIR/metrics.jsonl
-    relax-hpc inspect JOBDIR    per-step summaries (and example samples) of the trajectory archive
+    relax-hpc inspect JOBDIR    per-step summaries (and example samples) of the trajectory archive;
+                                --check-exactly-once: was every planned sample trained once?
     relax-hpc serve-engine DIR  serve a model over HTTP (SGLang's /generate subset); prints the URL
     relax-hpc render SPEC       print the heterogeneous sbatch script of a spec (no side effects)
     relax-hpc submit SPEC       submit it to Slurm; status | logs | cancel JOB; convert JOBDIR OUT
+    relax-hpc grow JOB          add rollout engines to a running job from another Slurm job (render --grow
+                                shows its script); shrink JOB drains engines away (docs/federation.md)
 
 SPEC is a TOML file, or the name of a spec shipped in the package (tiny_local, tiny_slurm),
 so an installed wheel runs `relax-hpc run tiny_local` from any directory (relax_hpc/jobspecs/).
@@ -141,11 +144,24 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     job_dir = Path(args.job_dir)
     if not job_dir.is_dir():
         raise FileNotFoundError(f"no job directory {job_dir}; pass the job's output_dir (e.g. runs/<name>)")
+    if args.check_exactly_once:
+        return _inspect_exactly_once(job_dir, args)
     if args.samples < 0:
         raise ValueError(f"--samples {args.samples}: pass a count >= 0")
     decode = _archive_decoder(job_dir) if args.samples > 0 else None
     print(inspect_report(job_dir, args.step, args.samples, decode))
     return 0
+
+
+def _inspect_exactly_once(job_dir: Path, args: argparse.Namespace) -> int:
+    """Exit 0 when no sample was duplicated or lost, 1 otherwise (2, via main, on no archive)."""
+    from relax_hpc.ops.exactly_once import check_exactly_once
+
+    if args.step is not None or args.samples:
+        raise ValueError("--check-exactly-once checks every archived step: drop --step and --samples")
+    report = check_exactly_once(job_dir)
+    print(report.format(max_problems=20))
+    return 0 if report.ok else 1
 
 
 def _serve_engine_token() -> tuple[str, str]:
@@ -175,10 +191,12 @@ def _cmd_serve_engine(args: argparse.Namespace) -> int:
     limits = ServerLimits(**{k: v for k, v in chosen.items() if v is not None})  # the rest: its defaults
     token, origin = _serve_engine_token()
     engine = NativeEngine(args.model_dir, dtype=args.dtype, device=args.device)
-    info = {"model_path": str(args.model_dir), "tokenizer_path": str(args.model_dir)}
+    info = {"model_path": str(args.model_dir), "tokenizer_path": str(args.model_dir),
+            "model_type": str(getattr(engine.model.config, "model_type", ""))}
     try:
         server = EngineServer(engine, token=token, host=args.host, port=args.port, model_info=info,
-                              vocab_size=int(engine.model.config.vocab_size), limits=limits)
+                              vocab_size=int(engine.model.config.vocab_size), limits=limits,
+                              weights_root=args.weights_root)
     except OSError as e:
         raise ValueError(f"cannot listen on {args.host}:{args.port} ({e.strerror}); "
                          "pick another --port, or --port 0 for a free one") from e
@@ -251,13 +269,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("job_dir")
     p.set_defaults(func=_cmd_plot)
 
-    p = sub.add_parser("inspect", help="summarise JOBDIR's trajectory archive per step; --samples K shows examples")
+    p = sub.add_parser("inspect", help="summarise JOBDIR's trajectory archive per step; --samples K shows examples; "
+                                       "--check-exactly-once checks no sample was trained twice or lost")
     p.add_argument("job_dir")
     p.add_argument("--step", type=int, default=None,
                    help="only this rollout step (from 0; metrics.jsonl step - 1)")
     p.add_argument("--samples", type=int, default=0,
                    help="also print K example samples of --step (default: the last step), decoded "
                         "with the job's tokenizer when it loads")
+    p.add_argument("--check-exactly-once", action="store_true",
+                   help="check that every sample the spec plans was trained exactly once (sample ids, "
+                        "group sizes, missing steps); prints the problems and 'exactly-once: N samples, "
+                        "D duplicated, L lost'; exit 0 when D and L are 0, 1 otherwise, 2 without an archive")
     p.set_defaults(func=_cmd_inspect)
 
     p = sub.add_parser("serve-engine", help="serve MODEL_DIR over HTTP (POST /generate, GET /health); prints the URL")
@@ -272,6 +295,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=0, help="port (default 0: a free one, printed at start)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0 (default cpu)")
+    p.add_argument("--weights-root", default=None, metavar="DIR",
+                   help="take new weights by POST /update_weights_from_disk from directories under DIR (the "
+                        "training job writes each version to DIR/v<N>); without it the weights never change")
     # The limits' defaults live in ServerLimits (engines/http_server.py) and docs/engines.md.
     p.add_argument("--request-timeout-s", type=float, default=None,
                    help="seconds a request may take to arrive, headers and body; idle connections close after it")
@@ -285,7 +311,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=None, help="largest sampling_params.max_new_tokens")
     p.set_defaults(func=_cmd_serve_engine)
 
-    slurm_commands.add_parsers(sub)  # render, submit, status, logs, cancel, convert
+    slurm_commands.add_parsers(sub)  # render, submit, status, logs, cancel, convert, grow, shrink
     return parser
 
 

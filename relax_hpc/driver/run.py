@@ -9,6 +9,8 @@ Job directory layout (`[job] output_dir`, default runs/<name>):
     trajectories/        trained samples, rank<r>/step_N.h5 ([metrics] trajectory_archive)
     reward_curve.png     written at the end
     summary.json         the final numbers, written at the end
+    cluster.json         the REST API's URL while the run lives (and, on Slurm, the Ray head)
+    federation/          grow jobs and the weight versions written for their engines (docs/federation.md)
 
 The directory is created 0700 (an existing one keeps its mode), the files written here 0600
 and the subdirectories 0700; a second run on a directory in use stops at once
@@ -38,6 +40,7 @@ from relax_hpc.ckpt.permissions import PRIVATE_FILE_MODE
 from relax_hpc.driver.credentials import job_secret_env
 from relax_hpc.driver.jobdir import JobDirLock, create_private_file, make_private_dir
 from relax_hpc.driver.loop import LoopConfig, LoopResult, StopFlag, run_loop
+from relax_hpc.driver.rest import publish_rest_url, serve_rest_api
 from relax_hpc.engines.base import SamplingParams
 from relax_hpc.engines.factory import require_engine, require_sglang_python
 from relax_hpc.ops.archive import archive_dir
@@ -130,7 +133,8 @@ def role_configs(spec: JobSpec, job_dir: Path, device: str) -> tuple[RolloutConf
     rollout = RolloutConfig(
         model_path=spec.model.path, data=spec.data, reward=spec.reward, seed=spec.job.seed,
         prompts_per_step=r.prompts_per_step, n_samples_per_prompt=r.n_samples_per_prompt,
-        sampling=sampling, engine=r.engine, num_engines=r.num_engines, dtype=spec.model.dtype,
+        sampling=sampling, engine=r.engine, num_engines=r.num_engines, chunks_per_engine=r.chunks_per_engine,
+        dtype=spec.model.dtype,
         device=device, num_threads=threads,
         normalize_std=a.normalize_std and normalizes_std(a.name),
         dynamic_sampling=r.dynamic_sampling, max_sampling_rounds=r.max_sampling_rounds,
@@ -186,6 +190,9 @@ def prepare_job_dir(spec: JobSpec) -> Path:
     job_dir = make_private_dir(spec.job_dir())
     atomic_write_text(job_dir / "spec.toml", spec_to_toml(spec))
     make_private_dir(job_dir / "checkpoints")
+    # Weight versions for engines that join over HTTP (a grow job's serve-engine --weights-root).
+    make_private_dir(job_dir / "federation")
+    make_private_dir(job_dir / "federation" / "weights")
     if spec.metrics.jsonl:
         create_private_file(job_dir / "metrics.jsonl")
     if spec.metrics.tensorboard:
@@ -251,6 +258,16 @@ def install_stop_handlers(stop: StopFlag) -> None:
         signal.signal(sig, handler)
 
 
+def rest_host(local: bool) -> str:
+    """Where the REST API listens: loopback for a run on this machine, else this node's address
+    (the job's other nodes and the grow jobs reach it there)."""
+    if local:
+        return "127.0.0.1"
+    import ray
+
+    return ray.util.get_node_ip_address()
+
+
 def start_ray(address: str | None) -> None:
     import ray
 
@@ -302,6 +319,13 @@ def run_authenticated(spec: JobSpec, job_dir: Path, in_process: bool, ray_addres
     roles: Roles = (LocalRoles(rollout_cfg, actor_cfg, queue_roles, capacity) if in_process
                     else RayRoles(rollout_cfg, actor_cfg, spec.train.num_processes, queue_roles, capacity))
     print(f"dataset: {roles.dataset_summary()}", file=sys.stderr)
+    try:
+        # The elastic REST API (docs/federation.md): on the head node's address in a cluster.
+        rest = serve_rest_api(job_dir, roles, rest_host(in_process or not ray_address))
+    except BaseException:
+        roles.shutdown()
+        raise
+    print(f"REST API: {rest.url} (cluster.json; docs/federation.md)", file=sys.stderr)
     metrics = make_sinks(spec, job_dir)
     # A bar on a terminal; in a Slurm log (not a terminal) one line every N seconds.
     bar = make_progress(spec.train.steps, spec.job.name, enabled=progress)
@@ -319,6 +343,8 @@ def run_authenticated(spec: JobSpec, job_dir: Path, in_process: bool, ray_addres
         result = run_loop(loop_cfg, roles, metrics, stop, on_step)
         engines = roles.engine_report()
     finally:
+        rest.stop()
+        publish_rest_url(job_dir, None)
         bar.close()
         metrics.close()
         roles.shutdown()

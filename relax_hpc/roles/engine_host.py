@@ -46,6 +46,13 @@ class EngineHost:
     def weight_version(self) -> int:
         return self.engine.weight_version
 
+    def current_weights(self) -> list[tuple[str, torch.Tensor]]:
+        """The weights it serves (a joining engine loads them), by the names `load_weights` takes."""
+        model = getattr(self.engine, "model", None)
+        if model is None:
+            raise NotImplementedError(f"a {type(self.engine).__name__} cannot hand over its weights")
+        return [(name, t.detach().cpu()) for name, t in model.state_dict().items()]
+
     def call(self, method: str) -> Any:
         if method not in ("pause", "resume", "release_memory", "resume_memory"):
             raise ValueError(f"EngineHost.call: {method!r} is not an engine control method")
@@ -62,7 +69,7 @@ class RayEngineClient:
                media: Sequence[PromptMedia | None] | None = None) -> Future:
         return self.handle.generate.remote(prompts, params, seed, media).future()
 
-    def share(self, named_tensors: list[tuple[str, torch.Tensor]]) -> Any:
+    def share(self, named_tensors: list[tuple[str, torch.Tensor]], version: int) -> Any:
         import ray
 
         return ray.put([(name, t.detach().cpu()) for name, t in named_tensors])
@@ -72,6 +79,11 @@ class RayEngineClient:
 
     def call(self, method: str) -> Future:
         return self.handle.call.remote(method).future()
+
+    def current_weights(self) -> list[tuple[str, torch.Tensor]]:
+        import ray
+
+        return ray.get(self.handle.current_weights.remote())
 
     def died(self, error: BaseException) -> bool:
         from ray.exceptions import RayActorError

@@ -18,6 +18,7 @@ import time
 from typing import Any, Callable, Protocol, Sequence
 
 from relax_hpc.ckpt import ResumeState
+from relax_hpc.engines.elastic_api import ElasticReply
 from relax_hpc.data.sample import Sample
 from relax_hpc.roles.actor import ActorConfig, ActorWorker, rendezvous_address
 from relax_hpc.roles.advantages import AdvantagesConfig, AdvantagesWorker
@@ -85,6 +86,8 @@ class Roles(Protocol):
     def restore_cursor(self, state: dict) -> None: ...
     def dataset_summary(self) -> str: ...
     def engine_report(self) -> list[dict[str, Any]]: ...
+    def elastic(self, action: str, body: dict[str, Any]) -> ElasticReply:
+        """One elastic REST request, answered by rollout (engines/elastic_api.py)."""
     def shutdown(self) -> None: ...
 
 
@@ -141,6 +144,9 @@ class LocalRoles:
 
     def engine_report(self) -> list[dict[str, Any]]:
         return self.rollout.engine_report()
+
+    def elastic(self, action: str, body: dict[str, Any]) -> ElasticReply:
+        return self.rollout.elastic(action, body)
 
     def shutdown(self) -> None:
         self.rollout.stop_producer()
@@ -346,8 +352,9 @@ class RayRoles:
         self._total_steps = 0  # set by start_rollout: the trainer prefetches up to the last step
         shared = rollout.release_between_steps  # engines and trainer ranks take turns on each GPU
         # N > 1 engines run in actors of their own (a GPU each on GPUs), behind rollout's router.
+        host_options = {**self._placement("rollout"), **_gpus(rollout.device, shared)}
         self._engines = [
-            ray.remote(EngineHost).options(**self._placement("rollout"), **_gpus(rollout.device, shared)).remote(
+            ray.remote(EngineHost).options(**host_options).remote(
                 rollout.engine, rollout.model_path, rollout.dtype, rollout.device, rollout.num_threads,
                 rollout.routing_replay)
             # SGLang engines are server processes that the rollout role starts itself.
@@ -357,7 +364,7 @@ class RayRoles:
         self._rollout = ray.remote(RolloutWorker).options(
             max_concurrency=4, **self._placement("rollout"),
             **({} if self._engines else _rollout_gpus(rollout, shared)),
-        ).remote(rollout, engine_hosts=self._engines or None)
+        ).remote(rollout, engine_hosts=self._engines or None, engine_host_options=host_options)
         # Rank 0's node hosts the TCP store of the trainer's process group: a task on a trainer
         # node picks the address, and rank 0 is pinned to that node.
         placement = self._placement("trainer")
@@ -468,6 +475,9 @@ class RayRoles:
 
     def engine_report(self) -> list[dict[str, Any]]:
         return self._rollout_call("reporting its engines", "engine_report")
+
+    def elastic(self, action: str, body: dict[str, Any]) -> ElasticReply:
+        return self._rollout_call(f"answering the elastic request {action!r}", "elastic", action, body)
 
     def engine_pids(self) -> list[int]:
         """The process ids of the engine actors (tests kill one to check nothing is lost)."""

@@ -10,6 +10,7 @@ producer's batch boundary, where it also waits for the version the staleness bou
 
 from __future__ import annotations
 
+import json
 import sys
 import tempfile
 import threading
@@ -25,12 +26,15 @@ from relax_hpc.algos import group_advantages
 from relax_hpc.algos.advantages import advantages_by_group
 from relax_hpc.data.dataset import DataCursor, DataSettings, load_dataset
 from relax_hpc.data.rows import sample_to_row
-from relax_hpc.data.sample import Sample
+from relax_hpc.data.sample import Sample, assign_sample_ids
 from relax_hpc.engines.base import Generator, RolloutEngine, SamplingParams
+from relax_hpc.engines.elastic import ElasticScaler
+from relax_hpc.engines.elastic_api import ElasticReply
 from relax_hpc.engines.factory import make_engine
 from relax_hpc.engines.http_auth import engine_token, read_token_file
 from relax_hpc.engines.http_client import HttpEngine
-from relax_hpc.engines.router import EngineRouter, LocalEngineClient
+from relax_hpc.engines.remote import RemoteEngineClient
+from relax_hpc.engines.router import EngineClient, EngineRouter, LocalEngineClient
 from relax_hpc.engines.sglang_fleet import SGLangLaunch, start_sglang_engines
 from relax_hpc.media.items import PromptMedia
 from relax_hpc.media.processor import media_processor_for
@@ -63,6 +67,7 @@ class RolloutConfig:
     sampling: SamplingParams
     engine: str  # [rollout] engine: which make_engine builds
     num_engines: int = RolloutSpec.num_engines  # engines behind the router (built here when in process)
+    chunks_per_engine: int = RolloutSpec.chunks_per_engine  # pieces of a step per serving engine
     normalize_std: bool = AlgorithmSpec.normalize_std  # group advantages: False is Dr.GRPO
     dtype: str = ModelSpec.dtype
     device: str = "cpu"
@@ -80,6 +85,17 @@ class RolloutConfig:
     sglang_spec: SGLangSpec | None = None  # engine = "sglang": [rollout.sglang] (None: its defaults)
     job_dir: str | None = None  # the SGLang servers' logs go to JOBDIR/logs (None: a temp dir)
     routing_replay: bool = AlgorithmSpec.routing_replay  # engines return each sample's routed experts (R3)
+    # An engine that joined over HTTP (a grow job's) is given up, its prompts going to the others,
+    # when one request takes longer than this: a step never waits longer for a vanished node.
+    remote_engine_timeout_s: float = 300.0
+
+
+def federation_weights_dir(job_dir: str | None) -> Path:
+    """Where weight versions are written for engines that joined over HTTP: JOBDIR/federation/weights,
+    on the shared filesystem the grow jobs read (a temp dir for a run without a job directory)."""
+    if job_dir is None:
+        return Path(tempfile.mkdtemp(prefix="relax-federation-weights-"))
+    return Path(job_dir) / "federation" / "weights"
 
 
 def build_genrm_judge(reward: RewardSettings, dtype: str, device: str) -> tuple[Generator | None, Any]:
@@ -120,14 +136,15 @@ def build_router(cfg: RolloutConfig, engines: list[RolloutEngine] | None = None,
 
         clients = [RayEngineClient(f"engine-{i}", h) for i, h in enumerate(engine_hosts)]
         tokenizer = load_tokenizer(cfg.model_path)  # the engines' own: they load the same directory
-        return EngineRouter(clients, tokenizer, tokenizer.eos_token_id)
+        return EngineRouter(clients, tokenizer, tokenizer.eos_token_id, cfg.chunks_per_engine)
     if not engines and cfg.engine == "sglang":
         engines = list(start_sglang_engines(sglang_launch(cfg), cfg.num_engines, port_slot_from_env()))
     if not engines:
         engines = [make_engine(cfg.engine, cfg.model_path, cfg.dtype, cfg.device, record_routing=cfg.routing_replay)
                    for _ in range(cfg.num_engines)]
     clients_local = [LocalEngineClient(f"engine-{i}", e) for i, e in enumerate(engines)]
-    return EngineRouter(clients_local, engines[0].tokenizer, engines[0].eos_id, local_engine=engines[0])
+    return EngineRouter(clients_local, engines[0].tokenizer, engines[0].eos_id, cfg.chunks_per_engine,
+                        local_engine=engines[0])
 
 
 def sglang_launch(cfg: RolloutConfig) -> SGLangLaunch:
@@ -158,6 +175,14 @@ def _max_context(engine: EngineRouter, model_path: str) -> int | None:
     return getattr(config, "max_position_embeddings", None)
 
 
+def _model_type(model_path: str) -> str | None:
+    """config.json's model_type: an engine that joins must serve the same kind of model."""
+    try:
+        return json.loads((Path(model_path) / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError):
+        return None
+
+
 def reward_by_media(samples: list[Sample]) -> dict[str, float]:
     """Mean reward per kind of prompt media ("image", "audio", "image+audio"; "text" for none):
     which media a multimodal policy has learnt to use."""
@@ -170,14 +195,20 @@ def reward_by_media(samples: list[Sample]) -> dict[str, float]:
 
 class RolloutWorker(WeightReceiverEndpoint):
     def __init__(self, cfg: RolloutConfig, engine: RolloutEngine | list[RolloutEngine] | None = None,
-                 engine_hosts: list[Any] | None = None) -> None:
+                 engine_hosts: list[Any] | None = None, engine_host_options: dict[str, Any] | None = None) -> None:
         """`engine`: the engine (or engines) to drive; `engine_hosts`: `EngineHost` actors to
-        drive; neither: build `cfg.num_engines` of the engine `[rollout] engine` names, here."""
+        drive; neither: build `cfg.num_engines` of the engine `[rollout] engine` names, here.
+        `engine_host_options`: Ray options of engines added at run time in actors of their own."""
         if cfg.num_threads > 0:
             torch.set_num_threads(cfg.num_threads)
         self.cfg = cfg
         engines = [engine] if engine is not None and not isinstance(engine, list) else engine
         self.engine = build_router(cfg, engines, engine_hosts)
+        self._host_options = engine_host_options if engine_hosts else None
+        self._weights_dir: Path | None = None
+        # Engines added and removed while the job runs (the driver's REST API calls `elastic`).
+        self.scaler = ElasticScaler(self.engine, connect=self._connect_engine,
+                                    spawn=self._spawn_engines if cfg.engine == "native" else None)
         tok = self.engine.tokenizer
         stop_ids = tuple(cfg.sampling.stop_token_ids) + (self.engine.eos_id,)
         self.sampling = SamplingParams(**{**cfg.sampling.__dict__, "stop_token_ids": stop_ids})
@@ -287,8 +318,38 @@ class RolloutWorker(WeightReceiverEndpoint):
         return freed
 
     def engine_report(self) -> list[dict[str, Any]]:
-        """Per rollout engine: its id, the samples it produced, whether it still serves."""
+        """Per rollout engine: its id, state, job, the samples it produced, whether it still serves."""
         return self.engine.report()
+
+    # -- engines joining and leaving at run time (docs/federation.md) ---------------------------
+
+    def elastic(self, action: str, body: dict[str, Any] | None = None) -> ElasticReply:
+        """One request of the elastic REST API (engines/elastic_api.py)."""
+        return self.scaler.elastic(action, body or {})
+
+    def _connect_engine(self, engine_id: str, url: str, job: str | None) -> EngineClient:
+        """An engine serving elsewhere (a grow job's `relax-hpc serve-engine`), with this job's
+        engine token; its weights arrive through the shared job directory."""
+        if self._weights_dir is None:
+            self._weights_dir = federation_weights_dir(self.cfg.job_dir)
+        return RemoteEngineClient(engine_id, url, token=engine_token(), weights_root=self._weights_dir,
+                                  timeout_s=self.cfg.remote_engine_timeout_s, model_type=_model_type(self.cfg.model_path))
+
+    def _spawn_engines(self, ids: list[str]) -> list[EngineClient]:
+        """Engines started in the job's own allocation: `EngineHost` actors placed like the job's
+        (when its engines run in actors), else engines in this process."""
+        cfg = self.cfg
+        if self._host_options is None:
+            return [LocalEngineClient(i, make_engine(cfg.engine, cfg.model_path, cfg.dtype, cfg.device,
+                                                     record_routing=cfg.routing_replay)) for i in ids]
+        import ray
+
+        from relax_hpc.roles.engine_host import EngineHost, RayEngineClient
+
+        hosts = [ray.remote(EngineHost).options(**self._host_options).remote(
+            cfg.engine, cfg.model_path, cfg.dtype, cfg.device, cfg.num_threads, cfg.routing_replay) for _ in ids]
+        ray.get([h.pid.remote() for h in hosts], timeout=600)  # started, model loaded
+        return [RayEngineClient(i, h) for i, h in zip(ids, hosts)]
 
     def producer_error(self) -> str | None:
         return self._error
@@ -383,13 +444,17 @@ class RolloutWorker(WeightReceiverEndpoint):
                     dropped += 1
             if rounds == self.cfg.max_sampling_rounds and not kept:
                 kept = groups  # nothing had signal: train on zero advantages rather than stall
+        assign_sample_ids(step, kept[:want])  # each sample's slot in the step (the exactly-once check)
         samples = [s for group in kept[:want] for s in group]
         stats.update({
             "time/rollout_s": time.perf_counter() - t0,
             "rollout/response_len": sum(s.response_length for s in samples) / len(samples),
             "rollout/truncated_frac": sum(s.finish_reason == "length" for s in samples) / len(samples),
             "rollout/engines": float(self.engine.serving()),
+            "rollout/samples_per_s": len(samples) / max(time.perf_counter() - t0, 1e-9),
         })
+        for job, count in self.engine.serving_by_job().items():
+            stats[f"rollout/engines_by_job/{job}"] = float(count)
         if self.cfg.dynamic_sampling:
             stats["rollout/dropped_groups"] = float(dropped)
             stats["rollout/sampling_rounds"] = float(rounds)

@@ -1,0 +1,45 @@
+"""The driver's REST API: served while the job runs, its URL published in JOBDIR/cluster.json.
+
+Grow jobs, `relax-hpc status` and `relax-hpc shrink` find the API there, and authenticate with
+the job's REST token (derived from JOBDIR/.secret, docs/security.md). The requests themselves
+are answered by the rollout role (`Roles.elastic`), which owns the engines; see
+docs/federation.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+from relax_hpc.auth import SECRET_ENV
+from relax_hpc.auth.secret import write_private_text
+from relax_hpc.engines.elastic_api import ElasticControl
+from relax_hpc.engines.rest_api import RestServer, make_rest_app, rest_token
+
+CLUSTER_JSON = "cluster.json"
+
+
+def serve_rest_api(job_dir: Path, control: ElasticControl, host: str) -> RestServer:
+    """Start the API on `host` (a free port) and publish its URL."""
+    server = RestServer(make_rest_app(control, rest_token()), host).start()
+    publish_rest_url(job_dir, server.url)
+    return server
+
+
+def publish_rest_url(job_dir: Path, url: str | None) -> None:
+    """Set `rest_url` in JOBDIR/cluster.json (owner-only, write-then-rename), keeping what the
+    job script wrote there; None when the API stops (the run ended)."""
+    path = job_dir / CLUSTER_JSON
+    try:
+        content = json.loads(path.read_text()) if path.is_file() else {}
+    except ValueError:
+        content = {}  # a torn file from an older writer: rewritten whole below
+    if not isinstance(content, dict):
+        content = {}
+    content.setdefault("job_id", None)
+    content.setdefault("secret_file", os.environ.get(SECRET_ENV))
+    content["rest_url"] = url
+    content["rest_published_at"] = time.time()
+    write_private_text(path, json.dumps(content, indent=2))
