@@ -1,33 +1,138 @@
-"""The Slurm subcommands of `relax-hpc`: render, submit, status, logs, cancel, convert.
+"""The Slurm subcommands of `relax-hpc`: render, submit, status, logs, cancel, convert, grow, shrink.
 
 Each handler takes the parsed arguments and returns an exit status; relax_hpc/cli/main.py
-registers them. The Slurm client is built by :func:`make_client` so tests can swap it.
+registers them. The Slurm client is built by :func:`make_client` and a job's REST API by
+:func:`make_api`, so tests can swap both.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
+from relax_hpc.jobspecs import with_embedded_inputs
+from relax_hpc.launch.federation import (
+    DRAIN_TIMEOUT_S,
+    ElasticApi,
+    FederationError,
+    GrowRequest,
+    federation_lines,
+    grow_request,
+    render_grow_sbatch,
+    submit_grow,
+)
 from relax_hpc.launch.jobs import SUBMIT_SPEC, find_job, job_status, submit_spec
 from relax_hpc.launch.render import render_sbatch
 from relax_hpc.launch.slurm_client import SlurmClient, SubprocessSlurmClient
-from relax_hpc.jobspecs import with_embedded_inputs
 from relax_hpc.spec import load_spec
 
-__all__ = ["cmd_cancel", "cmd_convert", "cmd_logs", "cmd_render", "cmd_status", "cmd_submit", "make_client"]
+__all__ = ["cmd_cancel", "cmd_convert", "cmd_grow", "cmd_logs", "cmd_render", "cmd_shrink", "cmd_status",
+           "cmd_submit", "make_api", "make_client"]
+
+SHRINK_WAIT_MARGIN_S = 60.0  # shrink waits for the drain's own timeout plus this
 
 
 def make_client() -> SlurmClient:
     return SubprocessSlurmClient()
 
 
+def make_api(job_dir: Path, job: str) -> ElasticApi:
+    """The REST API of the job in ``job_dir`` (cluster.json's rest_url; FederationError without one)."""
+    return ElasticApi.for_job(job_dir, job)
+
+
+_GROW_FLAGS = ("engines", "nodes", "partition", "qos", "time", "account", "cpus_per_node", "gpus_per_node")
+
+
 def cmd_render(args: argparse.Namespace) -> int:
+    if args.grow is not None:
+        if args.spec is not None:
+            raise ValueError(f"pass either SPEC ({args.spec}) or --grow JOB, not both")
+        print(render_grow_sbatch(_grow_request(args, args.grow, make_client())), end="")
+        return 0
+    if args.spec is None:
+        raise ValueError("pass a SPEC to render the job's script, or --grow JOB --engines N for a grow job's")
+    given = [f"--{name.replace('_', '-')}" for name in _GROW_FLAGS if getattr(args, name) is not None]
+    if given or args.preemptible:
+        raise ValueError(f"{', '.join(given) or '--preemptible'} only go with --grow JOB")
     spec = load_spec(args.spec)
     job_dir = args.job_dir or str(spec.job_dir())
     print(render_sbatch(spec, job_dir, str(Path(job_dir) / SUBMIT_SPEC)), end="")
     return 0
+
+
+def _grow_request(args: argparse.Namespace, job: str, client: SlurmClient) -> GrowRequest:
+    if args.engines is None:
+        raise ValueError("--grow JOB needs --engines N: how many engines the grow job starts")
+    job_id, job_dir = find_job(job, client)
+    if job_dir is None:
+        raise FileNotFoundError(f"no job directory found for job {job_id} under ./runs; pass the job directory instead")
+    spec_file = job_dir / SUBMIT_SPEC
+    if not spec_file.is_file():
+        raise FileNotFoundError(f"{spec_file} does not exist: only a job started by `relax-hpc submit` can grow")
+    return grow_request(job_dir, job_id, load_spec(spec_file), engines=args.engines, nodes=args.nodes or 1,
+                        partition=args.partition, qos=args.qos, time_limit=args.time, account=args.account,
+                        cpus_per_node=args.cpus_per_node, gpus_per_node=args.gpus_per_node,
+                        preemptible=args.preemptible)
+
+
+@contextmanager
+def _rest_errors() -> Iterator[None]:
+    """A REST API that does not answer (RestUnavailable, a ConnectionError) as a one-line error."""
+    try:
+        yield
+    except ConnectionError as e:
+        raise FederationError(str(e)) from None
+
+
+def cmd_grow(args: argparse.Namespace) -> int:
+    client = make_client()
+    request = _grow_request(args, args.job, client)
+    job_id, job_dir = request.main_job_id, Path(request.job_dir)
+    states = [c.state for c in client.job_components(job_id)]
+    if not states or not states[0].startswith("RUNNING"):
+        raise FederationError(f"job {job_id} is {states[0] if states else 'no longer in the queue'}: a grow job "
+                              f"joins a running job (`relax-hpc status {job_id}`)")
+    with _rest_errors():
+        make_api(job_dir, job_id).engines()  # its engines register through the REST API: it must answer now
+    grow_id = submit_grow(request, client, Path.cwd())
+    where = ", ".join(f"{k} {v}" for k, v in (("partition", request.partition), ("qos", request.qos)) if v)
+    print(f"submitted grow job {grow_id}: {request.engines} engine(s) on {request.nodes} node(s) for job {job_id}"
+          + (f" ({where}{', preemptible' if request.preemptible else ''})" if where else ""))
+    print(f"  relax-hpc status {job_id}                # the grow jobs and every engine")
+    print(f"  relax-hpc shrink {job_id} --job {grow_id}   # drain its engines, then end it")
+    print(f"  its log: {job_dir}/logs/grow-{grow_id}.out and grow-{grow_id}-node-*.log")
+    return 0
+
+
+def cmd_shrink(args: argparse.Namespace) -> int:
+    job_id, job_dir = _job(args)
+    if job_dir is None:
+        raise FileNotFoundError(f"no job directory found for job {job_id} under ./runs; pass the job directory instead")
+    if args.grow_job is not None and not args.grow_job.isdigit():
+        raise ValueError(f"--job {args.grow_job!r}: expected the grow job's Slurm id (digits)")
+    body: dict[str, object] = {"job": args.grow_job} if args.grow_job is not None else {"num_engines": args.engines}
+    if args.force:
+        body["force"] = True
+    if args.timeout_s is not None:
+        body["timeout_s"] = args.timeout_s
+    with _rest_errors():
+        api = make_api(job_dir, job_id)
+        count = args.engines or sum(1 for e in api.engines() if e.get("job") == args.grow_job
+                                    and e.get("state") in ("joining", "active"))
+        op = api.start("scale_in", body)
+        print(f"operation {op.get('id')} (scale_in): draining {count} engine(s) ...", flush=True)
+        # Engines drain one after the other, each for up to timeout_s.
+        limit = (args.timeout_s or DRAIN_TIMEOUT_S) * max(count, 1) + SHRINK_WAIT_MARGIN_S
+        op = api.wait(str(op.get("id")), limit_s=limit)
+    print(f"operation {op.get('id')} (scale_in) {op.get('state')}: {op.get('message')}")
+    if args.grow_job is not None:
+        make_client().cancel(args.grow_job)  # its nodes go back; its engines left already
+        print(f"cancelled grow job {args.grow_job}")
+    return 0 if op.get("state") == "done" else 1
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
@@ -46,7 +151,11 @@ def _job(args: argparse.Namespace) -> tuple[str, Path | None]:
 
 def cmd_status(args: argparse.Namespace) -> int:
     job_id, job_dir = _job(args)
-    for line in job_status(job_id, job_dir, make_client()).lines():
+    client = make_client()
+    lines = job_status(job_id, job_dir, client).lines()
+    if job_dir is not None:  # grow jobs, and the engines when the REST API answers
+        lines += federation_lines(job_id, job_dir, client, lambda: make_api(job_dir, job_id))
+    for line in lines:
         print(line)
     return 0
 
@@ -102,11 +211,29 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_grow_options(p: argparse.ArgumentParser, engines_required: bool) -> None:
+    p.add_argument("--engines", type=int, required=engines_required, default=None,
+                   help="engines the grow job starts, spread over its nodes")
+    p.add_argument("--nodes", type=int, default=None, help="nodes of the grow job (default 1)")
+    p.add_argument("--partition", default=None, help="default: the rollout component's (with its QOS)")
+    p.add_argument("--qos", default=None, help="default: the rollout component's, unless --partition is given")
+    p.add_argument("--time", default=None, help="time limit, e.g. 02:00:00 (default: the rollout component's)")
+    p.add_argument("--account", default=None, help="default: the rollout component's")
+    p.add_argument("--cpus-per-node", type=int, default=None, help="default: the rollout component's")
+    p.add_argument("--gpus-per-node", type=int, default=None,
+                   help="default: the rollout component's; engines share them round-robin")
+    p.add_argument("--preemptible", action="store_true",
+                   help="the named --partition/--qos pre-empts jobs: marks the grow job so in status")
+
+
 def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     """Register the Slurm subcommands on the `relax-hpc` parser."""
-    p = sub.add_parser("render", help="print the sbatch script of a spec (no side effects)")
-    p.add_argument("spec")
+    p = sub.add_parser("render", help="print the sbatch script of a spec, or of a grow job (no side effects)")
+    p.add_argument("spec", nargs="?", default=None, help="the job spec (or --grow JOB instead)")
     p.add_argument("--job-dir", default=None, help="job directory to render for (default: the spec's)")
+    p.add_argument("--grow", default=None, metavar="JOB",
+                   help="print the script `relax-hpc grow JOB` would submit (with --engines N ...)")
+    _add_grow_options(p, engines_required=False)
     p.set_defaults(func=cmd_render)
 
     p = sub.add_parser("submit", help="submit a spec as one heterogeneous Slurm job")
@@ -129,6 +256,23 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     p.add_argument("--checkpoint", action="store_true",
                    help="send USR1 to the batch script instead: checkpoint, then requeue")
     p.set_defaults(func=cmd_cancel)
+
+    p = sub.add_parser("grow", help="add rollout engines to a running job, as a separate Slurm job "
+                                    "(docs/federation.md)")
+    p.add_argument("job", help="the running job's Slurm id or job directory")
+    _add_grow_options(p, engines_required=True)
+    p.set_defaults(func=cmd_grow)
+
+    p = sub.add_parser("shrink", help="remove rollout engines from a running job: --engines N, or a grow job's")
+    p.add_argument("job", help="the running job's Slurm id or job directory")
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--engines", type=int, default=None, help="drain this many engines (the newest first)")
+    which.add_argument("--job", dest="grow_job", default=None, metavar="GROWJOB",
+                       help="drain every engine of this grow job, then scancel it")
+    p.add_argument("--force", action="store_true", help="the job's own engines may go too (they are protected)")
+    p.add_argument("--timeout-s", type=float, default=None,
+                   help=f"how long each engine may finish its prompts before they go to others (default {DRAIN_TIMEOUT_S})")
+    p.set_defaults(func=cmd_shrink)
 
     p = sub.add_parser("convert", help="export a DCP checkpoint to a Hugging Face model directory")
     p.add_argument("job_dir")

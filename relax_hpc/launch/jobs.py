@@ -39,7 +39,7 @@ from relax_hpc.spec import JobSpec, load_spec, spec_to_toml
 from relax_hpc.media.plan import check_media_plan
 from relax_hpc.spec.model_fit import check_model_fit
 
-__all__ = ["JobStatus", "Submission", "find_job", "job_status", "pin_paths", "submit_spec"]
+__all__ = ["JobStatus", "Submission", "find_job", "is_finished_state", "job_status", "pin_paths", "submit_spec"]
 
 JOB_ID_FILE = "slurm_job_id"
 SUBMIT_SPEC = "spec.submit.toml"
@@ -115,6 +115,12 @@ _FINISHED_STATES = frozenset({"COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NO
                               "BOOT_FAIL", "DEADLINE", "PREEMPTED", "REVOKED", "SPECIAL_EXIT"})
 
 
+def is_finished_state(state: str) -> bool:
+    """Whether a Slurm job state (squeue/sacct, e.g. "CANCELLED by 1000", "RUNNING+") is final."""
+    words = state.split()
+    return bool(words) and words[0].rstrip("+") in _FINISHED_STATES
+
+
 def refuse_if_job_active(job_dir: Path, client: SlurmClient) -> None:
     """JobDirBusyError when the job this directory was last submitted as is still queued or
     running: a pending job holds no lock yet, and a new submission would change the spec and
@@ -125,8 +131,7 @@ def refuse_if_job_active(job_dir: Path, client: SlurmClient) -> None:
     job_id = id_file.read_text(encoding="utf-8").strip()
     if not job_id:
         return
-    active = sorted({c.state for c in client.job_components(job_id)
-                     if c.state.split()[0].rstrip("+") not in _FINISHED_STATES})
+    active = sorted({c.state for c in client.job_components(job_id) if not is_finished_state(c.state)})
     if active:
         raise JobDirBusyError(
             f"job directory {job_dir} belongs to Slurm job {job_id}, still {'/'.join(active)}; a new submission "
