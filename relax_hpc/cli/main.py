@@ -22,30 +22,38 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 from pathlib import Path
 from typing import Callable
 
 from relax_hpc.jobspecs import resolve_spec_path, with_embedded_inputs
 from relax_hpc.launch import commands as slurm_commands
+from relax_hpc.launch.federation import SlurmGrowSubmitter
 from relax_hpc.launch.slurm_client import SlurmError
 from relax_hpc.models.tiny_mm import TINY_MM_ARCHS, is_omni, write_tiny_multimodal
-from relax_hpc.spec import SpecError, load_spec, spec_to_toml
+from relax_hpc.spec import JobSpec, SpecError, load_spec, spec_to_toml
 from relax_hpc.spec.model_fit import check_model_fit, memory_estimate
 
 EXIT_BAD_INPUT = 2
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
+    from relax_hpc.driver.alerts import check_notify, notify_urls
     from relax_hpc.media.plan import check_media_plan
+    from relax_hpc.ops.notify import redact_url
 
     spec = load_spec(args.spec)
     shape = check_model_fit(spec, args.spec)
     media = check_media_plan(spec, args.spec)
+    check_notify(spec)  # ValueError (exit 2): a URL Apprise refuses, a urls_file others can read
     print(f"{args.spec}: ok (job '{spec.job.name}', {spec.train.steps} steps, "
           f"algorithm {spec.algorithm.name}, mode {spec.job.mode})")
     for line in media.lines:
         print(line)
+    urls = notify_urls(spec)
+    if urls:
+        print(f"notify: Apprise accepts {', '.join(redact_url(url) for url in urls)}")
     if shape is None:
         print(f"model {spec.model.path}: no config.json readable here; its sizes are checked against "
               "the parallel layout when the job runs (validate where the model is to check now)")
@@ -71,12 +79,20 @@ def _cmd_show(args: argparse.Namespace) -> int:
     return 0
 
 
+def _grow_submitter(spec: JobSpec, ray_address: str | None) -> SlurmGrowSubmitter | None:
+    """Inside a submitted job (the batch script's driver) with [federation] on: its grow jobs go to Slurm."""
+    job_id = os.environ.get("SLURM_JOB_ID")
+    if spec.federation.max_engines <= 0 or not ray_address or not job_id:
+        return None
+    return SlurmGrowSubmitter(spec.job_dir(), job_id, spec, slurm_commands.make_client())
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
     from relax_hpc.driver.run import run_job
 
     spec = with_embedded_inputs(load_spec(args.spec), args.spec)
     report = run_job(spec, in_process=args.in_process, ray_address=args.ray_address,
-                     progress=not args.no_progress)
+                     progress=not args.no_progress, grow_submitter=_grow_submitter(spec, args.ray_address))
     print(report.summary_line())
     if report.curve:
         print(f"reward curve: {report.curve}")

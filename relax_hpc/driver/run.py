@@ -6,6 +6,7 @@ Job directory layout (`[job] output_dir`, default runs/<name>):
     checkpoints/         DCP checkpoints (step_N, latest)
     metrics.jsonl        one record per step (appended across restarts)
     tensorboard/         TensorBoard event files
+    wandb/, clearml/     the W&B run and ClearML sessions, offline ([metrics] wandb_project, clearml_project)
     trajectories/        trained samples, rank<r>/step_N.h5 ([metrics] trajectory_archive)
     reward_curve.png     written at the end
     summary.json         the final numbers, written at the end
@@ -26,6 +27,7 @@ import shutil
 import signal
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,29 +39,26 @@ from relax_hpc.backends.base import require_backend
 from relax_hpc.backends.torch_backend import OptimConfig
 from relax_hpc.ckpt.fs import atomic_write_text
 from relax_hpc.ckpt.permissions import PRIVATE_FILE_MODE
+from relax_hpc.driver.alerts import JobAlerts, check_notify, make_job_alerts, newest_checkpoint
 from relax_hpc.driver.credentials import job_secret_env
 from relax_hpc.driver.jobdir import JobDirLock, create_private_file, make_private_dir
 from relax_hpc.driver.loop import LoopConfig, LoopResult, StopFlag, run_loop
+from relax_hpc.driver.grow_policy import GrowDriver, GrowSubmitter
 from relax_hpc.driver.rest import publish_rest_url, serve_rest_api
 from relax_hpc.engines.base import SamplingParams
 from relax_hpc.engines.factory import require_engine, require_sglang_python
 from relax_hpc.ops.archive import archive_dir
 from relax_hpc.ops.heap import settle_heap
-from relax_hpc.ops.metrics import (
-    FanOut,
-    JsonlSink,
-    MetricsSink,
-    TensorBoardSink,
-    WandbSink,
-)
+from relax_hpc.ops.metrics import FanOut, JsonlSink, MetricsSink, TensorBoardSink
 from relax_hpc.ops.plot import plot_reward_curve
 from relax_hpc.ops.progress import make_progress
+from relax_hpc.ops.trackers import ClearMLSink, WandbSink, require_trackers
 from relax_hpc.roles.actor import ActorConfig
 from relax_hpc.roles.advantages import AdvantagesConfig
 from relax_hpc.roles.forward import OUTPUT_FIELD, ForwardConfig
 from relax_hpc.roles.handles import LocalRoles, RayRoles, Roles
 from relax_hpc.roles.rollout import RolloutConfig
-from relax_hpc.spec import JobSpec, spec_to_toml
+from relax_hpc.spec import JobSpec, spec_to_dict, spec_to_toml
 from relax_hpc.media.plan import check_media_plan
 from relax_hpc.spec.model_fit import check_model_fit
 from relax_hpc.spec.schema import SGLangSpec
@@ -105,6 +104,8 @@ def check_backends_available(spec: JobSpec) -> None:
     require_backend(spec.train.backend)
     check_model_fit(spec, "the job spec")
     check_media_plan(spec, "the job spec")
+    check_notify(spec)  # [notify] URLs Apprise refuses, a urls_file others can read
+    require_trackers(spec.metrics)  # [metrics] wandb_project / clearml_project without their package
 
 
 def shares_devices(spec: JobSpec) -> bool:
@@ -199,6 +200,9 @@ def prepare_job_dir(spec: JobSpec) -> Path:
         make_private_dir(job_dir / "tensorboard")
     if spec.metrics.trajectory_archive:
         make_private_dir(archive_dir(job_dir))
+    for tracker, key in (("wandb", spec.metrics.wandb_project), ("clearml", spec.metrics.clearml_project)):
+        if key:
+            make_private_dir(job_dir / tracker)
     return job_dir
 
 
@@ -235,15 +239,21 @@ def ensure_data(spec: JobSpec) -> None:
         written.rename(path)
 
 
-def make_sinks(spec: JobSpec, job_dir: Path) -> MetricsSink:
-    sinks: list[Any] = []
-    if spec.metrics.jsonl:
-        sinks.append(JsonlSink(job_dir / "metrics.jsonl"))
-    if spec.metrics.tensorboard:
-        sinks.append(TensorBoardSink(job_dir / "tensorboard"))
-    if spec.metrics.wandb_project:
-        sinks.append(WandbSink(spec.metrics.wandb_project, spec.job.name, {}))
-    return FanOut(sinks)
+def make_sinks(spec: JobSpec, job_dir: Path) -> FanOut:
+    """The [metrics] sinks, named by their keys; one that fails to start or to log is counted and
+    warned about, and training goes on (ops/metrics.py: FanOut)."""
+    m = spec.metrics
+    builders: dict[str, Callable[[], MetricsSink]] = {}
+    if m.jsonl:
+        builders["jsonl"] = lambda: JsonlSink(job_dir / "metrics.jsonl")
+    if m.tensorboard:
+        builders["tensorboard"] = lambda: TensorBoardSink(job_dir / "tensorboard")
+    if wandb_project := m.wandb_project:
+        builders["wandb"] = lambda: WandbSink(wandb_project, spec.job.name, spec_to_dict(spec), job_dir,
+                                              m.wandb_mode)
+    if clearml_project := m.clearml_project:
+        builders["clearml"] = lambda: ClearMLSink(clearml_project, spec.job.name, job_dir)
+    return FanOut.open(builders)
 
 
 def install_stop_handlers(stop: StopFlag) -> None:
@@ -256,6 +266,17 @@ def install_stop_handlers(stop: StopFlag) -> None:
 
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
         signal.signal(sig, handler)
+
+
+def make_grow_driver(spec: JobSpec, submitter: GrowSubmitter | None, roles: Roles) -> GrowDriver | None:
+    """The [federation] policy when it is on and this run can submit grow jobs (a job on Slurm)."""
+    if spec.federation.max_engines <= 0:
+        return None
+    if submitter is None:
+        print("[federation] max_engines is set, but this run is not a job submitted to Slurm: it does not "
+              "grow by itself (relax-hpc submit)", file=sys.stderr)
+        return None
+    return GrowDriver(spec.federation, submitter, roles)
 
 
 def rest_host(local: bool) -> str:
@@ -283,28 +304,42 @@ def start_ray(address: str | None) -> None:
 
 
 def run_job(spec: JobSpec, in_process: bool = False, ray_address: str | None = None,
-            progress: bool = True) -> RunReport:
+            progress: bool = True, grow_submitter: GrowSubmitter | None = None) -> RunReport:
     """Run a job spec to completion (or until a stop signal) on this machine.
 
     Holds the job directory's lock throughout: JobDirBusyError at once when another run
-    holds it; released when this one ends, however it ends.
+    holds it; released when this one ends, however it ends. `grow_submitter`: how this job
+    submits its own grow jobs (`[federation]`; only a job on Slurm has one).
     """
     check_backends_available(spec)
     with JobDirLock(spec.job_dir()):
-        return run_locked(spec, prepare_job_dir(spec), in_process, ray_address, progress)
+        return run_locked(spec, prepare_job_dir(spec), in_process, ray_address, progress, grow_submitter)
 
 
 def run_locked(spec: JobSpec, job_dir: Path, in_process: bool, ray_address: str | None,
-               progress: bool) -> RunReport:
+               progress: bool, grow_submitter: GrowSubmitter | None = None) -> RunReport:
     """The run itself, in a job directory whose lock the caller holds."""
     t_start = time.perf_counter()
-    ensure_model(spec)
-    with job_secret_env(job_dir, joining=bool(ray_address)):
-        return run_authenticated(spec, job_dir, in_process, ray_address, progress, t_start)
+    alerts = make_job_alerts(spec, job_dir)
+    try:
+        alerts.started(newest_checkpoint(job_dir) if spec.checkpoint.resume else None)
+        ensure_model(spec)
+        with job_secret_env(job_dir, joining=bool(ray_address)):
+            return run_authenticated(spec, job_dir, in_process, ray_address, progress, t_start, alerts,
+                                     grow_submitter)
+    except KeyboardInterrupt:
+        alerts.interrupted()
+        raise
+    except Exception as error:
+        alerts.failed(error)
+        raise
+    finally:
+        alerts.close()
 
 
 def run_authenticated(spec: JobSpec, job_dir: Path, in_process: bool, ray_address: str | None,
-                      progress: bool, t_start: float) -> RunReport:
+                      progress: bool, t_start: float, alerts: JobAlerts,
+                      grow_submitter: GrowSubmitter | None = None) -> RunReport:
     """The run, once every process it starts can find the job secret."""
     device = resolve_device(spec.train.device)
     rollout_cfg, actor_cfg = role_configs(spec, job_dir, device)
@@ -330,9 +365,14 @@ def run_authenticated(spec: JobSpec, job_dir: Path, in_process: bool, ray_addres
     # A bar on a terminal; in a Slurm log (not a terminal) one line every N seconds.
     bar = make_progress(spec.train.steps, spec.job.name, enabled=progress)
 
+    grower = make_grow_driver(spec, grow_submitter, roles)
+
     def on_step(step: int, m: dict[str, float]) -> None:
         settle_heap()  # once, after the first step; this process also hosts the queue server
         bar.update(step, m["reward/mean"], m["time/step_s"])
+        alerts.step(step, m)
+        if grower is not None:
+            grower.on_step(step, m)
 
     loop_cfg = LoopConfig(
         total_steps=spec.train.steps, max_staleness=staleness,
@@ -360,6 +400,7 @@ def run_authenticated(spec: JobSpec, job_dir: Path, in_process: bool, ray_addres
     summary = {"summary": report.summary_line(), "start_step": result.start_step,
                "end_step": result.end_step, "samples_trained": result.samples_trained,
                "stopped_early": result.stopped_early, "last_checkpoint": result.last_checkpoint,
-               "rollout_engines": engines}
+               "rollout_engines": engines, "metrics/sink_failures": metrics.failures()}
     atomic_write_text(job_dir / "summary.json", json.dumps(summary, indent=2))
+    alerts.ended(report.summary_line(), result.stopped_early, stop.reason)
     return report

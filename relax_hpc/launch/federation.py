@@ -271,6 +271,23 @@ def submit_grow(request: GrowRequest, client: SlurmClient, cwd: Path, now: float
     return grow_id
 
 
+class SlurmGrowSubmitter:
+    """How the driver of a submitted job grows it by itself (`[federation]`, driver/grow_policy.py):
+    `relax-hpc grow JOB --engines N` with the table's partition, QOS and time, and scancel."""
+
+    def __init__(self, job_dir: Path, main_job_id: str, spec: JobSpec, client: SlurmClient) -> None:
+        self.job_dir, self.main_job_id, self.spec, self.client = job_dir, main_job_id, spec, client
+
+    def submit(self, engines: int) -> str:
+        fed = self.spec.federation
+        request = grow_request(self.job_dir, self.main_job_id, self.spec, engines=engines, partition=fed.partition,
+                               qos=fed.qos, time_limit=fed.time, preemptible=bool(fed.partition or fed.qos))
+        return submit_grow(request, self.client, Path.cwd())
+
+    def cancel(self, grow_job: str) -> None:
+        self.client.cancel(grow_job)
+
+
 # --- the main job's REST API ---------------------------------------------------------------------
 
 

@@ -30,6 +30,7 @@ from pathlib import Path
 
 from relax_hpc.auth import JobSecret, write_job_secret
 from relax_hpc.ckpt.fs import atomic_write_text
+from relax_hpc.driver.alerts import check_notify
 from relax_hpc.driver.jobdir import JobDirBusyError, JobDirLock, make_private_dir
 from relax_hpc.launch.container import ENV_FILE, env_file_text
 from relax_hpc.launch.preflight import preflight_problems
@@ -83,6 +84,7 @@ def submit_spec(spec: JobSpec, spec_path: Path, client: SlurmClient, base: Path 
             raise PreflightError(f"{spec_path}: the cluster cannot run this job:\n  " + "\n  ".join(problems))
     check_model_fit(spec, str(spec_path))  # the model's sizes against the parallel layout, where readable
     check_media_plan(spec, str(spec_path))  # media the model, backend and engine cannot take
+    check_notify(spec)  # [notify] URLs Apprise refuses, a urls_file others can read
     pinned = pin_paths(spec, base)
     job_dir = pinned.job_dir()
     text = render_sbatch(pinned, str(job_dir), str(job_dir / SUBMIT_SPEC))  # refuses before anything is written
@@ -94,7 +96,8 @@ def submit_spec(spec: JobSpec, spec_path: Path, client: SlurmClient, base: Path 
     refuse_if_job_active(job_dir, client)
     make_private_dir(job_dir / "logs")
     atomic_write_text(job_dir / "spec.original.toml", spec_path.read_text(encoding="utf-8"))
-    atomic_write_text(job_dir / SUBMIT_SPEC, spec_to_toml(pinned))
+    # The job reads its alert URLs back from this file (owner-only), so they are kept as written.
+    atomic_write_text(job_dir / SUBMIT_SPEC, spec_to_toml(pinned, redact=False))
     if spec.container.image is not None and spec.container.env:
         atomic_write_text(job_dir / ENV_FILE, env_file_text(spec.container))
     else:

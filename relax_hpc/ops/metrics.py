@@ -1,14 +1,19 @@
-"""Metrics sinks: every step's scalars go to each configured sink (JSONL, TensorBoard, memory).
+"""Metrics sinks: every step's scalars go to each configured sink (JSONL, TensorBoard, memory;
+W&B and ClearML in ops/trackers.py).
 
-Each sink implements `log(step, scalars)` and `close()`; `FanOut` sends to all of them. Only the
-TensorBoard sink imports its library (and W&B / ClearML sinks import theirs).
+Each sink implements `log(step, scalars)` and `close()`; `FanOut` sends to all of them, and a
+failing sink never stops training. Only the TensorBoard sink imports its library here.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Protocol
+
+log = logging.getLogger(__name__)
 
 
 class MetricsSink(Protocol):
@@ -63,34 +68,86 @@ class TensorBoardSink:
         self._writer.close()
 
 
-class WandbSink:
-    def __init__(self, project: str, run_name: str, config: dict) -> None:
-        try:
-            import wandb
-        except ImportError as e:
-            raise RuntimeError(
-                "[metrics] wandb_project is set but wandb is not installed; pip install 'relax-hpc[wandb]'"
-            ) from e
-        self._run = wandb.init(project=project, name=run_name, config=config, resume="allow")
-
-    def log(self, step: int, scalars: dict[str, float]) -> None:
-        self._run.log(scalars, step=step)
-
-    def close(self) -> None:
-        self._run.finish()
-
-
 class FanOut:
-    def __init__(self, sinks: list[MetricsSink]) -> None:
-        self.sinks = sinks
+    """Sends every step to each sink. A sink that raises never stops training: the error is
+    counted for that sink (`failures()`, `metrics/sink_failures` in summary.json), logged once
+    with the error, and the other sinks still get every step; close says how many more failed.
+    """
+
+    def __init__(self, sinks: Sequence[MetricsSink] | Mapping[str, MetricsSink]) -> None:
+        named = dict(sinks) if isinstance(sinks, Mapping) else _names_by_class(sinks)
+        self.sinks = list(named.values())
+        self._named = named
+        self._failures = dict.fromkeys(named, 0)
+
+    @classmethod
+    def open(cls, builders: Mapping[str, Callable[[], MetricsSink]]) -> FanOut:
+        """Build each sink; one that fails to start is logged, and every step counts as a failure
+        for it, while the others run."""
+        sinks: dict[str, MetricsSink] = {}
+        for name, build in builders.items():
+            try:
+                sinks[name] = build()
+            except Exception as error:  # noqa: BLE001 - a sink never stops training
+                log.warning("metrics sink %s did not start (%r); training goes on without it", name, error)
+                sinks[name] = _NotStarted(error)
+        fan_out = cls(sinks)
+        for name, sink in sinks.items():
+            if isinstance(sink, _NotStarted):
+                fan_out._failures[name] = 1
+        return fan_out
 
     def log(self, step: int, scalars: dict[str, float]) -> None:
-        for sink in self.sinks:
-            sink.log(step, scalars)
+        for name, sink in self._named.items():
+            try:
+                sink.log(step, scalars)
+            except Exception as error:  # noqa: BLE001 - a sink never stops training
+                self._failed(name, f"step {step}", error)
 
     def close(self) -> None:
-        for sink in self.sinks:
-            sink.close()
+        for name, sink in self._named.items():
+            try:
+                sink.close()
+            except Exception as error:  # noqa: BLE001 - a sink never stops training
+                self._failed(name, "close", error)
+            if self._failures[name] > 1:
+                log.warning("metrics sink %s: %d calls failed in all (steps it did not record, or its close)",
+                            name, self._failures[name])
+
+    def failures(self) -> dict[str, int]:
+        """Failed calls per sink (0 for each sink that recorded everything)."""
+        return dict(self._failures)
+
+    def _failed(self, name: str, where: str, error: Exception) -> None:
+        self._failures[name] += 1
+        if self._failures[name] == 1:
+            log.warning("metrics sink %s failed at %s (%r); training goes on, its further failures are "
+                        "counted (summary.json: metrics/sink_failures)", name, where, error)
+
+
+class _NotStarted:
+    """Stands for a sink whose constructor raised: every call fails with that error."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+    def log(self, step: int, scalars: dict[str, float]) -> None:
+        raise RuntimeError(f"it did not start: {self.error!r}")
+
+    def close(self) -> None:
+        pass
+
+
+def _names_by_class(sinks: Sequence[MetricsSink]) -> dict[str, MetricsSink]:
+    named: dict[str, MetricsSink] = {}
+    for sink in sinks:
+        name = base = type(sink).__name__
+        n = 1
+        while name in named:
+            n += 1
+            name = f"{base}#{n}"
+        named[name] = sink
+    return named
 
 
 def read_metrics(path: Path) -> list[dict[str, float]]:

@@ -9,7 +9,7 @@ docs/spec.md describes every table and key.
 
 from relax_hpc.spec.errors import SpecError, SpecProblem
 from relax_hpc.spec.loader import load_spec, parse_spec
-from relax_hpc.spec.render import spec_to_dict, spec_to_toml
+from relax_hpc.spec.render import redact_secrets, spec_to_dict, spec_to_toml
 from relax_hpc.spec.schema import (
     ALGORITHMS,
     GROUP_NORMALISED_ALGORITHMS,
@@ -24,6 +24,8 @@ from relax_hpc.spec.schema import (
     JobSpec,
     MetricsSpec,
     ModelSpec,
+    FederationSpec,
+    NotifySpec,
     RewardSpec,
     RolloutSpec,
     TrainSpec,
@@ -44,6 +46,8 @@ __all__ = [
     "JobSpec",
     "MetricsSpec",
     "ModelSpec",
+    "FederationSpec",
+    "NotifySpec",
     "RewardSpec",
     "RolloutSpec",
     "SpecError",
@@ -51,6 +55,7 @@ __all__ = [
     "TrainSpec",
     "load_spec",
     "parse_spec",
+    "redact_secrets",
     "slurm_time_to_seconds",
     "spec_to_dict",
     "spec_to_toml",

@@ -29,7 +29,8 @@ from relax_hpc.spec.constraints import Check
 from relax_hpc.spec.cross_checks import CROSS_CHECKS, Resolved
 from relax_hpc.spec.errors import SpecError, SpecProblem, show_value
 from relax_hpc.spec.lines import LineIndex
-from relax_hpc.spec.schema import CHECKS, JobSpec
+from relax_hpc.spec.schema import CHECKS, SECRET, JobSpec
+from relax_hpc.spec.secret_urls import redact_value
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -102,9 +103,13 @@ class _Walker:
         self.lines = lines
         self.problems: list[SpecProblem] = []
         self.resolved: dict[str, Any] = {}
+        # Keys whose values are secrets (SECRET): their problems show the value redacted.
+        self.secret_keys: set[str] = set()
 
     def problem(self, key: str, value: object, message: str, allowed: str | None = None) -> _Invalid:
         line = self.lines.line_of(key)
+        if key.partition("[")[0] in self.secret_keys:
+            value = redact_value(value)
         self.problems.append(SpecProblem(key, show_value(value), message, allowed, line))
         return INVALID
 
@@ -113,8 +118,12 @@ class _Walker:
         fields = {f.name: f for f in dataclasses.fields(cls)}
         hints = get_type_hints(cls)
         dot = f"{prefix}." if prefix else ""
+        # A misspelt key of a table with secrets ("url" for "urls") may well hold one.
+        has_secrets = any(f.metadata.get(SECRET) for f in fields.values())
+        self.secret_keys.update(f"{dot}{name}" for name, f in fields.items() if f.metadata.get(SECRET))
         for unknown in (name for name in raw if name not in fields):
-            self._unknown_key(f"{dot}{unknown}", unknown, raw[unknown], list(fields))
+            shown = redact_value(raw[unknown]) if has_secrets else raw[unknown]
+            self._unknown_key(f"{dot}{unknown}", unknown, shown, list(fields))
         values: dict[str, Any] = {}
         for name, spec_field in fields.items():
             key = f"{dot}{name}"

@@ -2,6 +2,11 @@
 
 The job directory keeps ``spec.resolved.toml`` written from here, so a run can always be
 repeated with exactly the values it used, defaults included, even after defaults change.
+
+Secrets are redacted unless asked for: the alert URLs of ``[notify] urls`` appear as
+``slack://***/***`` (relax_hpc/spec/secret_urls.py) in ``relax-hpc show``, in the job
+directory's spec.toml and in anything logged. Only the spec a Slurm job reads back
+(``spec.submit.toml``, owner-only) is written with ``redact=False``.
 """
 
 from __future__ import annotations
@@ -12,13 +17,21 @@ from typing import Any
 import tomli_w
 
 from relax_hpc.spec.schema import JobSpec
+from relax_hpc.spec.secret_urls import redact_url
 
-__all__ = ["spec_to_dict", "spec_to_toml"]
+__all__ = ["redact_secrets", "spec_to_dict", "spec_to_toml"]
 
 
-def spec_to_dict(spec: JobSpec) -> dict[str, Any]:
-    """Every table and key of ``spec`` as plain dicts, lists and scalars (None where unset)."""
-    return dataclasses.asdict(spec)
+def redact_secrets(spec: JobSpec) -> JobSpec:
+    """``spec`` with every secret shown redacted (the [notify] urls)."""
+    urls = [redact_url(url) for url in spec.notify.urls]
+    return dataclasses.replace(spec, notify=dataclasses.replace(spec.notify, urls=urls))
+
+
+def spec_to_dict(spec: JobSpec, redact: bool = True) -> dict[str, Any]:
+    """Every table and key of ``spec`` as plain dicts, lists and scalars (None where unset);
+    secrets redacted unless ``redact`` is False."""
+    return dataclasses.asdict(redact_secrets(spec) if redact else spec)
 
 
 def _without_none(table: dict[str, Any]) -> dict[str, Any]:
@@ -30,7 +43,8 @@ def _without_none(table: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def spec_to_toml(spec: JobSpec) -> str:
-    """The fully resolved spec as TOML text; ``parse_spec`` of it gives an equal JobSpec."""
+def spec_to_toml(spec: JobSpec, redact: bool = True) -> str:
+    """The fully resolved spec as TOML text; ``parse_spec`` of it gives an equal JobSpec, but
+    for the redacted secrets (``redact=False`` keeps them: only for a file the job reads)."""
     header = "# Resolved relax-hpc job spec: every key, defaults included.\n\n"
-    return header + tomli_w.dumps(_without_none(spec_to_dict(spec)))
+    return header + tomli_w.dumps(_without_none(spec_to_dict(spec, redact)))

@@ -2,8 +2,8 @@
 
 Adding a key is one line: a typed field with its default (or ``required()``) and its checks.
 The loader (``relax_hpc.spec.loader``) walks these type hints, so the supported field types
-are: str, int, float, bool, Literal[...], list[str], list[float], ``X | None`` (the key may
-be absent) and nested dataclasses (sub-tables). docs/spec.md describes every key.
+are: str, int, float, bool, Literal[...], list[str], list[float], list[Literal[...]], ``X | None``
+(the key may be absent) and nested dataclasses (sub-tables). docs/spec.md describes every key.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from relax_hpc.spec.constraints import (
     slurm_time,
     within,
 )
+from relax_hpc.spec.secret_urls import notify_urls
 from relax_hpc.spec.text_checks import (
     bind_mounts,
     container_image,
@@ -65,6 +66,9 @@ __all__ = [
     "JobSpec",
     "MetricsSpec",
     "ModelSpec",
+    "NOTIFY_EVENTS",
+    "NotifyEvent",
+    "NotifySpec",
     "RewardSpec",
     "MegatronSpec",
     "RolloutSpec",
@@ -74,6 +78,9 @@ __all__ = [
 
 # Field metadata key under which a field's checks are stored.
 CHECKS = "checks"
+# Field metadata key marking a key whose values are secrets: a problem report shows them
+# redacted (relax_hpc/spec/secret_urls.py), and so does the resolved spec (render.py).
+SECRET = "secret"
 
 # To add an algorithm, add its name here; ALGORITHMS (and the allowed values of
 # algorithm.name) follow from this one line.
@@ -98,6 +105,11 @@ def setting(default: object, *checks: Check) -> Any:
 def setting_from(factory: Callable[[], object], *checks: Check) -> Any:
     """A key whose default is built fresh for each spec (lists, sub-tables)."""
     return field(default_factory=factory, metadata={CHECKS: checks})
+
+
+def secret_setting_from(factory: Callable[[], object], *checks: Check) -> Any:
+    """A key like ``setting_from`` whose values are never printed as written (SECRET)."""
+    return field(default_factory=factory, metadata={CHECKS: checks, SECRET: True})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -295,13 +307,50 @@ class CheckpointSpec:
 
 @dataclass(frozen=True, kw_only=True)
 class MetricsSpec:
-    """[metrics]: where step metrics go."""
+    """[metrics]: where step metrics go: JSONL, TensorBoard, W&B and ClearML (offline by default,
+    written under the job directory; docs/operations.md, "Metrics sinks")."""
 
     tensorboard: bool = setting(True)
     jsonl: bool = setting(True)
     plot: bool = setting(True)
-    wandb_project: str | None = setting(None, plain_text)
+    wandb_project: str | None = setting(None, plain_text)  # unset: no W&B
+    wandb_mode: Literal["offline", "online"] = setting("offline")  # offline: JOBDIR/wandb, `wandb sync` later
+    clearml_project: str | None = setting(None, plain_text)  # unset: no ClearML; offline session in JOBDIR/clearml
     trajectory_archive: bool = setting(False)  # every trained sample to JOBDIR/trajectories (HDF5)
+
+
+# What a job alerts its owner about ([notify] events; relax_hpc/driver/alerts.py sends them).
+NotifyEvent = Literal["started", "requeued", "preempted", "role_restarted", "failed", "finished",
+                      "reward_milestone"]
+NOTIFY_EVENTS: tuple[str, ...] = get_args(NotifyEvent)
+
+
+@dataclass(frozen=True, kw_only=True)
+class NotifySpec:
+    """[notify]: alerts to the job's owner through Apprise URLs (docs/operations.md, "Alerts")."""
+
+    # Apprise URLs ("ntfy://ntfy.sh/topic", "slack://A/B/C"); empty, with no urls_file: no alerts.
+    urls: list[str] = secret_setting_from(list, notify_urls)
+    # A file of URLs, one a line, read when the job starts; owner-only (keeps them out of the job dir).
+    urls_file: str | None = setting(None, non_empty, plain_text)
+    events: list[NotifyEvent] = setting_from(
+        lambda: ["started", "requeued", "preempted", "failed", "finished", "reward_milestone"])
+    min_interval_s: float = setting(60.0, within(0, MAX_TIMEOUT_S))  # per event kind; 0: no limit
+    reward_milestones: list[float] = setting_from(list)  # alert once when reward/mean first reaches each
+
+
+@dataclass(frozen=True, kw_only=True)
+class FederationSpec:
+    """[federation]: the driver of a submitted job grows it by itself when rollout is the
+    bottleneck, and gives the engines back when they do not pay (docs/federation.md, "Growing by
+    itself"). Off unless max_engines > 0."""
+
+    max_engines: int = setting(0, within(0, MAX_COUNT))  # engines of the one grow job it submits; 0: off
+    partition: str | None = setting(None, slurm_names)  # unset: the rollout component's
+    qos: str | None = setting(None, slurm_name)
+    time: str | None = setting(None, slurm_time)  # the grow job's limit; unset: the rollout component's
+    min_step_gain: float = setting(0.1, within(0.0, 10.0))  # keep the grow job only if steps got this much faster
+    window_steps: int = setting(10, within(2, 10_000))  # steps measured before and after a grow
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -359,6 +408,8 @@ class JobSpec:
     train: TrainSpec = required()
     checkpoint: CheckpointSpec = setting_from(CheckpointSpec)
     metrics: MetricsSpec = setting_from(MetricsSpec)
+    notify: NotifySpec = setting_from(NotifySpec)
+    federation: FederationSpec = setting_from(FederationSpec)
     cluster: ClusterSpec = setting_from(ClusterSpec)
     container: ContainerSpec = setting_from(ContainerSpec)
 

@@ -1,0 +1,221 @@
+"""Experiment-tracker sinks: Weights & Biases and ClearML, offline by default.
+
+Both write only into the job directory (`JOBDIR/wandb`, `JOBDIR/clearml`), never into the home
+directory, and need no server, network or credentials offline; the runs are uploaded later
+(docs/operations.md, "Metrics sinks"). This is the only module that imports wandb or clearml.
+`read_wandb_history` and `read_clearml_scalars` read back what the sinks wrote, to check an
+offline run before uploading it (and for the tests).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import os
+import secrets
+import signal
+import string
+import struct
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Literal
+
+from relax_hpc.spec.schema import MetricsSpec
+
+# (spec key, package, what to install) for each tracker.
+TRACKER_PACKAGES = (("wandb_project", "wandb"), ("clearml_project", "clearml"))
+
+
+def require_trackers(metrics: MetricsSpec) -> None:
+    """Refuse, before anything starts, a tracker the spec turns on whose package is missing."""
+    for key, package in TRACKER_PACKAGES:
+        if getattr(metrics, key) and importlib.util.find_spec(package) is None:
+            raise RuntimeError(
+                f"[metrics] {key} = {getattr(metrics, key)!r} needs the {package} package, which is not "
+                f"installed here; pip install 'relax-hpc[trackers]' (or unset {key})")
+
+
+@contextlib.contextmanager
+def driver_handlers_kept() -> Iterator[None]:
+    """Put back the signal handlers and excepthook a tracker's start-up replaced.
+
+    ClearML installs its own SIGINT/SIGTERM handlers on start; the driver's (finish the step,
+    checkpoint, stop: driver/run.py) must stay in charge. The sinks are closed by the driver.
+    """
+    main = threading.current_thread() is threading.main_thread()
+    handlers = {s: signal.getsignal(s) for s in signal.valid_signals()} if main else {}
+    excepthook = sys.excepthook
+    try:
+        yield
+    finally:
+        sys.excepthook = excepthook
+        for sig, handler in handlers.items():
+            if handler is not None and signal.getsignal(sig) is not handler:
+                signal.signal(sig, handler)
+
+
+def _write_new_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+class WandbSink:
+    """A W&B run in `directory/wandb/`; offline (the default) it needs no account or network.
+
+    The run id is kept in `directory/wandb/run_id`, so a requeued job continues the same run:
+    each start adds an `offline-run-<time>-<id>/` folder, and `wandb sync` uploads them as one
+    run. W&B's cache and data folders (offline its config folder too) are moved there as well,
+    through env vars of this process.
+    """
+
+    def __init__(self, project: str, run_name: str, config: dict[str, Any], directory: Path,
+                 mode: Literal["offline", "online"] = MetricsSpec.wandb_mode) -> None:
+        import wandb
+
+        root = directory / "wandb"
+        root.mkdir(parents=True, exist_ok=True)
+        os.environ.update(WANDB_MODE=mode, WANDB_DIR=str(directory), WANDB_CACHE_DIR=str(root / ".cache"),
+                          WANDB_DATA_DIR=str(root / ".data"))
+        if mode == "offline":  # online keeps the user's settings (a self-hosted server's address)
+            os.environ["WANDB_CONFIG_DIR"] = str(root / ".config")
+        id_file = root / "run_id"
+        if id_file.is_file():
+            run_id = id_file.read_text(encoding="utf-8").strip()
+        else:
+            run_id = "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(12))
+            _write_new_text(id_file, run_id + "\n")
+        self.run_id = run_id
+        # console off: the driver's own output stays as it is; no system-stats process, no pip
+        # freeze or code copy per start.
+        settings = wandb.Settings(console="off", silent=True, save_code=False, disable_git=True,
+                                  x_disable_stats=True, x_disable_machine_info=True,
+                                  x_save_requirements=False)
+        with driver_handlers_kept():
+            self._run = wandb.init(project=project, name=run_name, id=run_id, resume="allow", config=config,
+                                   dir=str(directory), mode=mode, settings=settings)
+
+    def log(self, step: int, scalars: dict[str, float]) -> None:
+        self._run.log(dict(scalars), step=step)
+
+    def close(self) -> None:
+        import wandb
+
+        self._run.finish()
+        # finish() can return before W&B's service process has written the end of the run's
+        # file; teardown waits for it (and stops that process).
+        wandb.teardown()
+
+
+# ClearML's reporter runs in a forked subprocess by default; forking the driver (threads, Ray)
+# is unsafe, and closing waits ~10 s on it. Offline there is no server to configure.
+CLEARML_CONF = "sdk { development { report_use_subprocess: false } }\n"
+
+
+class ClearMLSink:
+    """A ClearML task in offline mode: its session folder is `directory/clearml/offline/<task id>/`
+    (zipped next to it on close), no server, network or credentials.
+
+    Each start is a new offline task; `Task.import_offline_session` uploads it later, onto an
+    earlier one with `previous_task_id`. A scalar "reward/mean" is reported as title "reward",
+    series "mean"; a name without "/" as title and series both.
+    """
+
+    def __init__(self, project: str, task_name: str, directory: Path) -> None:
+        root = directory / "clearml"
+        root.mkdir(parents=True, exist_ok=True)
+        conf = root / "clearml.conf"
+        _write_new_text(conf, CLEARML_CONF)
+        # Read when clearml first loads its configuration (at the first Task.init of the process).
+        os.environ.update(CLEARML_CACHE_DIR=str(root), CLEARML_OFFLINE_MODE="1", CLEARML_CONFIG_FILE=str(conf))
+        from clearml import Task
+        from clearml.config.cache import SessionCache
+
+        # Its task-reuse cache is ~/.clearml/.session.json, with no env var to move it.
+        SessionCache.SESSION_CACHE_FOLDER = str(root / "session")
+        Task.set_offline(True)
+        with driver_handlers_kept():
+            self._task: Any = Task.init(
+                project_name=project, task_name=task_name, reuse_last_task_id=False, continue_last_task=False,
+                auto_connect_frameworks=False, auto_connect_arg_parser=False, auto_connect_streams=False,
+                auto_resource_monitoring=False, output_uri=False)
+        self.session = Path(self._task.get_offline_mode_folder())
+        self._logger: Any = self._task.get_logger()
+
+    def log(self, step: int, scalars: dict[str, float]) -> None:
+        for name, value in scalars.items():
+            title, _, series = name.partition("/")
+            self._logger.report_scalar(title, series or title, float(value), iteration=step)
+
+    def close(self) -> None:
+        self._task.close()
+
+
+# The .wandb file: W&B's transaction log in the LevelDB log format (a 7-byte file header, then
+# 32 KiB blocks of records, each a 7-byte header (crc32, length, type) and a piece of one
+# protobuf `Record`).
+_WANDB_HEADER = struct.Struct("<4sHB")  # b":W&B", 0xBEE1, version 0
+_RECORD_HEADER = struct.Struct("<IHB")
+_BLOCK = 32 * 1024
+_FULL, _FIRST, _MIDDLE, _LAST = 1, 2, 3, 4
+
+
+def _wandb_records(path: Path) -> Iterator[bytes]:
+    data = path.read_bytes()
+    ident, magic, _version = _WANDB_HEADER.unpack_from(data)
+    if (ident, magic) != (b":W&B", 0xBEE1):
+        raise ValueError(f"{path} is not a W&B transaction log (header {data[:7]!r})")
+    pos, pieces = _WANDB_HEADER.size, b""
+    while pos + _RECORD_HEADER.size <= len(data):
+        if _BLOCK - pos % _BLOCK < _RECORD_HEADER.size:  # a block's tail too short for a header
+            pos += _BLOCK - pos % _BLOCK
+            continue
+        _crc, length, kind = _RECORD_HEADER.unpack_from(data, pos)
+        pos += _RECORD_HEADER.size
+        piece, pos = data[pos:pos + length], pos + length
+        if kind == _FULL:
+            yield piece
+        elif kind == _FIRST:
+            pieces = piece
+        elif kind == _MIDDLE:
+            pieces += piece
+        elif kind == _LAST:
+            yield pieces + piece
+
+
+def read_wandb_history(directory: Path) -> dict[int, dict[str, float]]:
+    """{step: {name: value}} from every run under `directory/wandb/` (W&B's own `_step`,
+    `_runtime`, ... left out); when a requeued run logged a step again, its later value wins."""
+    from wandb.proto import wandb_internal_pb2
+
+    history: dict[int, dict[str, float]] = {}
+    for path in sorted((directory / "wandb").glob("*run-*/run-*.wandb")):  # by start time
+        for raw in _wandb_records(path):
+            record = wandb_internal_pb2.Record()  # type: ignore[attr-defined]
+            record.ParseFromString(raw)
+            if record.WhichOneof("record_type") != "history":
+                continue
+            items = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item}
+            step = int(items.get("_step", record.history.step.num))
+            history.setdefault(step, {}).update(
+                {k: float(v) for k, v in items.items() if not k.startswith("_")})
+    return history
+
+
+def read_clearml_scalars(directory: Path) -> dict[int, dict[str, float]]:
+    """{step: {name: value}} from every offline session under `directory/clearml/offline/`
+    ("title/series", or the title alone where both are the same), oldest session first."""
+    history: dict[int, dict[str, float]] = {}
+    sessions = sorted((directory / "clearml" / "offline").glob("*/metrics.jsonl"), key=lambda p: p.stat().st_mtime)
+    for path in sessions:
+        for line in path.read_text(encoding="utf-8").splitlines():
+            for event in json.loads(line) if line.strip() else []:
+                if event.get("type") != "training_stats_scalar":
+                    continue
+                title, series = event["metric"], event["variant"]
+                name = title if series == title else f"{title}/{series}"
+                history.setdefault(int(event["iter"]), {})[name] = float(event["value"])
+    return history
