@@ -54,6 +54,7 @@ from relax_hpc.agents.sessions import SessionAuthError, SessionStore
 from relax_hpc.auth import bearer_matches, job_secret
 from relax_hpc.engines.base import SamplingParams
 from relax_hpc.engines.http_auth import check_token
+from relax_hpc.engines.http_body import RequestRefused, read_limited_body
 from relax_hpc.engines.http_server import JsonBodyError, load_json_body
 from relax_hpc.media.families import supported_model_types
 from relax_hpc.media.items import MediaError, PromptMedia
@@ -100,10 +101,7 @@ class RequireToken:
         await self.app(scope, receive, send)
 
 
-class RequestError(Exception):
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status, self.message = status, message
+RequestError = RequestRefused  # a request refused before it reaches the engine: its status and message
 
 
 @dataclass(frozen=True)
@@ -183,25 +181,6 @@ def parse_chat_request(body: Any) -> ChatRequest:
     else:
         raise RequestError(400, "stop must be a string or a list of non-empty strings")
     return ChatRequest(parsed, max_tokens, stops, tuple(media))
-
-
-async def read_body(request: Request, max_bytes: int) -> bytes:
-    """The request's body, refused (413) from its Content-Length before reading, or as soon as
-    a body sent without one (chunked) passes `max_bytes`."""
-    declared = request.headers.get("content-length")
-    if declared is not None:
-        text = declared.strip()
-        if not (text.isascii() and text.isdigit()):
-            raise RequestError(400, f"Content-Length {declared[:40]!r} is not a byte count")
-        if len(text) > 18 or int(text) > max_bytes:
-            raise RequestError(413, f"the request body is {text[:40]} bytes; at most {max_bytes} are accepted")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_bytes:
-            raise RequestError(413, f"the request body is over {max_bytes} bytes, the most this proxy accepts")
-        chunks.append(chunk)
-    return b"".join(chunks)
 
 
 class AgentProxy:
@@ -285,7 +264,7 @@ class AgentProxy:
             except SessionAuthError as e:
                 return _error(401, str(e))
             try:
-                raw = await read_body(request, self.max_body_bytes)
+                raw = await read_limited_body(request, self.max_body_bytes, "this proxy")
                 try:
                     body = load_json_body(raw, self.max_json_depth)
                 except JsonBodyError as e:

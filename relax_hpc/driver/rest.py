@@ -15,11 +15,8 @@ from pathlib import Path
 
 from relax_hpc.auth import SECRET_ENV
 from relax_hpc.auth.secret import write_private_text
-from relax_hpc.engines.elastic_api import ElasticControl
+from relax_hpc.engines.elastic_api import CLUSTER_JSON, ElasticControl
 from relax_hpc.engines.rest_api import RestServer, make_rest_app, rest_token
-
-CLUSTER_JSON = "cluster.json"
-
 
 def serve_rest_api(job_dir: Path, control: ElasticControl, host: str) -> RestServer:
     """Start the API on `host` (a free port) and publish its URL."""

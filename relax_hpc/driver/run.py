@@ -41,11 +41,12 @@ from relax_hpc.ckpt.fs import atomic_write_text
 from relax_hpc.ckpt.permissions import PRIVATE_FILE_MODE
 from relax_hpc.driver.alerts import JobAlerts, check_notify, make_job_alerts, newest_checkpoint
 from relax_hpc.driver.credentials import job_secret_env
+from relax_hpc.driver.grow_policy import GrowDriver, GrowSubmitter
 from relax_hpc.driver.jobdir import JobDirLock, create_private_file, make_private_dir
 from relax_hpc.driver.loop import LoopConfig, LoopResult, StopFlag, run_loop
-from relax_hpc.driver.grow_policy import GrowDriver, GrowSubmitter
 from relax_hpc.driver.rest import publish_rest_url, serve_rest_api
 from relax_hpc.engines.base import SamplingParams
+from relax_hpc.engines.disk_weights import FEDERATION_WEIGHTS
 from relax_hpc.engines.factory import require_engine, require_sglang_python
 from relax_hpc.ops.archive import archive_dir
 from relax_hpc.ops.heap import settle_heap
@@ -192,8 +193,8 @@ def prepare_job_dir(spec: JobSpec) -> Path:
     atomic_write_text(job_dir / "spec.toml", spec_to_toml(spec))
     make_private_dir(job_dir / "checkpoints")
     # Weight versions for engines that join over HTTP (a grow job's serve-engine --weights-root).
-    make_private_dir(job_dir / "federation")
-    make_private_dir(job_dir / "federation" / "weights")
+    make_private_dir((job_dir / FEDERATION_WEIGHTS).parent)
+    make_private_dir(job_dir / FEDERATION_WEIGHTS)
     if spec.metrics.jsonl:
         create_private_file(job_dir / "metrics.jsonl")
     if spec.metrics.tensorboard:

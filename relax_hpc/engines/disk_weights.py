@@ -33,6 +33,9 @@ __all__ = [
     "write_safetensors_dir",
 ]
 
+# Where a job writes the versions for engines that joined over HTTP, under its job directory on
+# the shared filesystem; a grow job's serve-engine runs with --weights-root JOBDIR/federation/weights.
+FEDERATION_WEIGHTS = Path("federation") / "weights"
 WEIGHTS_FILE = "model.safetensors"
 _VERSION_DIR = re.compile(r"v(\d+)")
 _SHOWN = 5  # names listed in an error; the count says how many more

@@ -33,6 +33,10 @@ ENGINE_STATES = ("pending", "joining", "active", "draining", "gone", "failed")
 # An operation's life. "rolled_back": a scale-out that failed part-way; what it added was removed.
 OPERATION_STATES = ("pending", "running", "done", "failed", "rolled_back")
 ACTIONS = ("engines", "scale_out", "scale_in", "operation", "operations")
+# Where clients find the API: the driver writes its URL into JOBDIR/cluster.json ("rest_url"), and
+# every request carries the bearer token JobSecret.token(REST_TOKEN_PURPOSE) of JOBDIR/.secret.
+CLUSTER_JSON = "cluster.json"
+REST_TOKEN_PURPOSE = "rest"
 
 
 @dataclass(frozen=True)

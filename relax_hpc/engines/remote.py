@@ -35,6 +35,7 @@ from relax_hpc.engines.disk_weights import (
     write_safetensors_dir,
 )
 from relax_hpc.engines.http_client import EngineAuthError, EngineHttpError, HttpEngine
+from relax_hpc.engines.router import WeightsUnavailable
 from relax_hpc.engines.sglang_requests import update_weights_from_disk_request
 from relax_hpc.media.items import PromptMedia
 
@@ -142,7 +143,7 @@ class RemoteEngineClient:
         takes the job's weights from here when no engine of the job can hand them over)."""
         directory = version_dir(self.weights_root, self.weight_version)
         if not (directory / WEIGHTS_FILE).is_file():
-            raise NotImplementedError(f"engine {self.id} runs weight version {self.weight_version}, whose "
+            raise WeightsUnavailable(f"engine {self.id} runs weight version {self.weight_version}, whose "
                                       f"directory {directory} is gone")
         return read_weights_dir(directory, self.weights_root)
 

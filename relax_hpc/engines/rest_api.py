@@ -49,8 +49,9 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from starlette.websockets import WebSocketClose
 
 from relax_hpc.auth import bearer_matches, job_secret
-from relax_hpc.engines.elastic_api import ElasticControl, ElasticReply
+from relax_hpc.engines.elastic_api import REST_TOKEN_PURPOSE, ElasticControl, ElasticReply
 from relax_hpc.engines.http_auth import check_token
+from relax_hpc.engines.http_body import RequestRefused, read_limited_body
 
 __all__ = [
     "MAX_BODY_BYTES",
@@ -67,7 +68,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-REST_TOKEN_PURPOSE = "rest"
 # Elastic bodies are a few keys and at most a list of engine URLs; 1 MiB is thousands of URLs.
 MAX_BODY_BYTES = 1024 * 1024
 REST_AUTH_MESSAGE = (
@@ -97,14 +97,6 @@ def _error(status: int, message: str, headers: dict[str, str] | None = None) -> 
     return JSONResponse({"error": message}, status_code=status, headers=headers)
 
 
-class _Refusal(Exception):
-    """A request refused before it reaches the control: its status and message."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status, self.message = status, message
-
-
 class _RequireToken:
     """ASGI middleware: 401 to every HTTP request whose bearer token is not `token`, answered
     from the headers alone, before routing, so no body is read (and no "100 Continue" sent)."""
@@ -122,34 +114,19 @@ class _RequireToken:
         await self.app(scope, receive, send)
 
 
-async def _read_body(request: Request, max_bytes: int) -> bytes:
-    """The body, refused (413) from its Content-Length before reading, or as soon as a body sent
-    without one (chunked) passes `max_bytes`."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.strip().isascii() and declared.strip().isdigit() and int(declared) > max_bytes:
-        raise _Refusal(413, f"the request body is {int(declared)} bytes; at most {max_bytes} are accepted")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_bytes:
-            raise _Refusal(413, f"the request body is over {max_bytes} bytes; at most {max_bytes} are accepted")
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
 def _json_object(raw: bytes, action: str) -> dict[str, Any]:
     """The body as a dict; 400 naming what was sent and showing an example when it is not one."""
     example = f"send a JSON object, e.g. {_BODY_EXAMPLES[action]} (docs/federation.md lists the keys)"
     try:
         value = json.loads(raw)  # bytes: UTF-8, -16 or -32, as RFC 8259 allows
     except RecursionError:
-        raise _Refusal(400, f"the body nests too deep to decode; {example}") from None
+        raise RequestRefused(400, f"the body nests too deep to decode; {example}") from None
     except ValueError as e:  # JSONDecodeError and UnicodeDecodeError both are
         what = "empty" if not raw.strip() else f"not valid JSON ({e})"
-        raise _Refusal(400, f"the body is {what}; {example}") from None
+        raise RequestRefused(400, f"the body is {what}; {example}") from None
     if not isinstance(value, dict):
         kind = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(type(value), "a number")
-        raise _Refusal(400, f"the body is {kind}, not a JSON object; {example}")
+        raise RequestRefused(400, f"the body is {kind}, not a JSON object; {example}")
     return value
 
 
@@ -226,8 +203,8 @@ def make_rest_app(control: ElasticControl, token: str, *, max_body_bytes: int = 
 
     async def post(request: Request, action: str) -> JSONResponse:
         try:
-            body = _json_object(await _read_body(request, max_body_bytes), action)
-        except _Refusal as e:
+            body = _json_object(await read_limited_body(request, max_body_bytes, "this API"), action)
+        except RequestRefused as e:
             return _error(e.status, e.message)
         return await _call(control, action, body)
 

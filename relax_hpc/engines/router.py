@@ -70,6 +70,11 @@ class EngineClient(Protocol):
     def close(self) -> None: ...
 
 
+class WeightsUnavailable(RuntimeError):
+    """An engine that cannot hand over the weights it serves (an SGLang server, a remote engine
+    whose version directory is gone); a joining engine asks another one."""
+
+
 class LocalEngineClient:
     """An engine in this process, run on a thread of its own."""
 
@@ -100,7 +105,7 @@ class LocalEngineClient:
         """The weights this engine serves, by the names `update_weights` takes (for a joining engine)."""
         model = getattr(self.engine, "model", None)
         if model is None:
-            raise NotImplementedError(f"engine {self.id} ({type(self.engine).__name__}) cannot hand over its weights")
+            raise WeightsUnavailable(f"engine {self.id} ({type(self.engine).__name__}) cannot hand over its weights")
         return list(model.state_dict().items())
 
     def died(self, error: BaseException) -> bool:
@@ -252,7 +257,7 @@ class EngineRouter:
                 continue
             try:
                 return get()
-            except NotImplementedError as error:
+            except WeightsUnavailable as error:
                 problems.append(str(error))
         raise JoinFailed("no serving engine can hand over its weights (" + ("; ".join(problems) or
                          "none in this job") + "); engines join with the job's current weights only when a "

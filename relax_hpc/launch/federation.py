@@ -33,6 +33,8 @@ from typing import Any, Protocol
 from relax_hpc.auth import SECRET_FILE, JobSecret
 from relax_hpc.ckpt.fs import atomic_write_text
 from relax_hpc.driver.jobdir import make_private_dir
+from relax_hpc.engines.disk_weights import FEDERATION_WEIGHTS
+from relax_hpc.engines.elastic_api import CLUSTER_JSON, REST_TOKEN_PURPOSE
 from relax_hpc.launch.container import render_wrapper
 
 # The renderer's quoting and filling, shared so both scripts follow the same rules (render.py).
@@ -60,11 +62,8 @@ __all__ = [
 ]
 
 GROW_TEMPLATE = "grow.sbatch.in"
-FEDERATION_DIR = "federation"
+FEDERATION_DIR = "federation"  # JOBDIR/federation: grow_jobs.json, grow scripts, the weights (roles/rollout.py)
 GROW_JOBS_FILE = "grow_jobs.json"
-WEIGHTS_DIR = "weights"  # JOBDIR/federation/weights/v<N>: what joining engines load (disk_weights.py)
-CLUSTER_JSON = "cluster.json"
-REST_TOKEN_PURPOSE = "rest"  # JobSecret.token("rest"), as relax_hpc/engines/rest_api.py checks it
 DRAIN_TIMEOUT_S = 30  # how long engines that leave may finish their prompts (USR1 / TERM)
 SIGNAL_MARGIN_S = 30  # the time-limit USR1 comes this much before the drain must end
 OPERATION_DONE = ("done", "failed", "rolled_back")
@@ -241,8 +240,9 @@ def _record_grow_job(job_dir: Path, entry: dict[str, Any]) -> None:
 
 def prepare_federation_dir(job_dir: Path) -> Path:
     """JOBDIR/federation and its weights/ (0700 when created); engines refuse a missing weights root."""
-    fed = make_private_dir(federation_dir(job_dir))  # mkdir's mode reaches only the last directory
-    make_private_dir(fed / WEIGHTS_DIR)
+    weights = Path(job_dir) / FEDERATION_WEIGHTS
+    fed = make_private_dir(weights.parent)  # mkdir's mode reaches only the last directory
+    make_private_dir(weights)
     return fed
 
 

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Literal
 
+from relax_hpc.engines.disk_weights import FEDERATION_WEIGHTS
 from relax_hpc.launch.federation import (
     ElasticApi,
     FederationError,
@@ -412,7 +413,8 @@ def _node_address(host: str | None) -> str:
 
 def _servers(args: argparse.Namespace, count: int, node_id: int) -> EngineServers:
     job_dir = Path(args.job_dir)
-    weights = prepare_federation_dir(job_dir) / "weights"
+    prepare_federation_dir(job_dir)
+    weights = Path(job_dir) / FEDERATION_WEIGHTS
     tokens = federation_dir(job_dir) / "run"
     tokens.mkdir(mode=0o700, exist_ok=True)
     host = _node_address(args.host)

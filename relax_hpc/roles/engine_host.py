@@ -17,7 +17,7 @@ import torch
 
 from relax_hpc.engines.base import Generation, RolloutEngine, SamplingParams
 from relax_hpc.engines.factory import make_engine
-from relax_hpc.engines.router import Future
+from relax_hpc.engines.router import Future, WeightsUnavailable
 from relax_hpc.media.items import PromptMedia
 
 
@@ -50,7 +50,7 @@ class EngineHost:
         """The weights it serves (a joining engine loads them), by the names `load_weights` takes."""
         model = getattr(self.engine, "model", None)
         if model is None:
-            raise NotImplementedError(f"a {type(self.engine).__name__} cannot hand over its weights")
+            raise WeightsUnavailable(f"a {type(self.engine).__name__} cannot hand over its weights")
         return [(name, t.detach().cpu()) for name, t in model.state_dict().items()]
 
     def call(self, method: str) -> Any:

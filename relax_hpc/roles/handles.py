@@ -18,8 +18,8 @@ import time
 from typing import Any, Callable, Protocol, Sequence
 
 from relax_hpc.ckpt import ResumeState
-from relax_hpc.engines.elastic_api import ElasticReply
 from relax_hpc.data.sample import Sample
+from relax_hpc.engines.elastic_api import ElasticReply
 from relax_hpc.roles.actor import ActorConfig, ActorWorker, rendezvous_address
 from relax_hpc.roles.advantages import AdvantagesConfig, AdvantagesWorker
 from relax_hpc.roles.engine_host import EngineHost

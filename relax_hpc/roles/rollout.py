@@ -29,6 +29,7 @@ from relax_hpc.data.rows import sample_to_row
 from relax_hpc.data.sample import Sample, assign_sample_ids
 from relax_hpc.engines.base import Generator, RolloutEngine, SamplingParams
 from relax_hpc.engines.elastic import ElasticScaler
+from relax_hpc.engines.disk_weights import FEDERATION_WEIGHTS
 from relax_hpc.engines.elastic_api import ElasticReply
 from relax_hpc.engines.factory import make_engine
 from relax_hpc.engines.http_auth import engine_token, read_token_file
@@ -90,12 +91,12 @@ class RolloutConfig:
     remote_engine_timeout_s: float = 300.0
 
 
-def federation_weights_dir(job_dir: str | None) -> Path:
+def federation_weights_dir(job_dir: str | Path | None) -> Path:
     """Where weight versions are written for engines that joined over HTTP: JOBDIR/federation/weights,
     on the shared filesystem the grow jobs read (a temp dir for a run without a job directory)."""
     if job_dir is None:
         return Path(tempfile.mkdtemp(prefix="relax-federation-weights-"))
-    return Path(job_dir) / "federation" / "weights"
+    return Path(job_dir) / FEDERATION_WEIGHTS
 
 
 def build_genrm_judge(reward: RewardSettings, dtype: str, device: str) -> tuple[Generator | None, Any]:
