@@ -8,7 +8,9 @@ warning about (and never deleting) every unusable one.
 
 Checkpoints are owner-only (directories 0700, files 0600) and ``load_latest`` refuses one
 that others could have changed (relax_hpc/ckpt/permissions.py). A save that fails (a full
-disk, say) removes its ``tmp_step_<N>``; a full disk is reported as such.
+disk, say) removes its ``tmp_step_<N>``; a failure of the storage (a full disk, an I/O error)
+is raised as ``CheckpointSaveError``, which names the filesystem: the model and optimizer were
+only read, so the caller may train on and save again later.
 
 Works in one process without a process group and collectively when one is
 initialised (every rank calls ``save`` / ``load_latest``; rank 0 alone renames,
@@ -30,13 +32,19 @@ from typing import Any, TypeVar
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.optim import Optimizer
 
 from relax_hpc.ckpt.collective import Collective, default_collective
-from relax_hpc.ckpt.fs import atomic_write_bytes, atomic_write_text, fsync_dir, fsync_tree, remove_tree
+from relax_hpc.ckpt.fs import (
+    atomic_write_bytes,
+    atomic_write_text,
+    fsync_dir,
+    fsync_tree,
+    remove_tree,
+)
 from relax_hpc.ckpt.layout import (
     LATEST_FILE,
     TMP_PREFIX,
@@ -54,18 +62,41 @@ from relax_hpc.ckpt.permissions import (
     check_private,
     make_private_tree,
 )
-from relax_hpc.ckpt.resume_state import ResumeFile, ResumeState, read_resume_file, write_resume_file
+from relax_hpc.ckpt.resume_state import (
+    ResumeFile,
+    ResumeState,
+    read_resume_file,
+    write_resume_file,
+)
 from relax_hpc.ckpt.rng import capture_rng_state, restore_rng_state
 from relax_hpc.ckpt.validate import check_dcp_files
 
-__all__ = ["CheckpointDiskFullError", "CheckpointManager", "UnsafeCheckpointError"]
+__all__ = [
+    "STORAGE_ERRNOS",
+    "CheckpointDiskFullError",
+    "CheckpointManager",
+    "CheckpointSaveError",
+    "UnsafeCheckpointError",
+]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+# Failures of the storage a save writes to. They say nothing about the trainer, whose model and
+# optimizer a save only reads, so a later save on the same filesystem may well succeed.
+STORAGE_ERRNOS = (*_DISK_FULL, errno.EIO, errno.EROFS, errno.ESTALE)
 
 
-class CheckpointDiskFullError(RuntimeError):
+class CheckpointSaveError(RuntimeError):
+    """A save failed on its storage; its temporary directory has been removed and the complete
+    checkpoints (and ``latest``) are untouched. ``filesystem``: the mount point holding the root."""
+
+    def __init__(self, message: str, filesystem: str = "") -> None:
+        super().__init__(message)
+        self.filesystem = filesystem  # pickled with the exception (Ray hands it to the driver)
+
+
+class CheckpointDiskFullError(CheckpointSaveError):
     """A save ran out of disk space (or quota); its temporary directory has been removed."""
 
 
@@ -123,6 +154,8 @@ class CheckpointManager:
             full = disk_full_cause(exc)
             if full is not None:
                 raise self._disk_full_error(final, tmp, full) from exc
+            if storage_error_cause(exc) is not None:
+                raise self._storage_error(final, tmp, describe_error(exc)) from exc
             raise
         return final
 
@@ -234,18 +267,33 @@ class CheckpointManager:
             raise UnsafeCheckpointError(problem)
 
     def _disk_full_error(self, final: Path, tmp: Path, cause: str) -> CheckpointDiskFullError:
-        try:
-            steps = list_root(self.root).steps
-            newest = f"newest: {step_dir_name(steps[-1])}" if steps else "there are none"
-        except OSError:
-            newest = "they could not be listed"
+        filesystem = str(mount_point(self.root))
         return CheckpointDiskFullError(
             f"saving checkpoint {final.name} failed: the disk holding {self.root} is full or your "
             f"quota there is used up ({cause}). The unfinished {tmp} was removed and the "
-            f"checkpoints already there are untouched ({newest}). Free space there (df -h "
-            f"{self.root}), lower [checkpoint] keep_last, or set [job] output_dir on a filesystem "
-            "with room, then resume"
+            f"checkpoints already there are untouched ({self._newest()}). Free space on {filesystem} "
+            f"(df -h {self.root}), lower [checkpoint] keep_last, or set [job] output_dir on a "
+            "filesystem with room",
+            filesystem,
         )
+
+    def _storage_error(self, final: Path, tmp: Path, cause: str) -> CheckpointSaveError:
+        filesystem = str(mount_point(self.root))
+        return CheckpointSaveError(
+            f"saving checkpoint {final.name} failed on the filesystem holding {self.root} "
+            f"(mounted at {filesystem}): {cause}. The unfinished {tmp} was removed and the "
+            f"checkpoints already there are untouched ({self._newest()}). Check that filesystem "
+            "(an I/O error or a read-only remount shows in dmesg on this host and in its status), "
+            "or set [job] output_dir on another one",
+            filesystem,
+        )
+
+    def _newest(self) -> str:
+        try:
+            steps = list_root(self.root).steps
+        except OSError:
+            return "they could not be listed"
+        return f"newest: {step_dir_name(steps[-1])}" if steps else "there are none"
 
     def _usable(self, coll: Collective, local_error: str | None, path: Path) -> bool:
         errors = coll.all_gather(local_error)
@@ -360,12 +408,31 @@ def _remove_unfinished(tmp: Path) -> None:
         log.warning("could not remove the unfinished %s (%r); remove it by hand", tmp, exc)
 
 
+def mount_point(path: Path) -> Path:
+    """The mount point of the filesystem holding ``path`` (or its nearest existing parent)."""
+    current = Path(os.path.abspath(path))
+    while not current.exists() and current != current.parent:
+        current = current.parent
+    while not os.path.ismount(current) and current != current.parent:
+        current = current.parent
+    return current
+
+
 def disk_full_cause(exc: BaseException) -> str | None:
     """The description of the out-of-space error behind ``exc`` (ENOSPC or EDQUOT), or None.
 
     Follows causes and DCP's per-rank failures; failing an OSError there, looks for the
     error's text, which is how other ranks' errors arrive (as strings).
     """
+    return _os_error_cause(exc, _DISK_FULL)
+
+
+def storage_error_cause(exc: BaseException) -> str | None:
+    """As ``disk_full_cause``, for any failure of the storage (``STORAGE_ERRNOS``)."""
+    return _os_error_cause(exc, STORAGE_ERRNOS)
+
+
+def _os_error_cause(exc: BaseException, errnos: tuple[int, ...]) -> str | None:
     chain: list[BaseException] = []
     pending = [exc]
     while pending:
@@ -377,11 +444,11 @@ def disk_full_cause(exc: BaseException) -> str | None:
             pending.extend(cause for cause, _ in current.failures.values())
         pending.extend(e for e in (current.__cause__, current.__context__) if e is not None)
     for current in chain:
-        if isinstance(current, OSError) and current.errno in _DISK_FULL:
+        if isinstance(current, OSError) and current.errno in errnos:
             return str(current)
     for current in chain:
         text = " ".join(str(current).split())
-        if not isinstance(current, CheckpointException) and any(os.strerror(c) in text for c in _DISK_FULL):
+        if not isinstance(current, CheckpointException) and any(os.strerror(c) in text for c in errnos):
             return text
     return None
 

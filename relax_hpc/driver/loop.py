@@ -23,7 +23,9 @@ that step; a stop request lets the step already submitted finish, then checkpoin
 
 Read it top to bottom; everything it does is a call on a role handle. It resumes from the newest
 complete checkpoint, and stops cleanly (checkpoint first) when `stop.requested` is set by a
-signal handler.
+signal handler. A save that fails on its storage (a full disk) is survived mid-run and retried
+once at the end (relax_hpc.driver.checkpointing); each step's metrics count such failures in
+`ckpt/save_failures`.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from relax_hpc.ckpt import ResumeState
+from relax_hpc.driver.checkpointing import CheckpointSaver, SaveFailedHook
 from relax_hpc.ops.metrics import MetricsSink
 from relax_hpc.roles.handles import RoleDiedError, Roles, TrainTicket
 from relax_hpc.weights.base import PendingWeights
@@ -44,6 +47,7 @@ class LoopConfig:
     max_staleness: int  # 0: strictly on-policy (colocate); N: rollout may run N steps ahead
     save_interval: int
     resume: bool
+    final_save_retry_s: float = 30.0  # the wait before the one retry of a run's last save
 
 
 @dataclass
@@ -60,6 +64,7 @@ class LoopResult:
     stopped_early: bool
     last_checkpoint: str | None
     rewards: list[float] = field(default_factory=list)
+    save_failures: int = 0  # save attempts that failed on their storage (ckpt/save_failures)
 
 
 def step_metrics(train: dict[str, float], rollout: dict[str, float], step_time: float,
@@ -69,6 +74,7 @@ def step_metrics(train: dict[str, float], rollout: dict[str, float], step_time: 
     reward_sum = train.pop("reward_sum")
     return {
         "reward/mean": reward_sum / rows,
+        "samples/step": float(rows),  # trained in this step
         "time/step_s": step_time,
         **timings,
         "weight_version": float(version),
@@ -98,7 +104,14 @@ def run_loop(
     metrics: MetricsSink,
     stop: StopFlag,
     on_step: Callable[[int, dict[str, float]], None] = lambda step, m: None,
+    *,
+    on_save_failed: SaveFailedHook = lambda step, error: None,
 ) -> LoopResult:
+    """Train from the newest checkpoint (when `cfg.resume`) to `cfg.total_steps` or a stop.
+
+    `on_step(step, metrics)` follows each step's metrics; `on_save_failed(step, error)` each
+    save that failed on its storage (the run goes on, or fails when it was its last save).
+    """
     state = roles.load_checkpoint() if cfg.resume else None
     step, version, samples_trained = 0, 0, 0
     if state is not None:
@@ -106,11 +119,16 @@ def run_loop(
         roles.restore_cursor(state.data_cursor)
         roles.weights.sync(version)               # the first step needs them: nothing to overlap
     result = LoopResult(step, step, samples_trained, False, None)
+    saver = CheckpointSaver(roles, cfg.final_save_retry_s, on_save_failed,
+                            last_saved=None if state is None else state.step)
     roles.start_rollout(step, cfg.total_steps, cfg.max_staleness, version)
     first_step, first_version = step, version
 
     def checkpoint_due(trained: int) -> bool:   # after `trained` steps in all
         return trained % cfg.save_interval == 0 or trained == cfg.total_steps
+
+    def last_save(trained: int) -> bool:        # nothing follows it: it must succeed
+        return trained == cfg.total_steps or stop.requested
 
     def submit(at: int) -> TrainTicket | None:  # step `at` trains into the next version
         if at >= cfg.total_steps or stop.requested:
@@ -140,13 +158,15 @@ def run_loop(
             samples_trained += int(train_stats["rows"])
             now = time.perf_counter()
             m = step_metrics(train_stats, rollout_stats, now - t_step, version)
+            m["ckpt/save_failures"] = float(saver.failures)  # so far: one at step N shows from N + 1
             t_step = now
             metrics.log(step, m)
             on_step(step, m)
             result.rewards.append(m["reward/mean"])
             if checkpoint_due(step) or (stop.requested and ticket is None):
                 resume = ResumeState(step, version, cursor, samples_trained)  # the trainer is idle
-                result.last_checkpoint = roles.save_checkpoint(resume)
+                saved = saver.save(resume, is_final=last_save)
+                result.last_checkpoint = saved or result.last_checkpoint
                 ticket = ticket or submit(step)
     except RoleDiedError:
         raise                                     # the cause itself: no broadcast it broke is waited for
@@ -157,5 +177,6 @@ def run_loop(
         pending.wait()                            # every engine holds the last version before shutdown
 
     result.end_step, result.samples_trained = step, samples_trained
+    result.save_failures = saver.failures
     result.stopped_early = step < cfg.total_steps
     return result
