@@ -129,6 +129,15 @@ class JobAlerts:
         else:
             self.send("finished", "finished", f"job {self.job_name} {summary}")
 
+    def role_restarted(self, line: str) -> None:
+        """A role died or hung and was restarted (in place or globally; relax_hpc/ops/health.py)."""
+        self.send("role_restarted", line.split(":")[0], f"job {self.job_name}: {line}; job dir {self.job_dir}")
+
+    def save_failed(self, line: str) -> None:
+        """A checkpoint save failed on its storage; the run goes on (driver/checkpointing.py)."""
+        self.send("save_failed", "a checkpoint save failed", f"job {self.job_name}: {line}; training goes on, the "
+                  f"next save tries again; job dir {self.job_dir}")
+
     def interrupted(self) -> None:
         self.send("preempted", "stopped at once",
                   f"job {self.job_name} was stopped at once (a second stop signal): no final checkpoint; "

@@ -12,6 +12,7 @@ Job directory layout (`[job] output_dir`, default runs/<name>):
     summary.json         the final numbers, written at the end
     cluster.json         the REST API's URL while the run lives (and, on Slurm, the Ray head)
     federation/          grow jobs and the weight versions written for their engines (docs/federation.md)
+    health/              every role's heartbeat, <role>.json (relax_hpc/ops/health.py)
 
 The directory is created 0700 (an existing one keeps its mode), the files written here 0600
 and the subdirectories 0700; a second run on a directory in use stops at once
@@ -39,28 +40,42 @@ from relax_hpc.backends.base import require_backend
 from relax_hpc.backends.torch_backend import OptimConfig
 from relax_hpc.ckpt.fs import atomic_write_text
 from relax_hpc.ckpt.permissions import PRIVATE_FILE_MODE
-from relax_hpc.driver.alerts import JobAlerts, check_notify, make_job_alerts, newest_checkpoint
+from relax_hpc.driver.alerts import (
+    JobAlerts,
+    check_notify,
+    make_job_alerts,
+    newest_checkpoint,
+)
 from relax_hpc.driver.credentials import job_secret_env
 from relax_hpc.driver.grow_policy import GrowDriver, GrowSubmitter
 from relax_hpc.driver.jobdir import JobDirLock, create_private_file, make_private_dir
-from relax_hpc.driver.loop import LoopConfig, LoopResult, StopFlag, run_loop
+from relax_hpc.driver.loop import LoopConfig, LoopResult, StopFlag
 from relax_hpc.driver.rest import publish_rest_url, serve_rest_api
+from relax_hpc.driver.restarts import RebuildableRoles, run_with_restarts
 from relax_hpc.engines.base import SamplingParams
 from relax_hpc.engines.disk_weights import FEDERATION_WEIGHTS
 from relax_hpc.engines.factory import require_engine, require_sglang_python
+from relax_hpc.media.plan import check_media_plan
 from relax_hpc.ops.archive import archive_dir
+from relax_hpc.ops.health import (
+    HealthConfig,
+    HealthEvent,
+    HeartbeatWriter,
+    heartbeat_path,
+)
 from relax_hpc.ops.heap import settle_heap
 from relax_hpc.ops.metrics import FanOut, JsonlSink, MetricsSink, TensorBoardSink
 from relax_hpc.ops.plot import plot_reward_curve
 from relax_hpc.ops.progress import make_progress
+from relax_hpc.ops.run_status import RunStatus
 from relax_hpc.ops.trackers import ClearMLSink, WandbSink, require_trackers
 from relax_hpc.roles.actor import ActorConfig
 from relax_hpc.roles.advantages import AdvantagesConfig
 from relax_hpc.roles.forward import OUTPUT_FIELD, ForwardConfig
 from relax_hpc.roles.handles import LocalRoles, RayRoles, Roles
+from relax_hpc.roles.healing import RoleHealer
 from relax_hpc.roles.rollout import RolloutConfig
 from relax_hpc.spec import JobSpec, spec_to_dict, spec_to_toml
-from relax_hpc.media.plan import check_media_plan
 from relax_hpc.spec.model_fit import check_model_fit
 from relax_hpc.spec.schema import SGLangSpec
 from relax_hpc.transfer.queue import queue_capacity
@@ -192,6 +207,7 @@ def prepare_job_dir(spec: JobSpec) -> Path:
     job_dir = make_private_dir(spec.job_dir())
     atomic_write_text(job_dir / "spec.toml", spec_to_toml(spec))
     make_private_dir(job_dir / "checkpoints")
+    make_private_dir(job_dir / "health")
     # Weight versions for engines that join over HTTP (a grow job's serve-engine --weights-root).
     make_private_dir((job_dir / FEDERATION_WEIGHTS).parent)
     make_private_dir(job_dir / FEDERATION_WEIGHTS)
@@ -267,6 +283,18 @@ def install_stop_handlers(stop: StopFlag) -> None:
 
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
         signal.signal(sig, handler)
+
+
+ENGINE_STATUS_EVERY_S = 5.0  # how often status.json gets the engines' report (one call to rollout)
+
+
+def log_status_problem(error: Exception) -> None:
+    print(f"status: could not read the engines ({type(error).__name__}: {error})", file=sys.stderr)
+
+
+def health_config(spec: JobSpec) -> HealthConfig:
+    h = spec.health
+    return HealthConfig(h.heartbeat_s, h.stale_s, h.max_in_place_restarts, h.max_global_restarts)
 
 
 def make_grow_driver(spec: JobSpec, submitter: GrowSubmitter | None, roles: Roles) -> GrowDriver | None:
@@ -352,25 +380,70 @@ def run_authenticated(spec: JobSpec, job_dir: Path, in_process: bool, ray_addres
     r, staleness = spec.rollout, spec.algorithm.max_staleness
     capacity = queue_capacity(r.prompts_per_step, staleness, r.n_samples_per_prompt)
     queue_roles = queue_role_configs(spec, device)
-    roles: Roles = (LocalRoles(rollout_cfg, actor_cfg, queue_roles, capacity) if in_process
-                    else RayRoles(rollout_cfg, actor_cfg, spec.train.num_processes, queue_roles, capacity))
+    status = RunStatus(job_dir, spec.job.name, spec.train.steps)  # `relax-hpc status JOBDIR` reads it
+    driver_beat = HeartbeatWriter(heartbeat_path(job_dir, "driver"), "driver", spec.health.heartbeat_s)
+    driver_beat.start()
+    # Roles in Ray actors are watched and restarted (docs/operations.md, "Health"); in one
+    # process there is nothing to restart.
+    healer = None if in_process else RoleHealer(health_config(spec), job_dir, on_event=lambda e: on_health(e))
+
+    def build_roles() -> Roles:
+        if in_process:
+            return LocalRoles(rollout_cfg, actor_cfg, queue_roles, capacity)
+        return RayRoles(rollout_cfg, actor_cfg, spec.train.num_processes, queue_roles, capacity, healer=healer)
+
+    def on_health(event: HealthEvent) -> None:
+        print(f"health: {event.line()}", file=sys.stderr)
+        alerts.role_restarted(event.line())
+        status.add_event(event.line())
+        if healer is not None:
+            status.set_restarts(healer.book.in_place, healer.book.global_restarts)
+            status.set_roles(healer.role_states())
+        if event.action == "global":
+            status.set_state("restarting", event.line())
+
+    try:
+        roles = RebuildableRoles(build_roles)
+    except BaseException as error:
+        driver_beat.stop()
+        status.set_state("failed", f"{type(error).__name__}: {error}"[:300])
+        raise
     print(f"dataset: {roles.dataset_summary()}", file=sys.stderr)
     try:
         # The elastic REST API (docs/federation.md): on the head node's address in a cluster.
-        rest = serve_rest_api(job_dir, roles, rest_host(in_process or not ray_address))
-    except BaseException:
+        rest = serve_rest_api(job_dir, roles, rest_host(in_process or not ray_address))  # type: ignore[arg-type]
+    except BaseException as error:
         roles.shutdown()
+        driver_beat.stop()
+        status.set_state("failed", f"{type(error).__name__}: {error}"[:300])
         raise
+    status.set_state("running")
     print(f"REST API: {rest.url} (cluster.json; docs/federation.md)", file=sys.stderr)
     metrics = make_sinks(spec, job_dir)
     # A bar on a terminal; in a Slurm log (not a terminal) one line every N seconds.
     bar = make_progress(spec.train.steps, spec.job.name, enabled=progress)
 
-    grower = make_grow_driver(spec, grow_submitter, roles)
+    grower = make_grow_driver(spec, grow_submitter, roles)  # type: ignore[arg-type]
+
+    engines_shown = [-float("inf")]  # when status.json last got the engines
+
+    def on_save_failed(step: int, error: BaseException) -> None:
+        line = f"the checkpoint of step {step} could not be saved: {error}"[:400]
+        status.add_event(line)
+        alerts.save_failed(line)
 
     def on_step(step: int, m: dict[str, float]) -> None:
         settle_heap()  # once, after the first step; this process also hosts the queue server
         bar.update(step, m["reward/mean"], m["time/step_s"])
+        status.on_step(step, m, int(m.get("samples/step", 0)))
+        if healer is not None:
+            status.set_roles(healer.role_states())
+        if time.monotonic() - engines_shown[0] >= ENGINE_STATUS_EVERY_S:
+            engines_shown[0] = time.monotonic()
+            try:
+                status.set_engines(roles.engine_report())
+            except Exception as e:  # noqa: BLE001 - status is best effort; the loop notices a dead rollout
+                log_status_problem(e)
         alerts.step(step, m)
         if grower is not None:
             grower.on_step(step, m)
@@ -381,9 +454,15 @@ def run_authenticated(spec: JobSpec, job_dir: Path, in_process: bool, ray_addres
     )
     engines: list[dict[str, Any]] = []
     try:
-        result = run_loop(loop_cfg, roles, metrics, stop, on_step)
+        result = run_with_restarts(loop_cfg, roles, metrics, stop, on_step, healer,
+                                   on_restart=lambda: status.set_state("running", "after a global restart"),
+                                   on_save_failed=on_save_failed)
         engines = roles.engine_report()
+    except BaseException as error:
+        status.set_state("failed", f"{type(error).__name__}: {error}"[:300])
+        raise
     finally:
+        driver_beat.stop()
         rest.stop()
         publish_rest_url(job_dir, None)
         bar.close()
@@ -401,7 +480,11 @@ def run_authenticated(spec: JobSpec, job_dir: Path, in_process: bool, ray_addres
     summary = {"summary": report.summary_line(), "start_step": result.start_step,
                "end_step": result.end_step, "samples_trained": result.samples_trained,
                "stopped_early": result.stopped_early, "last_checkpoint": result.last_checkpoint,
-               "rollout_engines": engines, "metrics/sink_failures": metrics.failures()}
+               "rollout_engines": engines, "metrics/sink_failures": metrics.failures(),
+               "ckpt/save_failures": result.save_failures,
+               "health": healer.book.summary() if healer else {"in_place": 0, "global": 0, "events": []}}
     atomic_write_text(job_dir / "summary.json", json.dumps(summary, indent=2))
+    status.set_checkpoint(result.last_checkpoint)
+    status.set_state("stopped" if result.stopped_early else "finished", stop.reason)
     alerts.ended(report.summary_line(), result.stopped_early, stop.reason)
     return report

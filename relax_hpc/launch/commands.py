@@ -1,5 +1,8 @@
 """The Slurm subcommands of `relax-hpc`: render, submit, status, logs, cancel, convert, grow, shrink.
 
+`status` also reads a local run's job directory (JOBDIR/status.json and the heartbeats:
+relax_hpc/ops/run_status.py), and with `--watch` refreshes until Ctrl-C.
+
 Each handler takes the parsed arguments and returns an exit status; relax_hpc/cli/main.py
 registers them. The Slurm client is built by :func:`make_client` and a job's REST API by
 :func:`make_api`, so tests can swap both.
@@ -9,7 +12,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -24,15 +28,24 @@ from relax_hpc.launch.federation import (
     render_grow_sbatch,
     submit_grow,
 )
-from relax_hpc.launch.jobs import SUBMIT_SPEC, find_job, job_status, submit_spec
+from relax_hpc.launch.jobs import (
+    JOB_ID_FILE,
+    SUBMIT_SPEC,
+    find_job,
+    job_status,
+    submit_spec,
+)
 from relax_hpc.launch.render import render_sbatch
 from relax_hpc.launch.slurm_client import SlurmClient, SubprocessSlurmClient
+from relax_hpc.ops.run_status import status_lines
 from relax_hpc.spec import load_spec
 
 __all__ = ["cmd_cancel", "cmd_convert", "cmd_grow", "cmd_logs", "cmd_render", "cmd_shrink", "cmd_status",
-           "cmd_submit", "make_api", "make_client"]
+           "cmd_submit", "make_api", "make_client", "watch"]
 
 SHRINK_WAIT_MARGIN_S = 60.0  # shrink waits for the drain's own timeout plus this
+WATCH_EVERY_S = 5.0  # `relax-hpc status --watch` without --every
+CLEAR_SCREEN = "\033[H\033[2J"
 
 
 def make_client() -> SlurmClient:
@@ -150,14 +163,47 @@ def _job(args: argparse.Namespace) -> tuple[str, Path | None]:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    job_id, job_dir = _job(args)
+    if not args.watch:
+        print("\n".join(_status_lines(args.job)))
+        return 0
+    if not args.every > 0:
+        raise ValueError(f"--every {args.every:g}: pass the seconds between refreshes, > 0 (default {WATCH_EVERY_S:g})")
+    return watch(lambda: _status_lines(args.job), args.every, f"relax-hpc status {args.job}")
+
+
+def _status_lines(job: str) -> list[str]:
+    """A local run's directory (no slurm_job_id in it): its status alone. A Slurm job: each
+    component's Slurm state, grow jobs and engines, then the run's status when its directory is known."""
+    path = Path(job)
+    if path.is_dir() and not (path / JOB_ID_FILE).is_file():
+        return status_lines(path)
+    job_id, job_dir = find_job(job, make_client())
     client = make_client()
     lines = job_status(job_id, job_dir, client).lines()
     if job_dir is not None:  # grow jobs, and the engines when the REST API answers
         lines += federation_lines(job_id, job_dir, client, lambda: make_api(job_dir, job_id))
-    for line in lines:
-        print(line)
-    return 0
+        lines += status_lines(job_dir)
+    return lines
+
+
+def watch(lines_of: Callable[[], list[str]], every_s: float, title: str) -> int:
+    """Print ``lines_of()`` every ``every_s`` seconds until Ctrl-C (exit 0). On a terminal the
+    screen is cleared between refreshes; into a file or pipe each refresh starts with a line
+    naming the time, so a log of it reads top to bottom."""
+    out = sys.stdout
+    try:
+        while True:
+            lines = lines_of()  # before clearing: a slow squeue does not leave a blank screen
+            stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+            if out.isatty():
+                out.write(f"{CLEAR_SCREEN}{title}  (every {every_s:g}s, Ctrl-C to stop)  {stamp}\n\n")
+            else:
+                out.write(f"---- {stamp} ----\n")
+            out.write("\n".join(lines) + "\n")
+            out.flush()
+            time.sleep(every_s)
+    except KeyboardInterrupt:
+        return 0
 
 
 def _latest_log_dir(job_dir: Path) -> Path | None:
@@ -241,8 +287,20 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     p.add_argument("--no-preflight", action="store_true", help="skip the checks against sinfo")
     p.set_defaults(func=cmd_submit)
 
-    p = sub.add_parser("status", help="Slurm state of each component, step, reward, restarts")
-    p.add_argument("job", help="Slurm job id or job directory")
+    p = sub.add_parser("status", help="a run's state, step, reward, samples/s, roles' heartbeats, engines, "
+                                      "checkpoint and restarts; for a Slurm job also each component's state",
+                       description="Print a run's live status. JOB is a job directory (a `relax-hpc run` "
+                                   "on this machine, or a submitted job's) or a Slurm job id. A local run "
+                                   "shows JOBDIR/status.json joined with the roles' heartbeat files "
+                                   "(JOBDIR/health/), the newest checkpoint and whether the driver lives; "
+                                   "a Slurm job first shows each component's Slurm state, its grow jobs "
+                                   "and engines. docs/operations.md, \"Status\".")
+    p.add_argument("job", metavar="JOB", help="job directory (local run or submitted job) or Slurm job id")
+    p.add_argument("--watch", action="store_true",
+                   help="refresh until Ctrl-C; on a terminal the screen is cleared between refreshes, "
+                        "otherwise each starts with a time line")
+    p.add_argument("--every", type=float, default=WATCH_EVERY_S, metavar="SECONDS",
+                   help=f"seconds between refreshes of --watch (default {WATCH_EVERY_S:g})")
     p.set_defaults(func=cmd_status)
 
     p = sub.add_parser("logs", help="print (or follow) a log of the job's latest attempt")

@@ -31,11 +31,24 @@ from relax_hpc.backends.batch import pack_rows
 from relax_hpc.backends.parallel import Strategy, rank_device, ray_gpu_ids
 from relax_hpc.backends.torch_backend import OptimConfig
 from relax_hpc.ckpt import CheckpointManager, ResumeState
-from relax_hpc.data.rows import ARCHIVE_FIELDS, MEDIA_FIELDS, ROUTED_EXPERTS_FIELD, TRAIN_FIELDS, row_to_sample
+from relax_hpc.data.rows import (
+    ARCHIVE_FIELDS,
+    MEDIA_FIELDS,
+    ROUTED_EXPERTS_FIELD,
+    TRAIN_FIELDS,
+    row_to_sample,
+)
 from relax_hpc.data.sample import Sample
 from relax_hpc.ops.archive import HDF5TrajectoryArchive, TrajectoryArchive
 from relax_hpc.ops.heap import settle_heap
-from relax_hpc.spec.schema import AlgorithmSpec, MegatronSpec, ModelSpec, RolloutSpec, TrainSpec
+from relax_hpc.roles.heartbeat import Heartbeats
+from relax_hpc.spec.schema import (
+    AlgorithmSpec,
+    MegatronSpec,
+    ModelSpec,
+    RolloutSpec,
+    TrainSpec,
+)
 from relax_hpc.transfer.connect import connect_queue
 from relax_hpc.transfer.queue import TransferQueue, partition_name
 from relax_hpc.weights.endpoints import WeightSenderEndpoint
@@ -114,7 +127,7 @@ def local_rank_on_node(store: dist.Store, rank: int) -> int:
     return sum(store.get(f"relax_hpc/trainer_host/{r}").decode() == host for r in range(rank))
 
 
-class ActorWorker(WeightSenderEndpoint):
+class ActorWorker(WeightSenderEndpoint, Heartbeats):
     """Rank `rank` of the trainer. With several ranks, rank 0's node hosts the group's TCP store:
     the placement code picks `rendezvous_address()` on a trainer node, pins rank 0 there and passes
     the address to every rank."""
@@ -164,6 +177,11 @@ class ActorWorker(WeightSenderEndpoint):
         self.archive: TrajectoryArchive | None = (
             HDF5TrajectoryArchive(Path(cfg.archive_dir), rank, world_size) if cfg.archive_dir else None)
 
+    def doing(self) -> str:
+        """What `relax-hpc status` shows for a trainer rank (relax_hpc/roles/heartbeat.py)."""
+        step = getattr(self, "_training", None)
+        return "idle" if step is None else f"training step {step}"
+
     def pid(self) -> int:
         """This rank's process id (its Ray worker log carries it; tests kill it)."""
         return os.getpid()
@@ -187,6 +205,7 @@ class ActorWorker(WeightSenderEndpoint):
         behind this call, starts without a round trip to the driver. `train_s` is this rank's
         time for the step, `sync_s` its time starting the broadcast.
         """
+        self._training = step
         t_start = time.perf_counter()
         if self._queue is None:
             self._queue = connect_queue(target, f"actor-rank{self.rank}")

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from relax_hpc.algos.advantages import advantages_by_group
+from relax_hpc.roles.heartbeat import Heartbeats
 from relax_hpc.roles.step_loop import StepLoopWorker
 from relax_hpc.spec.schema import AlgorithmSpec
 from relax_hpc.transfer.queue import partition_name
@@ -35,7 +36,7 @@ class AdvantagesConfig:
     kind: str = "advantages"  # the queue task name, and how the role handles tell it apart
 
 
-class AdvantagesWorker(StepLoopWorker):
+class AdvantagesWorker(StepLoopWorker, Heartbeats):
     """One Advantages worker; `start` runs its loop over steps in a background thread."""
 
     def __init__(self, cfg: AdvantagesConfig) -> None:

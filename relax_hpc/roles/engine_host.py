@@ -19,9 +19,10 @@ from relax_hpc.engines.base import Generation, RolloutEngine, SamplingParams
 from relax_hpc.engines.factory import make_engine
 from relax_hpc.engines.router import Future, WeightsUnavailable
 from relax_hpc.media.items import PromptMedia
+from relax_hpc.roles.heartbeat import Heartbeats
 
 
-class EngineHost:
+class EngineHost(Heartbeats):
     """One rollout engine in this process; a Ray actor (see the module docstring)."""
 
     def __init__(self, engine: str, model_path: str, dtype: str, device: str, num_threads: int = 0,

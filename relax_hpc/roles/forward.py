@@ -28,6 +28,7 @@ from relax_hpc.data.rows import MEDIA_FIELDS, media_from_fields
 from relax_hpc.data.sample import Sample
 from relax_hpc.media.processor import media_processor_for
 from relax_hpc.models.hf import load_policy_model, load_tokenizer
+from relax_hpc.roles.heartbeat import Heartbeats
 from relax_hpc.roles.step_loop import StepLoopWorker
 from relax_hpc.spec.schema import ModelSpec, RolloutSpec, TrainSpec
 from relax_hpc.transfer.queue import partition_name
@@ -75,7 +76,7 @@ def response_log_probs(model: torch.nn.Module, samples: list[Sample], pad_id: in
     return out
 
 
-class ForwardWorker(StepLoopWorker, WeightReceiverEndpoint):
+class ForwardWorker(StepLoopWorker, WeightReceiverEndpoint, Heartbeats):
     """One ActorFwd or Reference worker; `start` runs its loop over steps in a background thread."""
 
     def __init__(self, cfg: ForwardConfig) -> None:

@@ -12,26 +12,29 @@ with `RoleDiedError`, one that does not answer in time with `RoleTimeoutError`; 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 import time
 from typing import Any, Callable, Protocol, Sequence
 
 from relax_hpc.ckpt import ResumeState
-from relax_hpc.data.sample import Sample
 from relax_hpc.engines.elastic_api import ElasticReply
 from relax_hpc.roles.actor import ActorConfig, ActorWorker, rendezvous_address
 from relax_hpc.roles.advantages import AdvantagesConfig, AdvantagesWorker
 from relax_hpc.roles.engine_host import EngineHost
+from relax_hpc.roles.errors import RoleDiedError, RoleTimeoutError
 from relax_hpc.roles.forward import ForwardConfig, ForwardWorker
-from relax_hpc.roles.rollout import RolloutConfig, RolloutWorker
+from relax_hpc.roles.healing import RoleHealer
+from relax_hpc.roles.rollout import RolloutConfig, RolloutWorker, engine_role_name
 from relax_hpc.transfer.memory import InMemoryTransferQueue
 from relax_hpc.transfer.queue import partition_name
 from relax_hpc.weights.base import InProcessWeightSync, PendingWeights, WeightSync
 from relax_hpc.weights.ray_sync import DistributedWeightSync
 
-
 log = logging.getLogger(__name__)
+
+__all__ = ["LocalRoles", "RayRoles", "RoleDiedError", "RoleTimeoutError", "Roles", "TrainTicket", "get_from_roles"]
 
 # The roles that read and write fields of queued rows beside Rollout and Actor.
 RoleConfig = ForwardConfig | AdvantagesConfig
@@ -43,14 +46,9 @@ CHECKPOINT_TIMEOUT_S = 3600.0  # a collective save or load of the weights and op
 # After one trainer rank fails, how long to look for a rank that died: a dead peer makes the
 # others fail in their collective too, and the death is the cause to report.
 DEATH_GRACE_S = 5.0
-
-
-class RoleDiedError(RuntimeError):
-    """A role's process died (Ray reports its actor dead); the message names it and its log."""
-
-
-class RoleTimeoutError(TimeoutError):
-    """A role did not answer a call within the call's deadline; the message names it and its log."""
+# How long one poll waits for a role's error report; a role that does not answer by then is
+# asked again at the next poll (with the same call), and the stale check decides if it hangs.
+PROBE_WAIT_S = 0.5
 
 
 def _worker_class(cfg: RoleConfig) -> type[ForwardWorker] | type[AdvantagesWorker]:
@@ -88,7 +86,7 @@ class Roles(Protocol):
     def engine_report(self) -> list[dict[str, Any]]: ...
     def elastic(self, action: str, body: dict[str, Any]) -> ElasticReply:
         """One elastic REST request, answered by rollout (engines/elastic_api.py)."""
-    def shutdown(self) -> None: ...
+    def shutdown(self, abandon: bool = False) -> None: ...
 
 
 def mean_stats(all_stats: list[dict[str, float]]) -> dict[str, float]:
@@ -148,7 +146,7 @@ class LocalRoles:
     def elastic(self, action: str, body: dict[str, Any]) -> ElasticReply:
         return self.rollout.elastic(action, body)
 
-    def shutdown(self) -> None:
+    def shutdown(self, abandon: bool = False) -> None:
         self.rollout.stop_producer()
         for f in self.queue_roles:
             f.stop()
@@ -296,13 +294,23 @@ def _died(who: str, doing: str, error: BaseException) -> RoleDiedError:
     where = f" (pid {pid[1]}{f' on {host[1]}' if host else ''})" if pid else ""
     hint = f"{_log_hint(pid[1] if pid else None)}; an out-of-memory kill shows in dmesg on that host"
     if getattr(error, "actor_init_failed", False) or "creation task" in lines[0]:
-        return RoleDiedError(f"{who} could not start{where}: {lines[-1]}; {hint}")
+        return _named(RoleDiedError(f"{who} could not start{where}: {lines[-1]}; {hint}"), who)
     # Ray's text: "The actor died unexpectedly ...", then the reason, then generic advice.
     reason = next((line for line in lines if line.startswith("The actor is dead because")), lines[0])
     reason = reason.split(" Some common causes")[0].rstrip(". ")
     # Ray's ActorUnavailableError: the process may live, but Ray lost it (a network failure).
     verb = "became unreachable" if type(error).__name__ == "ActorUnavailableError" else "died"
-    return RoleDiedError(f"{who} {verb} while {doing}{where}: {reason}; {hint}")
+    return _named(RoleDiedError(f"{who} {verb} while {doing}{where}: {reason}; {hint}"), who)
+
+
+def _named(error: RoleDiedError, who: str) -> RoleDiedError:
+    error.role = health_name(who)
+    return error
+
+
+def health_name(who: str) -> str:
+    """A role's name in health files and events: "trainer rank 1" -> "trainer_rank_1"."""
+    return who.replace(" ", "_")
 
 
 def _log_hint(pid: str | None = None) -> str:
@@ -336,7 +344,7 @@ class RayRoles:
 
     def __init__(self, rollout: RolloutConfig, actor: ActorConfig, num_processes: int,
                  queue_roles: Sequence[RoleConfig] = (), capacity: int | None = None,
-                 timeout_s: float = 600.0) -> None:
+                 timeout_s: float = 600.0, healer: RoleHealer | None = None) -> None:
         import ray
 
         from relax_hpc.auth import job_secret
@@ -348,9 +356,18 @@ class RayRoles:
         self.queue_address = self._server.start()
         self._queue = TransferQueueClient(self.queue_address, secret=job_secret(), consumer_id="driver")
         self.timeout_s = timeout_s
+        self._healer = healer  # heartbeats, stale roles, restarts (relax_hpc/roles/healing.py)
+        self._probes: dict[str, Any] = {}  # role -> its error report still on its way
+        self._next_uncleared = 0  # the oldest step not yet cleared: where a restarted role starts
+        self._start_version = 0
+        self._seen_failed_engines: set[str] = set()
+        self._last_engine_check = 0.0
         self._ticket: _RayTicket | None = None  # the last submitted training step
         self._total_steps = 0  # set by start_rollout: the trainer prefetches up to the last step
         shared = rollout.release_between_steps  # engines and trainer ranks take turns on each GPU
+        if healer is not None:  # engines started at run time beat too
+            rollout = dataclasses.replace(rollout, engine_heartbeat_interval_s=healer.cfg.heartbeat_s)
+        self._rollout_cfg = rollout
         # N > 1 engines run in actors of their own (a GPU each on GPUs), behind rollout's router.
         host_options = {**self._placement("rollout"), **_gpus(rollout.device, shared)}
         self._engines = [
@@ -383,10 +400,8 @@ class RayRoles:
             for rank in range(num_processes)
         ]
         # ActorFwd / Reference / Advantages go to the forward component when the cluster has one.
-        self._queue_roles = [
-            ray.remote(_worker_class(f)).options(max_concurrency=4, **self._placement("forward")).remote(f)
-            for f in queue_roles
-        ]
+        self._queue_role_cfgs = list(queue_roles)
+        self._queue_roles = [self._new_queue_role(f) for f in queue_roles]
         self._queue_role_names = [f.kind for f in queue_roles]
         # Every role answers once it is placed and built: a role that cannot start is named now.
         started = get_from_roles(
@@ -395,6 +410,8 @@ class RayRoles:
              *((f"trainer rank {rank}", a.pid.remote()) for rank, a in enumerate(self._actors))],
             "starting (placed by Ray, loading its model)", ROLE_START_TIMEOUT_S)
         self._trainer_pids: list[int] = started[len(started) - num_processes:]
+        if healer is not None:
+            self._start_heartbeats()
         # Trainer rank 0 broadcasts to every engine (and ActorFwd) over gloo / NCCL in buckets. It
         # hosts the channel's store on its own node, on the interface that routes to this one (`host`),
         # and tells the driver that address for the receivers.
@@ -405,6 +422,47 @@ class RayRoles:
             receiver_devices=[rollout.device, *(f.device for _, f in fwd)],
             labels=["rollout 0", *("actor_fwd" for _ in fwd)],
         )
+
+    def _new_queue_role(self, cfg: RoleConfig) -> Any:
+        import ray
+
+        return ray.remote(_worker_class(cfg)).options(max_concurrency=4, **self._placement("forward")).remote(cfg)
+
+    def _named_roles(self) -> list[tuple[str, Any]]:
+        """Every role actor by health name (relax_hpc/ops/health.py)."""
+        return [("rollout", self._rollout), *zip(self._queue_role_names, self._queue_roles),
+                *((f"trainer_rank_{rank}", a) for rank, a in enumerate(self._actors)),
+                *((engine_role_name(f"engine-{i}"), e) for i, e in enumerate(self._engines))]
+
+    def _start_heartbeats(self) -> None:
+        assert self._healer is not None
+        healer, interval = self._healer, self._healer.cfg.heartbeat_s
+        named = self._named_roles()
+        get_from_roles([(name, handle.start_heartbeat.remote(str(healer.job_dir), name, interval))
+                        for name, handle in named], "starting its heartbeat", STATUS_TIMEOUT_S)
+        for name, _ in named:
+            healer.watch(name)
+
+    def _restart_queue_role(self, index: int) -> None:
+        """A new worker for queue role `index` under the same consumer id: it gets the rows its
+        predecessor received but never acked, and every row after them (transfer/queue.py)."""
+        import ray
+
+        name, cfg = self._queue_role_names[index], self._queue_role_cfgs[index]
+        ray.kill(self._queue_roles[index])
+        self._probes.pop(name, None)
+        worker = self._new_queue_role(cfg)
+        self._queue_roles[index] = worker
+        get_from_roles([(name, worker.weight_version.remote())], "restarting (loading its model)", ROLE_START_TIMEOUT_S)
+        if self._healer is not None:
+            get_from_roles([(name, worker.start_heartbeat.remote(str(self._healer.job_dir), name,
+                                                                  self._healer.cfg.heartbeat_s))],
+                           "starting its heartbeat", STATUS_TIMEOUT_S)
+            self._healer.watch(name)
+        get_from_roles([(name, worker.start.remote(self.queue_address, self._next_uncleared, self._total_steps,
+                                                   start_version=self._start_version))],
+                       "restarting its loop", STATUS_TIMEOUT_S)
+        log.info("%s restarted in place from step %d", name, self._next_uncleared)
 
     @staticmethod
     def _placement(component: str) -> dict[str, Any]:
@@ -428,6 +486,7 @@ class RayRoles:
 
     def start_rollout(self, start_step: int, total_steps: int, max_staleness: int, start_version: int) -> None:
         self._total_steps = total_steps
+        self._next_uncleared, self._start_version = start_step, start_version
         self.weights.connect()  # before any step is queued on the trainer: it opens the channel
         self._rollout_call("starting its producer", "start_producer", self.queue_address, start_step, total_steps,
                            max_staleness, start_version)
@@ -435,10 +494,70 @@ class RayRoles:
                                start_version=start_version)
 
     def _errors(self) -> str | None:
-        calls = [("rollout", self._rollout.producer_error.remote()),
-                 *((name, f.error.remote()) for name, f in zip(self._queue_role_names, self._queue_roles))]
-        found = get_from_roles(calls, "reporting its errors", STATUS_TIMEOUT_S)
+        """The producing roles' errors, polled while a step trains. With a healer, first the
+        roles' health: a stale role or a dead queue role or engine is restarted in place, or
+        the run restarts globally (GlobalRestartNeeded); a dead rollout is a RoleDiedError."""
+        if self._healer is not None:
+            self._check_health()
+        found = [self._probe("rollout", lambda: self._rollout.producer_error.remote())]
+        for index, (name, worker) in enumerate(zip(self._queue_role_names, self._queue_roles)):
+            try:
+                found.append(self._probe(name, lambda worker=worker: worker.error.remote()))
+            except RoleDiedError as e:
+                if self._healer is None:
+                    raise
+                self._healer.failed(name, "died", _short(e),
+                                    restart=lambda index=index: self._restart_queue_role(index))
         return "; ".join(e for e in found if e) or None
+
+    def _probe(self, name: str, call: Callable[[], Any]) -> str | None:
+        """A role's error report, if it answers within PROBE_WAIT_S; else None for now (the
+        same call is waited for at the next poll)."""
+        import ray
+
+        ref = self._probes.pop(name, None) or call()
+        ready, _ = ray.wait([ref], timeout=PROBE_WAIT_S)
+        if not ready:
+            self._probes[name] = ref
+            return None
+        return get_from_roles([(name, ref)], "reporting its errors", 0.0)[0]
+
+    def _check_health(self) -> None:
+        assert self._healer is not None
+        healer = self._healer
+        for role in healer.stale_roles():
+            detail = f"no heartbeat for {healer.stale.silent_for(role) if role in healer.stale.roles() else healer.cfg.stale_s:.0f} s"
+            if role in self._queue_role_names:
+                index = self._queue_role_names.index(role)
+                healer.failed(role, "stopped answering", detail,
+                              restart=lambda index=index: self._restart_queue_role(index))
+            elif role.startswith("engine_"):
+                engine_id = role.replace("_", "-")
+                healer.forget(role)  # killed now; its death is handled like any dead engine below
+                self._rollout_call(f"killing the hung engine {engine_id}", "kill_engine", engine_id)
+            else:
+                healer.failed(role, "stopped answering", detail)  # a core role: raises
+        if time.monotonic() - self._last_engine_check >= healer.cfg.heartbeat_s:
+            self._last_engine_check = time.monotonic()
+            self._heal_engines()
+
+    def _heal_engines(self) -> None:
+        """A rollout engine of this job that died is replaced by a new one (an elastic
+        scale-out of one engine); its prompts were already re-issued by the router."""
+        assert self._healer is not None
+        for engine in self.engine_report():
+            if engine["state"] != "failed" or engine["job"] is not None or engine["id"] in self._seen_failed_engines:
+                continue
+            role = engine_role_name(engine["id"])
+            self._healer.failed(role, "died", "its prompts went to the other engines",
+                                restart=lambda: self._replace_engine(engine["id"]))
+            self._seen_failed_engines.add(engine["id"])
+
+    def _replace_engine(self, engine_id: str) -> None:
+        reply = self.elastic("scale_out", {"num_engines": 1})
+        if reply.status >= 300:
+            raise RuntimeError(f"could not start a replacement for engine {engine_id}: {reply.body}")
+        log.info("engine %s died; a replacement joins: %s", engine_id, reply.body)
 
     def start_train(self, step: int, publish_version: int) -> TrainTicket:
         # Each rank asks for its first rows of the next step now, so they are on their way by
@@ -456,9 +575,15 @@ class RayRoles:
         # The driver clears through its own client: every trainer rank has acked its rows by
         # now, and a rollout held by the staleness bound waits for this clear.
         self._queue.clear(partition_name(step))
+        self._next_uncleared = step + 1
 
     def step_report(self, step: int) -> tuple[dict[str, float], dict]:
-        return self._rollout_call(f"reporting step {step}", "step_report", step)
+        if self._healer is not None:  # once a step too: short steps end before the ticket polls
+            self._check_health()
+        stats, cursor = self._rollout_call(f"reporting step {step}", "step_report", step)
+        if self._healer is not None:
+            stats = {**stats, **self._healer.book.metrics()}
+        return stats, cursor
 
     def save_checkpoint(self, state: ResumeState) -> str:
         return self._all(f"saving the checkpoint of step {state.step}", CHECKPOINT_TIMEOUT_S,
@@ -488,25 +613,39 @@ class RayRoles:
         """The process ids of the trainer ranks, by rank (tests kill one mid-step)."""
         return list(self._trainer_pids)
 
-    def shutdown(self) -> None:
+    def shutdown(self, abandon: bool = False) -> None:
+        """Stop every role: politely (stop, close the channel), then kill; `abandon`: kill at
+        once (a global restart: a hung role would not answer the polite part). Engines that
+        rollout started at run time are its own actors: Ray ends them with it."""
         import ray
 
         try:
-            calls = [("rollout", self._rollout.stop_producer.remote()),
-                     *((name, f.stop.remote()) for name, f in zip(self._queue_role_names, self._queue_roles))]
-            get_from_roles(calls, "stopping", STATUS_TIMEOUT_S)
-            # A trainer still inside a step (the loop failed) would answer only after its queue
-            # timeout: it is killed below without the polite part.
-            if self._ticket is None or self._ticket.done:
-                self.weights.close()
-                self._all("shutting down", STATUS_TIMEOUT_S, "shutdown")
-        except Exception as e:  # noqa: BLE001 - a role that already died; the loop's own error matters
-            log.warning("roles did not shut down cleanly (%s: %s); killing them", type(e).__name__, e)
+            if not abandon:
+                self._stop_politely()
         finally:
             for a in [*self._actors, self._rollout, *self._engines, *self._queue_roles]:
                 ray.kill(a)
             self._queue.close()
             self._server.stop()
+
+    def _stop_politely(self) -> None:
+        try:
+            calls = [("rollout", self._rollout.stop_producer.remote()),
+                     *((name, f.stop.remote()) for name, f in zip(self._queue_role_names, self._queue_roles))]
+            get_from_roles(calls, "stopping", STATUS_TIMEOUT_S)
+            # A trainer still inside a step (the loop failed) would answer only after its queue
+            # timeout: it is killed without the polite part.
+            if self._ticket is None or self._ticket.done:
+                self.weights.close()
+                self._all("shutting down", STATUS_TIMEOUT_S, "shutdown")
+        except Exception as e:  # noqa: BLE001 - a role that already died; the loop's own error matters
+            log.warning("roles did not shut down cleanly (%s: %s); killing them", type(e).__name__, e)
+
+
+def _short(error: BaseException) -> str:
+    """The cause of a role's death in a few words, for its health event."""
+    text = str(error).split(";")[0]
+    return text if len(text) <= 160 else text[:157] + "..."
 
 
 def _gpus(device: str, shared: bool = False) -> dict[str, float]:

@@ -28,8 +28,8 @@ from relax_hpc.data.dataset import DataCursor, DataSettings, load_dataset
 from relax_hpc.data.rows import sample_to_row
 from relax_hpc.data.sample import Sample, assign_sample_ids
 from relax_hpc.engines.base import Generator, RolloutEngine, SamplingParams
-from relax_hpc.engines.elastic import ElasticScaler
 from relax_hpc.engines.disk_weights import FEDERATION_WEIGHTS
+from relax_hpc.engines.elastic import ElasticScaler
 from relax_hpc.engines.elastic_api import ElasticReply
 from relax_hpc.engines.factory import make_engine
 from relax_hpc.engines.http_auth import engine_token, read_token_file
@@ -43,6 +43,7 @@ from relax_hpc.models.hf import load_tokenizer
 from relax_hpc.ops.heap import settle_heap
 from relax_hpc.ops.ports import port_slot_from_env
 from relax_hpc.rewards.hub import RewardHub, RewardSettings
+from relax_hpc.roles.heartbeat import Heartbeats
 from relax_hpc.spec.schema import (
     AlgorithmSpec,
     ModelSpec,
@@ -86,9 +87,17 @@ class RolloutConfig:
     sglang_spec: SGLangSpec | None = None  # engine = "sglang": [rollout.sglang] (None: its defaults)
     job_dir: str | None = None  # the SGLang servers' logs go to JOBDIR/logs (None: a temp dir)
     routing_replay: bool = AlgorithmSpec.routing_replay  # engines return each sample's routed experts (R3)
+    # Engines started at run time in actors of their own beat every this many seconds into
+    # JOBDIR/health/engine_<n>.json (relax_hpc/ops/health.py); 0: they do not.
+    engine_heartbeat_interval_s: float = 0.0
     # An engine that joined over HTTP (a grow job's) is given up, its prompts going to the others,
     # when one request takes longer than this: a step never waits longer for a vanished node.
     remote_engine_timeout_s: float = 300.0
+
+
+def engine_role_name(engine_id: str) -> str:
+    """The health role name of a rollout engine ("engine-3" -> "engine_3")."""
+    return engine_id.replace("-", "_")
 
 
 def federation_weights_dir(job_dir: str | Path | None) -> Path:
@@ -194,7 +203,7 @@ def reward_by_media(samples: list[Sample]) -> dict[str, float]:
     return {f"reward/by_media/{kind}": sum(v) / len(v) for kind, v in sorted(by_kind.items())}
 
 
-class RolloutWorker(WeightReceiverEndpoint):
+class RolloutWorker(WeightReceiverEndpoint, Heartbeats):
     def __init__(self, cfg: RolloutConfig, engine: RolloutEngine | list[RolloutEngine] | None = None,
                  engine_hosts: list[Any] | None = None, engine_host_options: dict[str, Any] | None = None) -> None:
         """`engine`: the engine (or engines) to drive; `engine_hosts`: `EngineHost` actors to
@@ -350,10 +359,30 @@ class RolloutWorker(WeightReceiverEndpoint):
         hosts = [ray.remote(EngineHost).options(**self._host_options).remote(
             cfg.engine, cfg.model_path, cfg.dtype, cfg.device, cfg.num_threads, cfg.routing_replay) for _ in ids]
         ray.get([h.pid.remote() for h in hosts], timeout=600)  # started, model loaded
+        if cfg.engine_heartbeat_interval_s > 0 and cfg.job_dir:
+            ray.get([h.start_heartbeat.remote(cfg.job_dir, engine_role_name(i), cfg.engine_heartbeat_interval_s)
+                     for i, h in zip(ids, hosts)], timeout=60)
         return [RayEngineClient(i, h) for i, h in zip(ids, hosts)]
+
+    def kill_engine(self, engine_id: str) -> bool:
+        """Kill the actor of engine `engine_id` (a hung one: the health manager's stale check);
+        the router then sees it dead and re-issues its prompts. False when it is not an actor here."""
+        import ray
+
+        for e in self.engine.engines if hasattr(self.engine, "engines") else []:
+            handle = getattr(e.client, "handle", None)
+            if e.client.id == engine_id and handle is not None:
+                ray.kill(handle)
+                return True
+        return False
 
     def producer_error(self) -> str | None:
         return self._error
+
+    def doing(self) -> str:
+        """What `relax-hpc status` shows for rollout (relax_hpc/roles/heartbeat.py)."""
+        step = getattr(self, "_producing", None)
+        return "idle" if step is None else f"producing step {step}"
 
     def step_report(self, step: int) -> tuple[dict[str, float], dict]:
         """The statistics of `step` and the cursor state right after it took its prompts (what a
@@ -369,6 +398,7 @@ class RolloutWorker(WeightReceiverEndpoint):
         queue = connect_queue(target, "rollout")
         try:
             for step in range(start_step, total_steps):
+                self._producing = step
                 t_wait = time.perf_counter()
                 while not self._stop.is_set():
                     try:

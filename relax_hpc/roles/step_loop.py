@@ -25,6 +25,7 @@ class StepLoopWorker(abc.ABC):
         self._stop = threading.Event()
         self._error: str | None = None
         self.rows_done = 0
+        self.current_step: int | None = None
 
     def start(self, queue: Any, start_step: int, total_steps: int, consumer_id: str = "",
               start_version: int | None = None) -> None:
@@ -50,6 +51,7 @@ class StepLoopWorker(abc.ABC):
         queue = connect_queue(target, consumer_id)
         try:
             for step in range(start_step, total_steps):
+                self.current_step = step
                 if not self._ready_for(step, start_step, start_version) or not self._process(queue, step):
                     return
                 settle_heap()  # once, after the first step: start-up is over
@@ -57,6 +59,12 @@ class StepLoopWorker(abc.ABC):
             self._error = f"{self.kind} failed: {type(e).__name__}: {e}"
         finally:
             queue.close()
+
+    def doing(self) -> str:
+        """What `relax-hpc status` shows for this role (relax_hpc/roles/heartbeat.py)."""
+        if self._error:
+            return "failed"
+        return "idle" if self.current_step is None else f"step {self.current_step}, {self.rows_done} rows done"
 
     def _ready_for(self, step: int, start_step: int, start_version: int) -> bool:
         """Wait for whatever `step` needs; False when asked to stop. Nothing by default."""

@@ -294,6 +294,16 @@ def _reference_role_has_a_use(spec: Resolved) -> list[SpecProblem]:
     return [SpecProblem(key="train.reference_role", value="true", message=message)]
 
 
+def _stale_after_several_heartbeats(spec: Resolved) -> list[SpecProblem]:
+    got = spec.get("health.heartbeat_s", "health.stale_s")
+    if got is None or got[1] >= 2 * got[0]:
+        return []
+    message = (f"must be at least twice health.heartbeat_s = {show_value(got[0])}: a role is declared hung "
+               "after this long without a heartbeat, so one late heartbeat must not restart it; raise stale_s "
+               "or lower heartbeat_s")
+    return [SpecProblem(key="health.stale_s", value=show_value(got[1]), message=message)]
+
+
 CROSS_CHECKS: tuple[Callable[[Resolved], list[SpecProblem]], ...] = (
     _colocate_is_on_policy,
     _reference_role_has_a_use,
@@ -310,4 +320,5 @@ CROSS_CHECKS: tuple[Callable[[Resolved], list[SpecProblem]], ...] = (
     _distributed_optimizer_needs_cuda,
     _cuda_needs_gpus,
     _grace_fits_time_limit,
+    _stale_after_several_heartbeats,
 )

@@ -320,7 +320,7 @@ class MetricsSpec:
 
 
 # What a job alerts its owner about ([notify] events; relax_hpc/driver/alerts.py sends them).
-NotifyEvent = Literal["started", "requeued", "preempted", "role_restarted", "failed", "finished",
+NotifyEvent = Literal["started", "requeued", "preempted", "role_restarted", "save_failed", "failed", "finished",
                       "reward_milestone"]
 NOTIFY_EVENTS: tuple[str, ...] = get_args(NotifyEvent)
 
@@ -334,9 +334,23 @@ class NotifySpec:
     # A file of URLs, one a line, read when the job starts; owner-only (keeps them out of the job dir).
     urls_file: str | None = setting(None, non_empty, plain_text)
     events: list[NotifyEvent] = setting_from(
-        lambda: ["started", "requeued", "preempted", "failed", "finished", "reward_milestone"])
+        lambda: ["started", "requeued", "preempted", "role_restarted", "save_failed", "failed", "finished",
+                 "reward_milestone"])
     min_interval_s: float = setting(60.0, within(0, MAX_TIMEOUT_S))  # per event kind; 0: no limit
     reward_milestones: list[float] = setting_from(list)  # alert once when reward/mean first reaches each
+
+
+@dataclass(frozen=True, kw_only=True)
+class HealthSpec:
+    """[health]: every role sends a heartbeat; a role that dies or falls silent is restarted in
+    place, and the run restarts from its newest checkpoint when that cannot heal it
+    (docs/operations.md, "Health")."""
+
+    heartbeat_s: float = setting(10.0, within(0.1, MAX_TIMEOUT_S))  # how often each role reports
+    stale_s: float = setting(120.0, within(0.5, MAX_TIMEOUT_S))  # silent this long: hung, restarted
+    # The failure of one role that is not restarted in place (the run restarts globally instead).
+    max_in_place_restarts: int = setting(3, within(1, MAX_COUNT))
+    max_global_restarts: int = setting(3, within(0, MAX_COUNT))  # then the run fails
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -410,6 +424,7 @@ class JobSpec:
     metrics: MetricsSpec = setting_from(MetricsSpec)
     notify: NotifySpec = setting_from(NotifySpec)
     federation: FederationSpec = setting_from(FederationSpec)
+    health: HealthSpec = setting_from(HealthSpec)
     cluster: ClusterSpec = setting_from(ClusterSpec)
     container: ContainerSpec = setting_from(ContainerSpec)
 

@@ -138,7 +138,8 @@ def test_pool_scores_a_timeout_as_a_wrong_answer_and_goes_on(rewards_module: str
     signed = resolve_reward(f"{rewards_module}:signed_hog")
     assert failure_score(signed) == -1.0
     samples = [_sample("hang", "7"), _sample("7", "7"), _sample("3", "7")]
-    with RewardPool(concurrency=3, timeout_s=2, worker_processes=2) as pool:
+    # 6 s: a worker that starts slowly on a loaded host must not time out the good samples too.
+    with RewardPool(concurrency=3, timeout_s=6, worker_processes=2) as pool:
         stats = pool.score(samples, lambda s: ("signed", signed))
         again = [_sample("7", "7")]
         pool.score(again, lambda s: ("signed", signed))

@@ -42,9 +42,10 @@ def test_defaults_send_nothing_and_name_the_usual_events() -> None:
     notify = parse_spec(VALID_SPEC).notify
     assert notify == NotifySpec()
     assert notify.urls == [] and notify.urls_file is None and notify.min_interval_s == 60.0
-    assert notify.events == ["started", "requeued", "preempted", "failed", "finished", "reward_milestone"]
+    assert notify.events == ["started", "requeued", "preempted", "role_restarted", "save_failed", "failed",
+                             "finished", "reward_milestone"]
     assert notify.reward_milestones == []
-    assert set(notify.events) < set(NOTIFY_EVENTS) and "role_restarted" in NOTIFY_EVENTS
+    assert set(notify.events) == set(NOTIFY_EVENTS)  # every event is alerted unless the spec says otherwise
 
 
 def test_every_key_is_accepted() -> None:
@@ -58,7 +59,7 @@ def test_every_key_is_accepted() -> None:
 def test_an_unknown_event_lists_the_allowed_ones() -> None:
     report = report_of(spec_with({"notify": {"events": ["started", "crashed"]}}))
     assert "notify.events[1] = 'crashed': is not one of the allowed values; allowed: " in report
-    assert '"started", "requeued", "preempted", "role_restarted", "failed", "finished", "reward_milestone"' in report
+    assert '"started", "requeued", "preempted", "role_restarted", "save_failed", "failed", "finished", "reward_milestone"' in report
 
 
 @pytest.mark.parametrize(
