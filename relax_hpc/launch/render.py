@@ -199,6 +199,7 @@ def render_sbatch(spec: JobSpec, job_dir: str, spec_file: str) -> str:
         "total_nodes": _count(sum(g.spec.nodes for g in groups), "the total of cluster.*.nodes"),
         "ray_join_timeout_s": _count(spec.cluster.ray_join_timeout_s, "cluster.ray_join_timeout_s"),
         "requeue": "1" if spec.cluster.requeue else "0",
+        "max_global_restarts": _count(spec.health.max_global_restarts, "health.max_global_restarts"),
         "python": python,
         "wrappers": "\n".join(render_wrapper(g.name, spec.container, g.spec.gpus_per_node) for g in groups),
         "start_ray_lines": "\n".join(_start_ray_lines(spec)),
