@@ -11,8 +11,11 @@
     relax-hpc serve-engine DIR  serve a model over HTTP (SGLang's /generate subset); prints the URL
     relax-hpc render SPEC       print the heterogeneous sbatch script of a spec (no side effects)
     relax-hpc submit SPEC       submit it to Slurm; status | logs | cancel JOB; convert JOBDIR OUT
+    relax-hpc status JOBDIR     a run's state, step, reward, samples/s, roles' health, restarts (--watch)
     relax-hpc grow JOB          add rollout engines to a running job from another Slurm job (render --grow
                                 shows its script); shrink JOB drains engines away (docs/federation.md)
+    relax-hpc faults SPEC       run SPEC once per fault (killed roles, driver, hung role, corrupt checkpoint,
+                                full disk) and check each run recovered, every sample trained once
 
 SPEC is a TOML file, or the name of a spec shipped in the package (tiny_local, tiny_slurm),
 so an installed wheel runs `relax-hpc run tiny_local` from any directory (relax_hpc/jobspecs/).
@@ -197,7 +200,11 @@ def _cmd_serve_engine(args: argparse.Namespace) -> int:
     import signal
 
     from relax_hpc.engines.http_auth import default_token_file, write_token_file
-    from relax_hpc.engines.http_server import EngineServer, ServerLimits, exposure_warning
+    from relax_hpc.engines.http_server import (
+        EngineServer,
+        ServerLimits,
+        exposure_warning,
+    )
     from relax_hpc.engines.native import NativeEngine
 
     chosen = {"request_timeout_s": args.request_timeout_s, "max_connections": args.max_connections,
@@ -238,6 +245,56 @@ def _cmd_serve_engine(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
         token_file.unlink(missing_ok=True)
     return 0
+
+
+def _cmd_faults(args: argparse.Namespace) -> int:
+    """Exit 0 when every fault that ran was recovered, 1 otherwise (2, via main, on a bad spec)."""
+    from relax_hpc.launch.faults import (
+        FAULTS,
+        default_out,
+        fault_named,
+        run_suite,
+        suite_ok,
+    )
+
+    spec = with_embedded_inputs(load_spec(args.spec), args.spec)
+    faults = [fault_named(name) for name in dict.fromkeys(args.only)] if args.only else list(FAULTS)
+    out = Path(args.out) if args.out else default_out(spec)
+    rows = run_suite(spec, out, faults, args.steps, args.run_timeout_s)
+    return 0 if suite_ok(rows) else 1
+
+
+def _add_faults_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    from relax_hpc.launch.faults import (
+        DEFAULT_STEPS,
+        DEFAULT_TIMEOUT_S,
+        FAULTS,
+        MIN_STEPS,
+    )
+
+    listing = "\n".join(f"  {f.name:<20}{f.what}" for f in FAULTS)
+    p = sub.add_parser(
+        "faults", help="run SPEC once per injected fault and check every run recovered, each sample trained once",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Run SPEC (a few steps) once per fault, inject the fault mid-run, and check the run "
+                    "recovered: it exited 0 at its last step, and the exactly-once check of its trajectory "
+                    "archive found no sample duplicated or lost. Prints a table (fault, recovered, restart "
+                    "kind, time to recover, samples trained, duplicated, lost) and 'faults survived: K/N, "
+                    "samples lost L, duplicated D'; exit 0 only when every fault that ran was recovered. "
+                    "docs/operations.md, \"Fault suite\".",
+        epilog=f"faults, in the order they run:\n{listing}")
+    p.add_argument("spec", help="the job spec (a file, or an embedded spec's name: tiny_local)")
+    p.add_argument("--only", nargs="+", metavar="FAULT", choices=[f.name for f in FAULTS], default=None,
+                   help="run only these faults (default: all)")
+    p.add_argument("--steps", type=int, default=DEFAULT_STEPS,
+                   help=f"steps of each run (default {DEFAULT_STEPS}, at least {MIN_STEPS}); faults come after step 3")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="where the job directories go, DIR/<fault>/, and DIR/faults.json "
+                        "(default runs/faults-<job name>); an earlier suite's directories there are replaced")
+    p.add_argument("--run-timeout-s", type=float, default=DEFAULT_TIMEOUT_S, metavar="S",
+                   help=f"longest one run of the spec may take before it is killed and its fault fails "
+                        f"(default {DEFAULT_TIMEOUT_S:.0f})")
+    p.set_defaults(func=_cmd_faults)
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -328,6 +385,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_serve_engine)
 
     slurm_commands.add_parsers(sub)  # render, submit, status, logs, cancel, convert, grow, shrink
+    _add_faults_parser(sub)
     return parser
 
 

@@ -1,0 +1,338 @@
+"""`relax-hpc faults SPEC`: run a job spec once per fault, inject the fault mid-run, and check
+the run recovered with every planned sample trained exactly once.
+
+    relax-hpc faults jobspecs/tiny_local.toml                  # all faults, 8 steps each
+    relax-hpc faults SPEC --only kill-driver disk-full --out runs/my-faults
+
+Each fault gets a fresh job directory, OUT/<fault>/ (default OUT: runs/faults-<spec name>),
+holding fault-spec.toml (SPEC with a few steps, frequent checkpoints, the trajectory archive,
+fast heartbeats and the roles the fault needs), the run's log fault.log, and the run's own
+files. The run is `relax-hpc run fault-spec.toml` as a subprocess (relax_hpc/launch/
+fault_scenarios.py says how each fault is injected). Afterwards the exactly-once check of the
+trajectory archive (relax_hpc/ops/exactly_once.py) counts duplicated and lost samples, and
+summary.json gives the samples trained and the restarts. The table and OUT/faults.json hold a
+row per fault; the exit status is 0 only when every fault that ran was recovered.
+docs/operations.md, "Fault suite".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import signal
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from relax_hpc.spec import JobSpec, NotifySpec, parse_spec, spec_to_toml
+
+if TYPE_CHECKING:
+    from relax_hpc.launch.fault_process import StepRecord
+    from relax_hpc.launch.fault_scenarios import FaultJob, Injection
+
+DEFAULT_STEPS = 8
+MIN_STEPS = 6  # a save that fails (step 4), one after it that succeeds, and the last
+INJECT_AFTER = 3  # steps trained before a fault
+SAVE_INTERVAL = 2
+HEARTBEAT_S, STALE_S = 0.5, 4.0  # a hung role is noticed within seconds
+DEFAULT_TIMEOUT_S = 300.0  # per run of the spec
+FAULT_SPEC = "fault-spec.toml"  # also marks a directory the suite may replace
+REPORT = "faults.json"
+KL_COEF = 0.01  # when the spec has none: the Reference role needs a use
+
+
+@dataclass(frozen=True)
+class Fault:
+    name: str
+    what: str  # one line: --help and the docs
+    needs: str = ""  # "engines", "reference", "actor_fwd", "ranks": what the spec must run
+    role: str = ""  # the heartbeat role whose process is signalled
+    sig: signal.Signals = signal.SIGKILL
+
+
+FAULTS: tuple[Fault, ...] = (
+    Fault("kill-engine", "SIGKILL of rollout engine engine_1 (of 2, each in its own Ray actor)",
+          "engines", "engine_1"),
+    Fault("kill-actor-fwd", "SIGKILL of the ActorFwd role", "actor_fwd", "actor_fwd"),
+    Fault("kill-reference", "SIGKILL of the Reference role", "reference", "reference"),
+    Fault("kill-trainer-rank", "SIGKILL of trainer rank 1 (of 2)", "ranks", "trainer_rank_1"),
+    Fault("kill-driver", "SIGKILL of the driver and every process it started; the run is started "
+                         "again and resumes from its newest checkpoint (what a Slurm requeue does)"),
+    Fault("hang-reference", "SIGSTOP of the Reference role: it stops beating, goes stale and must be "
+                            "replaced", "reference", "reference", signal.SIGSTOP),
+    Fault("corrupt-checkpoint", "the run is stopped (SIGTERM: it checkpoints), the newest checkpoint's "
+                                "data file truncated, the run started again: it must resume from the "
+                                "checkpoint before"),
+    Fault("disk-full", "JOBDIR/checkpoints on a small tmpfs, filled up after the first save: the next "
+                       "save fails, the run goes on and a later save succeeds (needs root)"),
+)
+FAULT_NAMES: tuple[str, ...] = tuple(f.name for f in FAULTS)
+
+
+def fault_named(name: str) -> Fault:
+    for fault in FAULTS:
+        if fault.name == name:
+            return fault
+    raise ValueError(f"no fault {name!r}; the faults are {', '.join(FAULT_NAMES)}")
+
+
+def derive_spec(spec: JobSpec, fault: Fault, job_dir: Path, steps: int) -> JobSpec:
+    """`spec` as the fault's run: in `job_dir`, `steps` steps, a checkpoint every 2, the trajectory
+    archive, heartbeats every 0.5 s (stale after 4), the roles the fault needs, no alerts or
+    trackers (a fault run pages nobody), and the model and data paths absolute."""
+    r, t, a = spec.rollout, spec.train, spec.algorithm
+    if fault.needs == "engines":
+        r = dataclasses.replace(r, num_engines=max(2, r.num_engines))
+    elif fault.needs == "reference":
+        t = dataclasses.replace(t, reference_role=True)
+        a = dataclasses.replace(a, kl_coef=a.kl_coef or KL_COEF)
+    elif fault.needs == "actor_fwd":
+        t = dataclasses.replace(t, actor_fwd_role=True)
+    elif fault.needs == "ranks":
+        t = dataclasses.replace(t, num_processes=max(2, t.num_processes))
+    return dataclasses.replace(
+        spec,
+        job=dataclasses.replace(spec.job, name=f"{spec.job.name}-{fault.name}"[:64], output_dir=str(job_dir)),
+        model=dataclasses.replace(spec.model, path=str(Path(spec.model.path).absolute())),
+        data=dataclasses.replace(spec.data, path=str(Path(spec.data.path).absolute())),
+        rollout=r, algorithm=a,
+        train=dataclasses.replace(t, steps=steps),
+        checkpoint=dataclasses.replace(spec.checkpoint, save_interval=SAVE_INTERVAL,
+                                       keep_last=max(2, spec.checkpoint.keep_last), resume=True),
+        metrics=dataclasses.replace(spec.metrics, trajectory_archive=True, plot=False, wandb_project=None,
+                                    clearml_project=None),
+        notify=NotifySpec(),
+        health=dataclasses.replace(spec.health, heartbeat_s=HEARTBEAT_S, stale_s=STALE_S),
+    )
+
+
+def checked_spec_text(spec: JobSpec, fault: Fault) -> str:
+    """The derived spec as TOML, loaded back once so a conflict with SPEC shows before any run."""
+    from relax_hpc.spec import SpecError
+
+    text = spec_to_toml(spec)
+    try:
+        parse_spec(text, f"{FAULT_SPEC} of fault {fault.name}")
+    except SpecError as e:
+        raise ValueError(f"fault {fault.name} needs SPEC changed in a way it does not allow (leave that "
+                         f"fault out with --only): {e}") from e
+    return text
+
+
+@dataclass(frozen=True)
+class FaultRow:
+    """One line of the table (and of OUT/faults.json)."""
+
+    fault: str
+    ran: bool
+    recovered: bool
+    restart: str  # "in place", "global", "rerun", "none", "-" when not run
+    recover_s: float | None  # from the injection to the first step that shows the run going on
+    samples: int | None  # summary.json samples_trained
+    duplicated: int | None
+    lost: int | None
+    note: str = ""
+
+
+def restart_kind(rerun: bool, health: Any) -> str:
+    """What brought the run back: its own restarts (summary.json "health"), and the suite's rerun."""
+    kinds = []
+    if isinstance(health, dict):
+        if health.get("global"):
+            kinds.append("global")
+        elif health.get("in_place"):
+            kinds.append("in place")
+    if rerun:
+        kinds.append("rerun")
+    return ", ".join(kinds) or "none"
+
+
+def time_to_recover(injection: Injection, records: Sequence[StepRecord]) -> float | None:
+    """Seconds from the injection to the first metrics record that proves the run went on: after a
+    rerun, the rerun's first; otherwise the first for a step other than the one in flight at the
+    injection (that one may have been complete already)."""
+    if injection.injected_at is None:
+        return None
+    for record in records[injection.first_after:]:
+        if injection.in_flight is None or record.step != injection.in_flight:
+            return max(0.0, record.seen - injection.injected_at)
+    return None
+
+
+def judge(fault: Fault, injection: Injection, steps: int, summary: dict[str, Any] | None,
+          counts: tuple[int, int] | str, recover_s: float | None) -> FaultRow:
+    """The row of one fault: recovered when the fault was injected, the last run exited 0 at
+    step `steps`, no sample was duplicated or lost, and the fault's own checks held.
+    `counts`: (duplicated, lost) of the exactly-once check, or why it could not run."""
+    if injection.not_run:
+        return FaultRow(fault.name, False, False, "-", None, None, None, None, injection.not_run)
+    problems = list(injection.problems)
+    code = injection.exit_codes[-1] if injection.exit_codes else None
+    if injection.injected and code not in (0, None):
+        problems.append(f"the run failed (exit {code}): {injection.last_log_line}")
+    if summary is None:
+        problems.append("the last run wrote no summary.json")
+    else:
+        if summary.get("end_step") != steps:
+            problems.append(f"the run ended at step {summary.get('end_step')} of {steps}")
+        if injection.expect_start_step is not None and summary.get("start_step") != injection.expect_start_step:
+            problems.append(f"the rerun started from step {summary.get('start_step')}, not from the checkpoint "
+                            f"before the damaged one (step {injection.expect_start_step})")
+    duplicated = lost = None
+    if isinstance(counts, str):
+        problems.append(f"no exactly-once check: {counts}")
+    else:
+        duplicated, lost = counts
+        if duplicated or lost:
+            problems.append(f"exactly-once check: {duplicated} duplicated, {lost} lost")
+    if not injection.injected and not injection.problems:
+        problems.append("the fault was not injected")
+    samples = summary.get("samples_trained") if summary else None
+    restart = restart_kind(injection.rerun, summary.get("health") if summary else None)
+    note = "; ".join(problems + injection.notes)
+    return FaultRow(fault.name, True, not problems, restart, recover_s, samples, duplicated, lost, note)
+
+
+COLUMNS = (("fault", 20), ("recovered", 10), ("restart", 15), ("recover s", 10), ("samples", 8),
+           ("duplicated", 11), ("lost", 5))
+
+
+def _cells(row: FaultRow) -> list[str]:
+    def number(value: float | None, form: str = "{}") -> str:
+        return "-" if value is None else form.format(value)
+
+    recovered = "not run" if not row.ran else "yes" if row.recovered else "NO"
+    return [row.fault, recovered, row.restart, number(row.recover_s, "{:.1f}"), number(row.samples),
+            number(row.duplicated), number(row.lost)]
+
+
+def format_table(rows: Sequence[FaultRow]) -> list[str]:
+    """Fixed-width lines: a header, one line per fault; then the notes of every row."""
+    def line(cells: Sequence[str]) -> str:
+        first, *rest = zip(cells, COLUMNS)
+        return (first[0].ljust(first[1][1]) + "".join(c.rjust(w) for c, (_, w) in rest)).rstrip()
+
+    lines = [line([name for name, _ in COLUMNS])]
+    lines += [line(_cells(row)) for row in rows]
+    notes = [f"  {row.fault}: {row.note}" for row in rows if row.note]
+    return lines + (["notes:", *notes] if notes else [])
+
+
+def last_line(rows: Sequence[FaultRow]) -> str:
+    ran = [row for row in rows if row.ran]
+    survived = sum(row.recovered for row in ran)
+    skipped = len(rows) - len(ran)
+    lost = sum(row.lost or 0 for row in ran)
+    duplicated = sum(row.duplicated or 0 for row in ran)
+    not_run = f" ({skipped} not run)" if skipped else ""
+    return f"faults survived: {survived}/{len(ran)}{not_run}, samples lost {lost}, duplicated {duplicated}"
+
+
+def suite_ok(rows: Sequence[FaultRow]) -> bool:
+    """Every fault that ran was recovered (a recovered row has 0 lost and 0 duplicated), and one ran."""
+    ran = [row for row in rows if row.ran]
+    return bool(ran) and all(row.recovered for row in ran)
+
+
+def default_out(spec: JobSpec) -> Path:
+    return Path("runs") / f"faults-{spec.job.name}"
+
+
+def fresh_job_dir(path: Path) -> Path:
+    """An empty directory for one fault; one left by an earlier suite (it holds fault-spec.toml)
+    is replaced, anything else refused."""
+    from relax_hpc.launch.fault_inject import unmount
+
+    if path.exists():
+        if not (path / FAULT_SPEC).is_file():
+            raise FileExistsError(f"{path} exists and is not a fault run's directory (no {FAULT_SPEC}); "
+                                  "pass another --out")
+        unmount(path / "checkpoints")  # a suite killed during the disk-full fault left it mounted
+        shutil.rmtree(path)
+    path.mkdir(mode=0o700, parents=True)
+    return path
+
+
+def run_fault(spec: JobSpec, fault: Fault, job_dir: Path, steps: int, timeout_s: float) -> FaultRow:
+    """Run the fault's spec with the fault injected, then check it (FaultRow)."""
+    from relax_hpc.launch.fault_scenarios import FaultJob
+
+    derived = derive_spec(spec, fault, job_dir, steps)
+    text = checked_spec_text(derived, fault)
+    fresh_job_dir(job_dir)
+    (job_dir / FAULT_SPEC).write_text(text)
+    job = FaultJob(job_dir / FAULT_SPEC, job_dir, INJECT_AFTER, timeout_s, dict(os.environ))
+    injection = _inject(fault, job, derived)
+    return judge(fault, injection, steps, _summary(job_dir, injection.last_run_started), _counts(job_dir),
+                 time_to_recover(injection, job.tail.records))
+
+
+def _inject(fault: Fault, job: FaultJob, spec: JobSpec) -> Injection:
+    # Imported here: the scenarios import the checkpoint package (torch), `relax-hpc --help` does not.
+    from relax_hpc.launch import fault_scenarios as scenarios
+
+    if fault.role:
+        return scenarios.role_fault(job, fault.role, fault.sig)
+    if fault.name == "kill-driver":
+        return scenarios.driver_kill(job)
+    if fault.name == "corrupt-checkpoint":
+        return scenarios.corrupt_newest_checkpoint(job)
+    assert fault.name == "disk-full", fault
+    return scenarios.disk_full(job, Path(spec.model.path), spec.checkpoint.keep_last)
+
+
+def _summary(job_dir: Path, since: float) -> dict[str, Any] | None:
+    """summary.json of the last run, if that run wrote one (an older file is an earlier run's)."""
+    path = job_dir / "summary.json"
+    try:
+        if path.stat().st_mtime < since:
+            return None
+        summary = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return summary if isinstance(summary, dict) else None
+
+
+def _counts(job_dir: Path) -> tuple[int, int] | str:
+    from relax_hpc.ops.archive import ArchiveError
+    from relax_hpc.ops.exactly_once import check_exactly_once
+
+    try:
+        report = check_exactly_once(job_dir)
+    except (ArchiveError, OSError) as e:
+        return str(e)
+    return report.duplicated, report.lost
+
+
+def run_suite(spec: JobSpec, out: Path, faults: Sequence[Fault], steps: int, timeout_s: float,
+              echo: Callable[[str], None] = print) -> list[FaultRow]:
+    """Every fault in turn; prints a line per fault as it ends, then the table and the last line,
+    and writes OUT/faults.json."""
+    if steps < MIN_STEPS:
+        raise ValueError(f"--steps {steps}: the suite needs at least {MIN_STEPS} (a fault after step "
+                         f"{INJECT_AFTER}, a failed save and a later one that succeeds)")
+    out = out.absolute()
+    for fault in faults:  # every derived spec valid before the first run
+        checked_spec_text(derive_spec(spec, fault, out / fault.name, steps), fault)
+    rows: list[FaultRow] = []
+    for fault in faults:
+        echo(f"fault {fault.name}: {fault.what} (job dir {out / fault.name})")
+        row = run_fault(spec, fault, out / fault.name, steps, timeout_s)
+        echo(f"  -> {_cells(row)[1]}" + (f": {row.note}" if row.note else ""))
+        rows.append(row)
+    for line in ["", *format_table(rows), last_line(rows)]:
+        echo(line)
+    write_report(out / REPORT, rows, steps)
+    return rows
+
+
+def write_report(path: Path, rows: Sequence[FaultRow], steps: int) -> None:
+    from relax_hpc.ckpt.fs import atomic_write_text
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    report = {"steps": steps, "rows": [dataclasses.asdict(row) for row in rows], "last_line": last_line(rows),
+              "ok": suite_ok(rows)}
+    atomic_write_text(path, json.dumps(report, indent=2) + "\n")

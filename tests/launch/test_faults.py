@@ -1,0 +1,114 @@
+"""`relax-hpc faults` on a small copy of the embedded tiny spec, on CPU: every fault is injected
+into a real run, and each run must recover with every planned sample trained exactly once.
+
+The suite runs once for the module (about 8 runs of the spec, two of them started twice); each
+test checks one row of its faults.json, and the last the printed summary line and exit status.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from relax_hpc.jobspecs import embedded_dir, with_embedded_inputs
+from relax_hpc.launch.faults import FAULT_NAMES, REPORT
+from relax_hpc.spec import load_spec, spec_to_toml
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]  # the first test pays for the whole suite
+
+REPO = Path(__file__).resolve().parents[2]
+STEPS, PROMPTS, SAMPLES = 8, 4, 8
+RUN_TIMEOUT_S = 240
+
+# The restart each fault should cost (docs/operations.md, "Health"): a role that is not core is
+# restarted in place, a core role (ActorFwd, a trainer rank) costs a restart of the whole run.
+# A dead engine stops nothing (the router gives its prompts to the other engine), and the driver
+# replaces it when it next looks at the engines; these steps are so short that the run may end
+# first, so either is right for it.
+RESTART: dict[str, tuple[str, ...]] = {
+    "kill-engine": ("in place", "none"),
+    "kill-actor-fwd": ("global",),
+    "kill-reference": ("in place",),
+    "kill-trainer-rank": ("global",),
+    "kill-driver": ("rerun",),
+    "hang-reference": ("in place",),
+    "corrupt-checkpoint": ("rerun",),
+    "disk-full": ("none",),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class SuiteResult:
+    returncode: int
+    stdout: str
+    rows: dict[str, dict[str, Any]]
+    out: Path
+
+
+@pytest.fixture(scope="module")
+def suite(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> SuiteResult:
+    base = tmp_path_factory.mktemp("faults")
+    path = embedded_dir() / "tiny_local.toml"
+    spec = with_embedded_inputs(load_spec(path), path)
+    spec = dataclasses.replace(
+        spec, job=dataclasses.replace(spec.job, name="tiny_faults"),
+        model=dataclasses.replace(spec.model, path=str(tiny_model_dir)),
+        rollout=dataclasses.replace(spec.rollout, prompts_per_step=PROMPTS, n_samples_per_prompt=SAMPLES))
+    spec_path = base / "tiny_faults.toml"
+    spec_path.write_text(spec_to_toml(spec))
+    out = base / "out"
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    done = subprocess.run([sys.executable, "-m", "relax_hpc.cli.main", "faults", str(spec_path), "--out", str(out),
+                           "--steps", str(STEPS), "--run-timeout-s", str(RUN_TIMEOUT_S)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=3500, check=False)
+    print(done.stdout, done.stderr, sep="\n")  # the table, in the test's output when one fails
+    report = json.loads((out / REPORT).read_text())
+    return SuiteResult(done.returncode, done.stdout, {row["fault"]: row for row in report["rows"]}, out)
+
+
+@pytest.mark.parametrize("fault", FAULT_NAMES)
+def test_fault_is_recovered_with_every_sample_trained_once(suite: SuiteResult, fault: str) -> None:
+    row = suite.rows[fault]
+    if fault == "disk-full" and os.geteuid() != 0:
+        pytest.skip("needs root to mount a small file system")
+    assert row["ran"] and row["recovered"], row["note"]
+    assert (row["duplicated"], row["lost"]) == (0, 0)
+    assert row["samples"] == STEPS * PROMPTS * SAMPLES
+    assert row["restart"] in RESTART[fault], row["note"]
+    assert row["recover_s"] is not None and row["recover_s"] >= 0
+
+
+def test_suite_prints_the_table_and_the_last_line_and_exits_0(suite: SuiteResult) -> None:
+    lines = suite.stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("fault ") and "recovered" in line)
+    assert [line.split()[0] for line in lines[header + 1: header + 1 + len(FAULT_NAMES)]] == list(FAULT_NAMES)
+    not_run = "" if os.geteuid() == 0 else " (1 not run)"
+    ran = len(FAULT_NAMES) - (0 if os.geteuid() == 0 else 1)
+    assert lines[-1] == f"faults survived: {ran}/{ran}{not_run}, samples lost 0, duplicated 0"
+    assert suite.returncode == 0
+
+
+def test_suite_leaves_no_process_and_no_mount_behind(suite: SuiteResult) -> None:
+    # Every process of a run names its job directory: the driver in its command line, the Ray
+    # processes and workers in RELAX_HPC_SECRET_FILE (a local run's secret is JOBDIR/.secret).
+    marker = str(suite.out).encode()
+    left = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            seen = Path(entry.path, "cmdline").read_bytes() + Path(entry.path, "environ").read_bytes()
+            state = Path(entry.path, "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if marker in seen and state != "Z":
+            left.append((entry.name, state, Path(entry.path, "cmdline").read_bytes()[:80]))
+    assert left == []
+    assert not os.path.ismount(suite.out / "disk-full" / "checkpoints")
