@@ -522,7 +522,9 @@ class RayRoles:
             return None
         return get_from_roles([(name, ref)], "reporting its errors", 0.0)[0]
 
-    def _check_health(self) -> None:
+    def _check_health(self, engines_now: bool = False) -> None:
+        """Stale roles, then (every heartbeat_s while a step is polled, or `engines_now`) the
+        engines."""
         assert self._healer is not None
         healer = self._healer
         for role in healer.stale_roles():
@@ -537,7 +539,7 @@ class RayRoles:
                 self._rollout_call(f"killing the hung engine {engine_id}", "kill_engine", engine_id)
             else:
                 healer.failed(role, "stopped answering", detail)  # a core role: raises
-        if time.monotonic() - self._last_engine_check >= healer.cfg.heartbeat_s:
+        if engines_now or time.monotonic() - self._last_engine_check >= healer.cfg.heartbeat_s:
             self._last_engine_check = time.monotonic()
             self._heal_engines()
 
@@ -579,7 +581,7 @@ class RayRoles:
 
     def step_report(self, step: int) -> tuple[dict[str, float], dict]:
         if self._healer is not None:  # once a step too: short steps end before the ticket polls
-            self._check_health()
+            self._check_health(engines_now=True)
         stats, cursor = self._rollout_call(f"reporting step {step}", "step_report", step)
         if self._healer is not None:
             stats = {**stats, **self._healer.book.metrics()}

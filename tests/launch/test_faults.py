@@ -29,11 +29,10 @@ RUN_TIMEOUT_S = 240
 
 # The restart each fault should cost (docs/operations.md, "Health"): a role that is not core is
 # restarted in place, a core role (ActorFwd, a trainer rank) costs a restart of the whole run.
-# A dead engine stops nothing (the router gives its prompts to the other engine), and the driver
-# replaces it when it next looks at the engines; these steps are so short that the run may end
-# first, so either is right for it.
+# A dead engine stops nothing (the router gives its prompts to the other engine); the driver
+# looks at the engines after every step and starts a replacement.
 RESTART: dict[str, tuple[str, ...]] = {
-    "kill-engine": ("in place", "none"),
+    "kill-engine": ("in place",),
     "kill-actor-fwd": ("global",),
     "kill-reference": ("in place",),
     "kill-trainer-rank": ("global",),
