@@ -13,7 +13,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,7 +34,7 @@ from relax_hpc.launch.fault_process import (
     log_tail,
 )
 
-HEARTBEAT_WAIT_S = 10.0  # for a role's heartbeat file, once the run trains
+HEARTBEAT_WAIT_S = 30.0  # for a role's heartbeat file, once the run trains (a replacement loads its model first)
 SAVE_FAILURES = "ckpt/save_failures"  # the metric a failed (non-fatal) save counts in
 
 
@@ -130,8 +130,9 @@ class FaultJob:
         if left:
             injection.problems.append(f"processes {left} of the run survived SIGKILL")
 
-    def role_pid(self, run: JobProcess, role: str, injection: Injection) -> int | None:
-        """The pid in the role's heartbeat file, once it is a live process of this run."""
+    def role_pid(self, run: JobProcess, role: str, injection: Injection, not_these: Sequence[int] = ()) -> int | None:
+        """The pid in the role's heartbeat file, once it is a live process of this run and not one
+        of `not_these` (processes signalled before, which may not have exited yet)."""
         from relax_hpc.ops.health import heartbeat_path, read_heartbeats
 
         path = heartbeat_path(self.job_dir, role)
@@ -139,7 +140,8 @@ class FaultJob:
         while True:
             record = read_heartbeats(self.job_dir).get(role)
             pid = record.get("pid") if record else None
-            if isinstance(pid, int) and record and record.get("host") == socket.gethostname() and run.owns(pid):
+            if (isinstance(pid, int) and pid not in not_these and record and record.get("host") == socket.gethostname()
+                    and run.owns(pid)):
                 return pid
             if time.monotonic() > deadline or run.exit_code() is not None:
                 seen = f"it names pid {pid}, not a process of this run" if record else "there is none"
@@ -149,33 +151,40 @@ class FaultJob:
             time.sleep(POLL_S)
 
 
-def role_fault(job: FaultJob, role: str, sig: signal.Signals) -> Injection:
-    """Send `sig` to one role's process mid-run; with SIGSTOP it is continued once the run is over."""
+def role_fault(job: FaultJob, role: str, sig: signal.Signals, times: int = 1) -> Injection:
+    """Send `sig` to one role's process mid-run, `times` times in a row (each time to the process
+    that replaced the last one); with SIGSTOP it is continued once the run is over. The time to
+    recover counts from the last signal."""
     injection = Injection()
     run = job.start(injection)
-    pid: int | None = None
+    signalled: list[int] = []
     try:
         if not job.reach_step(run, injection):
             return injection
-        pid = job.role_pid(run, role, injection)
-        if pid is None:
-            run.kill_all()
-            injection.exit_codes.append(None)
-            return injection
-        job.mark(injection)
-        try:
-            os.kill(pid, sig)
-        except ProcessLookupError:
-            injection.injected = False
-            injection.problems.append(f"{role} (pid {pid}) exited by itself before the {sig.name}")
-            run.kill_all()
-            injection.exit_codes.append(None)
-            return injection
-        injection.notes.append(f"{sig.name} to {role} (pid {pid}) after step {job.tail.last_step()}")
+        for _ in range(times):
+            pid = job.role_pid(run, role, injection, signalled)  # after a kill: the replacement
+            if pid is None:
+                run.kill_all()
+                injection.exit_codes.append(None)
+                return injection
+            job.mark(injection)
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                injection.injected = False
+                injection.problems.append(f"{role} (pid {pid}) exited by itself before the {sig.name}")
+                run.kill_all()
+                injection.exit_codes.append(None)
+                return injection
+            signalled.append(pid)
+        pids = ", ".join(str(p) for p in signalled)
+        injection.notes.append(f"{sig.name} to {role} (pid {pids}) after step {job.tail.last_step()}")
         job.wait_exit(run, injection)
     finally:
-        if sig == signal.SIGSTOP and pid is not None and run.owns(pid):
-            os.kill(pid, signal.SIGCONT)  # never leave a stopped process behind
+        if sig == signal.SIGSTOP:
+            for pid in signalled:
+                if run.owns(pid):
+                    os.kill(pid, signal.SIGCONT)  # never leave a stopped process behind
         job.finish(run, injection)
     return injection
 

@@ -51,6 +51,7 @@ class Fault:
     needs: str = ""  # "engines", "reference", "actor_fwd", "ranks": what the spec must run
     role: str = ""  # the heartbeat role whose process is signalled
     sig: signal.Signals = signal.SIGKILL
+    times: int = 1  # the role's process is signalled this many times in a row (each replacement too)
 
 
 FAULTS: tuple[Fault, ...] = (
@@ -58,6 +59,8 @@ FAULTS: tuple[Fault, ...] = (
           "engines", "engine_1"),
     Fault("kill-actor-fwd", "SIGKILL of the ActorFwd role", "actor_fwd", "actor_fwd"),
     Fault("kill-reference", "SIGKILL of the Reference role", "reference", "reference"),
+    Fault("kill-reference-3x", "SIGKILL of the Reference role, then of its replacement, twice: the third "
+                               "failure of one role restarts the whole run", "reference", "reference", times=3),
     Fault("kill-trainer-rank", "SIGKILL of trainer rank 1 (of 2)", "ranks", "trainer_rank_1"),
     Fault("kill-driver", "SIGKILL of the driver and every process it started; the run is started "
                          "again and resumes from its newest checkpoint (what a Slurm requeue does)"),
@@ -275,7 +278,7 @@ def _inject(fault: Fault, job: FaultJob, spec: JobSpec) -> Injection:
     from relax_hpc.launch import fault_scenarios as scenarios
 
     if fault.role:
-        return scenarios.role_fault(job, fault.role, fault.sig)
+        return scenarios.role_fault(job, fault.role, fault.sig, fault.times)
     if fault.name == "kill-driver":
         return scenarios.driver_kill(job)
     if fault.name == "corrupt-checkpoint":

@@ -35,6 +35,7 @@ RESTART: dict[str, tuple[str, ...]] = {
     "kill-engine": ("in place",),
     "kill-actor-fwd": ("global",),
     "kill-reference": ("in place",),
+    "kill-reference-3x": ("global",),
     "kill-trainer-rank": ("global",),
     "kill-driver": ("rerun",),
     "hang-reference": ("in place",),
@@ -111,3 +112,16 @@ def test_suite_leaves_no_process_and_no_mount_behind(suite: SuiteResult) -> None
             left.append((entry.name, state, Path(entry.path, "cmdline").read_bytes()[:80]))
     assert left == []
     assert not os.path.ismount(suite.out / "disk-full" / "checkpoints")
+
+
+def test_a_role_killed_three_times_in_a_row_restarts_the_whole_run(suite: SuiteResult) -> None:
+    """Twice in place, the third failure of the same role a global restart (max_in_place_restarts
+    = 3); each is a health event, counted in the step metrics too."""
+    job_dir = suite.out / "kill-reference-3x"
+    health = json.loads((job_dir / "summary.json").read_text())["health"]
+    assert [(e["role"], e["action"]) for e in health["events"]] == [
+        ("reference", "in_place"), ("reference", "in_place"), ("reference", "global")]
+    assert "failure 3 of this role in a row" in health["events"][-1]["detail"]
+    last = json.loads((job_dir / "metrics.jsonl").read_text().splitlines()[-1])
+    assert (last["health/in_place_restarts"], last["health/global_restarts"]) == (2, 1)
+    assert "health: reference died: global restart from the newest checkpoint" in (job_dir / "fault.log").read_text()

@@ -66,7 +66,7 @@ def test_every_fault_spec_is_valid_and_holds_what_the_suite_relies_on(name: str,
     assert derived.notify.urls == [] and derived.notify.urls_file is None
     assert Path(derived.model.path).is_absolute() and Path(derived.data.path).is_file()
     assert derived.rollout.num_engines == (2 if name == "kill-engine" else 1)
-    assert derived.train.reference_role == (name in ("kill-reference", "hang-reference"))
+    assert derived.train.reference_role == (name in ("kill-reference", "kill-reference-3x", "hang-reference"))
     assert derived.train.actor_fwd_role == (name == "kill-actor-fwd")
     assert derived.train.num_processes == (2 if name == "kill-trainer-rank" else 1)
 
