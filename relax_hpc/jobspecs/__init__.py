@@ -1,9 +1,9 @@
 """The job specs that ship inside the package, so an installed wheel can run them from anywhere.
 
     relax-hpc run tiny_local               # also: tiny_local.toml, jobspecs/tiny_local.toml
-    relax-hpc render tiny_slurm
+    relax-hpc render tiny_slurm            # tiny_slurm_fwd: a third component for ActorFwd + Reference
 
-This folder holds the real files; the checkout's jobspecs/tiny_*.toml and
+This folder holds the real files; the checkout's jobspecs/tiny_{local,slurm,slurm_fwd}.toml and
 jobspecs/data/tiny_sum.jsonl are symlinks to them. The folder mirrors the checkout's layout
 (``jobspecs/<name>.toml``, ``jobspecs/data/...`` under relax_hpc/), so the relative paths
 written in these specs hold from the checkout root and from the installed package alike.

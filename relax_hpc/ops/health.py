@@ -2,8 +2,9 @@
 
 Every role process runs a `HeartbeatWriter`: a daemon thread that rewrites
 `JOBDIR/health/<role>.json` every `heartbeat_s` seconds (write-then-rename), with the role's
-name, pid, host, a beat counter and what it is doing. The files live in the job directory, so
-the driver, `relax-hpc status JOBDIR` and the fault suite read them from any node of the job.
+name, pid, host, Slurm node (null outside Slurm), a beat counter and what it is doing. The files
+live in the job directory, so the driver, `relax-hpc status JOBDIR` and the fault suite read them
+from any node of the job.
 
 A role is *stale* when its beat counter has not changed for `stale_s` seconds by the reader's
 own clock (`StaleWatch`): clocks of different nodes never enter, and a stopped (SIGSTOP) or
@@ -80,8 +81,8 @@ class HeartbeatWriter:
             doing = self._doing()
         except Exception as e:  # noqa: BLE001 - a heartbeat never fails its role
             doing = f"? ({type(e).__name__})"
-        record = {"role": self.role, "pid": os.getpid(), "host": socket.gethostname(), "beat": self.beats,
-                  "time": time.time(), "doing": doing}
+        record = {"role": self.role, "pid": os.getpid(), "host": socket.gethostname(), "node": _slurm_node(),
+                  "beat": self.beats, "time": time.time(), "doing": doing}
         try:
             write_private_text(self.path, json.dumps(record))
         except OSError:  # a full or unreachable file system: the beat is missed, the reader sees it
@@ -95,6 +96,13 @@ class HeartbeatWriter:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=self.interval_s + 5)
+
+
+def _slurm_node() -> str | None:
+    """The Slurm node this process runs on, None outside Slurm. Every process of a job step
+    (Ray's workers too, started by the node's raylet) inherits SLURMD_NODENAME; it tells the
+    nodes apart where several share one host (tools/dev-slurm), which the host name cannot."""
+    return os.environ.get("SLURMD_NODENAME") or None
 
 
 def read_heartbeats(job_dir: str | Path) -> dict[str, dict[str, Any]]:

@@ -289,7 +289,8 @@ def _role_lines(roles: dict[str, Any], beats: dict[str, dict[str, Any]], job_dir
             health = "stale"  # the driver may not have noticed yet; a restarting role beats anew
         fields = [f"    {name:<16} {health:<10}"]
         if beat is not None:
-            fields.append(f"pid {beat.get('pid')!s:<7} {beat.get('host')!s:<12} "
+            where = beat.get("node") or beat.get("host")  # the Slurm node: dev-slurm's nodes share one host
+            fields.append(f"pid {beat.get('pid')!s:<7} {where!s:<12} "
                           f"beat {'?' if age is None else format_duration(age)} ago")
             if beat.get("doing"):
                 fields.append(str(beat["doing"]))

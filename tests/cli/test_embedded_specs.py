@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_the_checkout_paths_link_to_the_one_packaged_copy() -> None:
-    assert embedded_names() == ["tiny_local", "tiny_slurm"]
+    assert embedded_names() == ["tiny_local", "tiny_slurm", "tiny_slurm_fwd"]
     for name in embedded_names():
         assert (REPO / "jobspecs" / f"{name}.toml").resolve() == embedded_dir() / f"{name}.toml"
     data = embedded_dir() / "data" / "tiny_sum.jsonl"
@@ -57,6 +57,8 @@ def test_show_of_an_embedded_name_runs_from_anywhere(tmp_path: Path, monkeypatch
     assert Path(load_spec(shown).data.path) == embedded_dir() / "data" / "tiny_sum.jsonl"
     assert main(["render", "tiny_slurm"]) == 0
     assert "#SBATCH --job-name=tiny_slurm" in capsys.readouterr().out
+    assert main(["render", "tiny_slurm_fwd"]) == 0  # three components: trainer, rollout, forward
+    assert "# group 2: forward, 1 node(s)" in capsys.readouterr().out
 
 
 def test_the_template_comes_from_the_package_or_the_override(monkeypatch: pytest.MonkeyPatch,

@@ -21,6 +21,7 @@ REPO = Path(__file__).resolve().parents[2]
 GOLDEN = Path(__file__).parent / "golden"
 SPECS = {
     "tiny_slurm": REPO / "jobspecs" / "tiny_slurm.toml",
+    "tiny_slurm_fwd": REPO / "jobspecs" / "tiny_slurm_fwd.toml",
     "gpu_1node": Path(__file__).parent / "specs" / "gpu_1node.toml",
     "colocate_1node": Path(__file__).parent / "specs" / "colocate_1node.toml",
     "qwen3_omni": REPO / "jobspecs" / "qwen3_omni.toml",

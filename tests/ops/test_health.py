@@ -36,6 +36,15 @@ def test_heartbeat_file_is_written_at_once_owner_only_and_counts_beats(tmp_path)
     assert [p.name for p in path.parent.iterdir()] == ["reference.json"]  # no temp file left
 
 
+def test_a_beat_names_the_slurm_node_which_tells_nodes_on_one_host_apart(tmp_path, monkeypatch):
+    monkeypatch.delenv("SLURMD_NODENAME", raising=False)
+    HeartbeatWriter(heartbeat_path(tmp_path, "driver"), "driver", 3600.0).beat()
+    assert read_heartbeats(tmp_path)["driver"]["node"] is None  # not under Slurm
+    monkeypatch.setenv("SLURMD_NODENAME", "n3")  # what slurmd sets for every process of a step
+    HeartbeatWriter(heartbeat_path(tmp_path, "reference"), "reference", 3600.0).beat()
+    assert read_heartbeats(tmp_path)["reference"]["node"] == "n3"
+
+
 def test_a_failing_doing_never_stops_the_beat(tmp_path):
     def broken() -> str:
         raise ValueError("boom")

@@ -279,3 +279,10 @@ def test_heartbeats_without_a_status_file_still_show_the_roles_and_whether_the_d
     lines = status_lines(tmp_path, now=10_500.0)
     assert lines[1].endswith(f"driver pid {record['pid']} is gone")
     assert _role_line(lines, "rollout").split()[1] == "ended"
+
+
+def test_a_role_line_names_the_slurm_node_where_the_host_name_is_shared(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SLURMD_NODENAME", "n3")  # tools/dev-slurm: every node is this host
+    _beat(tmp_path, "reference", "forward step 2")
+    assert " n3 " in _role_line(status_lines(tmp_path), "reference")

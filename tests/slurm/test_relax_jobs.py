@@ -37,9 +37,11 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("model") / "tiny-qwen3", seed=1)
 
 
-def write_spec(tmp_path: Path, name: str, model: Path, steps: int, save_interval: int) -> Path:
-    text = (REPO / "jobspecs" / "tiny_slurm.toml").read_text()
-    text = text.replace('name = "tiny_slurm"', f'name = "{name}"\noutput_dir = "{tmp_path / name}"')
+def write_spec(tmp_path: Path, name: str, model: Path, steps: int, save_interval: int,
+               source: str = "tiny_slurm") -> Path:
+    """jobspecs/<source>.toml, named ``name``, with its job dir under ``tmp_path`` and a short run."""
+    text = (REPO / "jobspecs" / f"{source}.toml").read_text()
+    text = text.replace(f'name = "{source}"', f'name = "{name}"\noutput_dir = "{tmp_path / name}"')
     text = text.replace('path = "runs/models/tiny-qwen3"', f'path = "{model}"')
     text = re.sub(r"(?m)^steps = \d+", f"steps = {steps}", text)
     text = re.sub(r"(?m)^save_interval = \d+", f"save_interval = {save_interval}", text)
