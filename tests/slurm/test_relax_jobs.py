@@ -149,19 +149,34 @@ def test_requeue_and_preemption_resume_and_train_every_sample_once(
     assert "requeueing job" in (signalled_dir / "logs" / "restart-0" / "batch.log").read_text()
 
 
+def next_job_id(cluster: DevSlurm, tmp_path: Path) -> int:
+    """The id Slurm gives the next job: one more than a held job's, submitted and cancelled here.
+
+    (sbatch ignores SBATCH_HOLD, and `relax-hpc submit` has no hold: a job cannot be held from
+    its submission to its start. The tests here submit one at a time, so ids are consecutive.)
+    """
+    probe = tmp_path / "next-id.sh"
+    probe.write_text("#!/bin/bash\ntrue\n")
+    held = cluster.slurm("sbatch", "--hold", "--parsable", "--job-name=next-id", f"--chdir={tmp_path}",
+                         str(probe)).strip().split(";")[0]
+    cluster.slurm("scancel", held)
+    return int(held) + 1
+
+
 def test_job_whose_ray_worker_cannot_start_fails_with_the_reason_in_its_log(
         dev_slurm: DevSlurm, tmp_path: Path, tiny_model: Path) -> None:
     spec = write_spec(tmp_path, "t_fail", tiny_model, steps=5, save_interval=5)
     job_dir = tmp_path / "t_fail"
-    # Held at submission, so the rollout node's port can be taken before the job starts.
-    job_id = submit(dev_slurm, spec, env={"SBATCH_HOLD": "1"})
+    # The rollout node's port is taken before the job exists, so the job can never be first to it.
+    expected_id = next_job_id(dev_slurm, tmp_path)
     blocker = socket.socket()
     try:
         blocker.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        blocker.bind(("127.0.0.1", ray_ports(int(job_id), 1).node_manager))
+        blocker.bind(("127.0.0.1", ray_ports(expected_id, 1).node_manager))
         blocker.listen()
         started = time.monotonic()
-        dev_slurm.slurm("scontrol", "release", job_id)
+        job_id = submit(dev_slurm, spec)
+        assert int(job_id) == expected_id, f"another job was submitted meanwhile: got {job_id}, not {expected_id}"
         states = dev_slurm.wait_job_done(job_id, timeout=150)
         assert "FAILED" in states, states
         assert time.monotonic() - started < 120  # fails fast, well before ray_join_timeout_s
