@@ -10,6 +10,7 @@ producer's batch boundary, where it also waits for the version the staleness bou
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 import tempfile
@@ -44,6 +45,7 @@ from relax_hpc.ops.heap import settle_heap
 from relax_hpc.ops.ports import port_slot_from_env
 from relax_hpc.rewards.hub import RewardHub, RewardSettings
 from relax_hpc.roles.heartbeat import Heartbeats
+from relax_hpc.roles.shipping import StepShipper
 from relax_hpc.spec.schema import (
     AlgorithmSpec,
     ModelSpec,
@@ -53,7 +55,6 @@ from relax_hpc.spec.schema import (
 )
 from relax_hpc.transfer.connect import connect_queue
 from relax_hpc.transfer.memory import InMemoryTransferQueue
-from relax_hpc.transfer.queue import partition_name
 from relax_hpc.weights.base import required_weight_version
 from relax_hpc.weights.endpoints import WeightInbox, WeightReceiverEndpoint
 
@@ -396,11 +397,15 @@ class RolloutWorker(WeightReceiverEndpoint, Heartbeats):
     def _produce(self, target: Any, start_step: int, total_steps: int, max_staleness: int,
                  start_version: int) -> None:
         queue = connect_queue(target, "rollout")
+        # Each step's rows are built and put while the next step generates (roles/shipping.py).
+        shipper = StepShipper(connect_queue(target, "rollout-ship"), self.cfg.queue_timeout_s)
         try:
             for step in range(start_step, total_steps):
                 self._producing = step
                 t_wait = time.perf_counter()
                 while not self._stop.is_set():
+                    if (failed := shipper.failure()) is not None:
+                        raise failed
                     try:
                         queue.wait_until_may_start(step, max_staleness, timeout=1.0)
                         break
@@ -424,18 +429,24 @@ class RolloutWorker(WeightReceiverEndpoint, Heartbeats):
                 with self._lock:
                     self._cursor_after[step] = self.cursor.state()
                     self._stats[step] = stats
-                partition = partition_name(step)
-                rows = [sample_to_row(s) for s in samples]
-                if self.cfg.advantages_role:
-                    for row in rows:
-                        del row["advantages"]
-                queue.put(partition, rows, timeout=self.cfg.queue_timeout_s)
-                queue.complete(partition, len(samples))
+                shipper.ship(step, functools.partial(self._rows_of, samples))
                 settle_heap()  # once, after the first step: start-up is over
+            shipper.wait()  # the last step is on the queue before the producer ends
         except Exception as e:  # reported to the driver, which stops with this message
             self._error = f"rollout producer failed: {type(e).__name__}: {e}"
         finally:
+            try:
+                shipper.close()
+            except Exception as e:  # noqa: BLE001 - a put that failed while the producer stopped
+                self._error = self._error or f"rollout producer failed: {type(e).__name__}: {e}"
             queue.close()
+
+    def _rows_of(self, samples: list[Sample]) -> list[dict[str, Any]]:
+        rows = [sample_to_row(s) for s in samples]
+        if self.cfg.advantages_role:
+            for row in rows:
+                del row["advantages"]
+        return rows
 
     def _set_advantages(self, samples: list[Sample]) -> None:
         rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
