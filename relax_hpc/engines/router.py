@@ -31,9 +31,10 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import logging
+import queue
 import threading
 from dataclasses import dataclass
-from typing import Any, Hashable, Iterable, Protocol, Sequence
+from typing import Any, Callable, Hashable, Iterable, Protocol, Sequence
 
 import torch
 
@@ -311,14 +312,15 @@ class EngineRouter:
         results: list[list[Generation] | None] = [None] * len(chunks)
         todo = collections.deque(chunks)
         running: dict[Future, tuple[_Chunk, int]] = {}
+        # Each chunk's future posts itself here when it completes: waking up costs the same with
+        # 256 chunks running as with 2 (`concurrent.futures.wait` visits every running future).
+        finished: queue.SimpleQueue[Future] = queue.SimpleQueue()
         try:
             while todo or running:
-                self._dispatch(todo, running, prompts, params, seed, len(chunks), media)
+                self._dispatch(todo, running, prompts, params, seed, len(chunks), media, finished.put)
                 if not running:
                     raise self._no_engine_left(len(prompts))
-                done, _ = concurrent.futures.wait(running, timeout=RETIRED_POLL_S,
-                                                  return_when=concurrent.futures.FIRST_COMPLETED)
-                for future in done:
+                for future in self._completed(running, finished):
                     chunk, k = running.pop(future)
                     engine = self.engines[k]
                     self._set_idle(engine)
@@ -342,6 +344,20 @@ class EngineRouter:
             for row, gen in zip(chunk.rows, gens):
                 answers[row] = gen
         return [a for a in answers if a is not None]
+
+    @staticmethod
+    def _completed(running: dict[Future, tuple[_Chunk, int]], finished: queue.SimpleQueue) -> list[Future]:
+        """The running futures that completed: waits up to RETIRED_POLL_S for one, then takes all
+        that are there. A future no longer running (taken back from a retired engine) is skipped."""
+        try:
+            done = [finished.get(timeout=RETIRED_POLL_S)]
+        except queue.Empty:
+            return []
+        while True:
+            try:
+                done.append(finished.get_nowait())
+            except queue.Empty:
+                return [future for future in done if future in running]
 
     def _set_idle(self, engine: EngineState) -> None:
         with self._changed:
@@ -404,9 +420,14 @@ class EngineRouter:
 
     def _dispatch(self, todo: collections.deque, running: dict, prompts: list[list[int]],
                   params: SamplingParams, seed: int | None, chunk_count: int,
-                  media: Sequence[PromptMedia | None] | None = None) -> None:
-        """Hand queued chunks to idle live engines (a session chunk only to its engine)."""
-        for _ in range(len(todo)):
+                  media: Sequence[PromptMedia | None] | None, on_done: Callable[[Future], Any]) -> None:
+        """Hand queued chunks to idle live engines (a session chunk only to its engine), lowest
+        index first. The idle engines are listed once per call: listed again for every queued
+        chunk, on every completion, they took half of the router's time at 256 engines
+        (docs/benchmarks.md, "Fleet simulation")."""
+        idle = collections.deque(k for k, e in enumerate(self.engines) if e.alive and not e.busy)
+        waiting: list[_Chunk] = []  # chunks that found no engine (a session's is busy): they keep their place
+        while todo and idle:  # every queued chunk, a session's too, needs an idle engine
             chunk = todo.popleft()
             if chunk.pinned is not None and not self.engines[chunk.pinned].alive:
                 dead, chunk.pinned = chunk.pinned, self._least_loaded()  # its sessions move along
@@ -415,11 +436,13 @@ class EngineRouter:
                         self._sessions[key] = chunk.pinned
                         self.engines[dead].sessions -= 1
                         self.engines[chunk.pinned].sessions += 1
-            idle = [k for k, e in enumerate(self.engines) if e.alive and not e.busy]
+            while idle and not self._free(idle[0]):
+                idle.popleft()  # taken meanwhile by another call, or retired
             k = chunk.pinned if chunk.pinned is not None else (idle[0] if idle else None)
-            if k is None or self.engines[k].busy:
-                todo.append(chunk)
+            if k is None or k not in idle or not self._free(k):
+                waiting.append(chunk)
                 continue
+            idle.remove(k)
             engine = self.engines[k]
             with self._lock:
                 engine.busy = True
@@ -430,6 +453,11 @@ class EngineRouter:
             else:
                 future = engine.client.submit(chunk_prompts, params, chunk_seed, [media[r] for r in chunk.rows])
             running[future] = (chunk, k)
+            future.add_done_callback(on_done)
+        todo.extendleft(reversed(waiting))
+
+    def _free(self, k: int) -> bool:
+        return self.engines[k].alive and not self.engines[k].busy
 
     def _bury(self, k: int, error: BaseException, prompts: int) -> None:
         engine = self.engines[k]
