@@ -454,14 +454,14 @@ class RayRoles:
         worker = self._new_queue_role(cfg)
         self._queue_roles[index] = worker
         get_from_roles([(name, worker.weight_version.remote())], "restarting (loading its model)", ROLE_START_TIMEOUT_S)
-        if self._healer is not None:
+        get_from_roles([(name, worker.start.remote(self.queue_address, self._next_uncleared, self._total_steps,
+                                                   start_version=self._start_version))],
+                       "restarting its loop", STATUS_TIMEOUT_S)
+        if self._healer is not None:  # its heartbeat file names the new process once it is back at work
             get_from_roles([(name, worker.start_heartbeat.remote(str(self._healer.job_dir), name,
                                                                   self._healer.cfg.heartbeat_s))],
                            "starting its heartbeat", STATUS_TIMEOUT_S)
             self._healer.watch(name)
-        get_from_roles([(name, worker.start.remote(self.queue_address, self._next_uncleared, self._total_steps,
-                                                   start_version=self._start_version))],
-                       "restarting its loop", STATUS_TIMEOUT_S)
         log.info("%s restarted in place from step %d", name, self._next_uncleared)
 
     @staticmethod
