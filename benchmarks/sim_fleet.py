@@ -2,7 +2,7 @@
 
     python benchmarks/sim_fleet.py [--engines 16 64 256] [--steps 8] [--warmup 2] [--queue zmq|memory]
                                    [--prompts-per-engine 8] [--samples 8] [--max-new-tokens 1024]
-                                   [--chunks-per-engine 2] [--max-staleness 1] [--train-step-s 0.2]
+                                   [--chunks-per-engine 1] [--max-staleness 1] [--train-step-s 0.2]
                                    [--engine-scale 1] [--decode-step-s S --decode-s-per-token S ...]
     python benchmarks/sim_fleet.py --measure   # the engine constants, on the real tiny model
 
@@ -67,6 +67,7 @@ from relax_hpc.engines.sim_engine import (
 )
 from relax_hpc.ops.heap import settle_heap
 from relax_hpc.roles.shipping import StepShipper
+from relax_hpc.spec.schema import RolloutSpec
 from relax_hpc.transfer import InMemoryTransferQueue, partition_name, queue_capacity
 from relax_hpc.weights.base import required_weight_version
 from relax_hpc.weights.endpoints import WeightInbox
@@ -82,7 +83,7 @@ class FleetConfig:
     samples: int = 8  # per prompt: a group
     prompt_len: int = 32
     max_new_tokens: int = 1024
-    chunks_per_engine: int = 2
+    chunks_per_engine: int = RolloutSpec.chunks_per_engine  # the spec's default
     max_staleness: int = 1
     train_step_s: float = 0.2
     sync_s: float = 0.0

@@ -161,7 +161,7 @@ class EngineRouter:
     """A `RolloutEngine` over N engine clients; see the module docstring."""
 
     def __init__(self, clients: Sequence[EngineClient], tokenizer: Any, eos_id: int,
-                 chunks_per_engine: int = 2, local_engine: RolloutEngine | None = None) -> None:
+                 chunks_per_engine: int = 1, local_engine: RolloutEngine | None = None) -> None:
         if not clients:
             raise ValueError("EngineRouter needs at least one engine client")
         # A fresh engine actor starts at version 0; an engine handed over may hold a later one.

@@ -192,7 +192,7 @@ class RolloutSpec:
     top_k: int = setting(0, within(0, MAX_TOKENS))  # 0 disables top-k
     stop: list[str] = setting_from(list)  # stop strings; EOS always stops
     num_engines: int = setting(1, within(1, MAX_COUNT))
-    chunks_per_engine: int = setting(2, within(1, 64))
+    chunks_per_engine: int = setting(1, within(1, 64))
     dynamic_sampling: bool = setting(False)  # DAPO: drop all-equal-reward groups, over-sample
     max_sampling_rounds: int = setting(4, within(1, MAX_COUNT))  # generation rounds per step to fill it
     # Agentic rollouts (docs/agents.md): a multi-turn environment, a custom generate function,

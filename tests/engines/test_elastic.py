@@ -55,7 +55,8 @@ def tokenizer(tiny_model_dir: Path) -> Any:
 
 def _router(tokenizer: Any, n: int = 1) -> EngineRouter:
     clients = [WeightedClient(f"engine-{k}", ScriptedEngine(tokenizer, [str(k)])) for k in range(n)]
-    return EngineRouter(clients, tokenizer, tokenizer.eos_token_id)
+    # Two pieces per engine: a drained engine's piece has others to go to while the rest run.
+    return EngineRouter(clients, tokenizer, tokenizer.eos_token_id, chunks_per_engine=2)
 
 
 def _remote(tokenizer: Any, made: dict[str, WeightedClient], fail: set[str] = frozenset(),  # type: ignore[assignment]

@@ -63,7 +63,8 @@ def _engines(tokenizer: Any, n: int) -> list[ScriptedEngine]:
 
 def _router(tokenizer: Any, engines: list[Any], clients: list[Any] | None = None) -> EngineRouter:
     clients = clients or [LocalEngineClient(f"engine-{k}", e) for k, e in enumerate(engines)]
-    return EngineRouter(clients, tokenizer, tokenizer.eos_token_id)
+    # Two pieces per engine, so that an engine that finishes early has a piece left to take.
+    return EngineRouter(clients, tokenizer, tokenizer.eos_token_id, chunks_per_engine=2)
 
 
 def _brief(router: EngineRouter) -> list[dict[str, Any]]:

@@ -322,7 +322,7 @@ def test_a_killed_server_restarts_on_the_current_weights_and_each_prompt_is_answ
     old_pid, log = victim.server.pid, victim.server.log_path
     seen = log.stat().st_size
     router = EngineRouter([LocalEngineClient(f"engine-{k}", e) for k, e in enumerate(fleet)],
-                          victim.tokenizer, victim.eos_id)
+                          victim.tokenizer, victim.eos_id, chunks_per_engine=2)
     long = SamplingParams(max_new_tokens=160, temperature=1.0, top_k=1)  # seconds of decoding per chunk
     box: dict[str, Any] = {}
     caller = threading.Thread(target=lambda: box.update(gens=router.generate(prompts, long, seed=1)), daemon=True)
