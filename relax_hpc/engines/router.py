@@ -2,8 +2,9 @@
 
 The rollout role drives one engine; with `[rollout] num_engines = N` that engine is a router
 over N engine clients (in this process, or Ray actors elsewhere). A `generate` call is cut
-into chunks of whole prompt groups; each live engine takes one chunk at a time, so an engine
-that finishes early takes the next one (work goes by load, not by a fixed share). A request
+into chunks of whole prompt groups, `chunks_per_engine` per live engine; each live engine takes
+one chunk at a time, so with more than one chunk per engine an engine that finishes early takes
+the next one (work goes by load, not by a fixed share). A request
 that belongs to a multi-turn session (``sessions=[key, ...]``) goes to the engine that served
 that session before, so its prefix stays warm there.
 
