@@ -11,8 +11,10 @@ channel.
 from __future__ import annotations
 
 import os
-from typing import Any, Iterable, Sequence
+import warnings
+from typing import Any, Iterable, NamedTuple, Sequence
 
+import numpy as np
 import torch
 
 from relax_hpc.engines.base import Generation, RolloutEngine, SamplingParams
@@ -20,6 +22,45 @@ from relax_hpc.engines.factory import make_engine
 from relax_hpc.engines.router import Future, WeightsUnavailable
 from relax_hpc.media.items import PromptMedia
 from relax_hpc.roles.heartbeat import Heartbeats
+
+
+class SharedWeights(NamedTuple):
+    """One weight version as it goes through Ray's object store: each tensor's bytes as a flat
+    uint8 array, with its name, dtype and shape.
+
+    Ray pickles numpy arrays out of band, once per array and only the array's own bytes. A torch
+    tensor, by contrast, pickles through `torch.save` of its whole storage. The weights rollout
+    receives are views of one flat buffer, so that storage was the whole model, saved once per
+    tensor: 24 x the bytes of the tiny model, about 26 ms a version instead of 2 ms.
+    """
+
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[tuple[int, ...]]
+    data: list[np.ndarray]
+
+
+def pack_weights(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> SharedWeights:
+    """Named tensors (any dtype, views of a larger buffer included) as `SharedWeights`."""
+    packed = SharedWeights([], [], [], [])
+    for name, tensor in named_tensors:
+        flat = tensor.detach().cpu().contiguous().reshape(-1)
+        packed.names.append(name)
+        packed.dtypes.append(str(tensor.dtype).removeprefix("torch."))
+        packed.shapes.append(tuple(tensor.shape))
+        packed.data.append(flat.view(torch.uint8).numpy())
+    return packed
+
+
+def unpack_weights(shared: SharedWeights) -> list[tuple[str, torch.Tensor]]:
+    """The named tensors of `pack_weights`, on the arrays' memory (no copy; engines copy them in)."""
+    out = []
+    with warnings.catch_warnings():
+        # Arrays from Ray's object store are read-only; the tensors are only read from.
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        for name, dtype, shape, data in zip(shared.names, shared.dtypes, shared.shapes, shared.data):
+            out.append((name, torch.from_numpy(data).view(getattr(torch, dtype)).reshape(shape)))
+    return out
 
 
 class EngineHost(Heartbeats):
@@ -40,8 +81,8 @@ class EngineHost(Heartbeats):
             return self.engine.generate(prompts, params, seed)
         return self.engine.generate(prompts, params, seed, media=media)
 
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> int:
-        self.engine.update_weights(named_tensors, version)
+    def load_weights(self, shared: SharedWeights, version: int) -> int:
+        self.engine.update_weights(unpack_weights(shared), version)
         return version
 
     def weight_version(self) -> int:
@@ -73,7 +114,7 @@ class RayEngineClient:
     def share(self, named_tensors: list[tuple[str, torch.Tensor]], version: int) -> Any:
         import ray
 
-        return ray.put([(name, t.detach().cpu()) for name, t in named_tensors])
+        return ray.put(pack_weights(named_tensors))
 
     def load_weights(self, shared: Any, version: int) -> Future:
         return self.handle.load_weights.remote(shared, version).future()
