@@ -15,14 +15,12 @@ sooner. The shipper has a queue session of its own (a ZMQ socket serves one thre
 from __future__ import annotations
 
 import concurrent.futures
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 from relax_hpc.transfer import TransferQueue, partition_name
+from relax_hpc.transfer.queue import Row
 
 __all__ = ["StepShipper"]
-
-
-Row = dict[str, Any]
 
 
 class StepShipper:
