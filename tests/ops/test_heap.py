@@ -1,4 +1,5 @@
-"""settle_heap: once per process, the objects alive then leave the collector's reach."""
+"""settle_heap: once per process, the objects alive then leave the collector's reach and later
+collections come less often."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ def test_settle_heap_freezes_what_is_alive_once_per_process() -> None:
         assert settle_heap() is True
         frozen = gc.get_freeze_count()
         assert frozen > 1000, frozen
+        assert gc.get_threshold() == (100_000, 50, 100)  # collections spaced out from now on
         later = [[i] for i in range(1000)]
         assert settle_heap() is False  # once: later objects stay collectable
         assert gc.get_freeze_count() == frozen
