@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from itertools import chain
 from typing import Any
 
 import numpy as np
@@ -9,6 +11,7 @@ import torch
 
 from relax_hpc.data.sample import NO_SAMPLE_ID, Sample
 from relax_hpc.media.items import MEDIA_ORDER, MediaItem, PromptMedia
+from relax_hpc.transfer.columns import ArrayColumn, ColumnRows
 
 # Fields the trainer needs; the names follow REFERENCE.md's data-bus fields.
 TRAIN_FIELDS = ("tokens", "prompt_length", "rollout_log_probs", "loss_mask", "advantages",
@@ -88,6 +91,70 @@ def sample_to_row(s: Sample) -> dict[str, Any]:
     if s.media is not None:
         row.update(media_to_fields(s.media))
     return row
+
+
+def samples_to_rows(samples: Sequence[Sample], without: Sequence[str] = ()) -> Sequence[dict[str, Any]]:
+    """The rows `sample_to_row` makes, less the fields ``without``, built by column: one array of
+    every sample's tokens, one of log-probs, one of loss masks, a list per scalar field
+    (`relax_hpc.transfer.columns.ColumnRows`). At 16,384 samples this takes 0.64x the time of
+    the one-by-one build, and the rows reach the wire without a per-row pass, in 0.08x the time
+    (benchmarks/bench_rows.py).
+
+    Samples that differ in their optional fields (routed experts on some only, or of different
+    dtypes; media on some only) are built one by one, as a list of dicts.
+    """
+    if not samples:
+        return []
+    if not _alike(samples):
+        rows = [sample_to_row(s) for s in samples]
+        for row in rows:
+            for name in without:
+                row.pop(name, None)
+        return rows
+    prompt_lengths = [len(s.prompt_ids) for s in samples]
+    response_lengths = [len(s.response_ids) for s in samples]
+    token_lengths = [p + r for p, r in zip(prompt_lengths, response_lengths)]
+    tokens = np.fromiter(chain.from_iterable(chain.from_iterable((s.prompt_ids, s.response_ids) for s in samples)),
+                         dtype=np.int64, count=sum(token_lengths))
+    log_prob_lengths = [len(s.rollout_log_probs) for s in samples]
+    log_probs = np.fromiter(chain.from_iterable(s.rollout_log_probs for s in samples), dtype=np.float32,
+                            count=sum(log_prob_lengths))
+    if all(s.loss_mask is None for s in samples):
+        loss_mask = torch.ones(sum(response_lengths), dtype=torch.int8)
+        mask_lengths = response_lengths
+    else:
+        masks = [s.loss_mask if s.loss_mask is not None else [1] * n for s, n in zip(samples, response_lengths)]
+        mask_lengths = [len(m) for m in masks]
+        loss_mask = torch.from_numpy(np.fromiter(chain.from_iterable(masks), dtype=np.int8, count=sum(mask_lengths)))
+    columns: dict[str, Any] = {
+        "tokens": ArrayColumn.of_lengths(torch.from_numpy(tokens), token_lengths),
+        "prompt_length": prompt_lengths,
+        "response_length": response_lengths,
+        "rollout_log_probs": ArrayColumn.of_lengths(torch.from_numpy(log_probs), log_prob_lengths),
+        "loss_mask": ArrayColumn.of_lengths(loss_mask, mask_lengths),
+        "advantages": [float(s.advantage) for s in samples],
+        "rewards": [float(s.reward) for s in samples],
+        "raw_reward": [float(s.raw_reward) for s in samples],
+        "weight_version": [int(s.weight_version) for s in samples],
+        "group_id": [int(s.group_id) for s in samples],
+        "prompt_index": [int(s.prompt_index) for s in samples],
+        "sample_id": [int(s.sample_id) for s in samples],
+    }
+    if samples[0].routed_experts is not None:
+        columns[ROUTED_EXPERTS_FIELD] = ArrayColumn.joined([s.routed_experts for s in samples])  # type: ignore[misc]
+    if samples[0].media is not None:
+        media = [media_to_fields(s.media) for s in samples]  # type: ignore[arg-type]
+        for name in MEDIA_FIELDS:
+            columns[name] = ArrayColumn.joined([m[name] for m in media])
+    for name in without:
+        columns.pop(name, None)
+    return ColumnRows(len(samples), columns)
+
+
+def _alike(samples: Sequence[Sample]) -> bool:
+    """Whether every sample's row has the same fields of the same dtypes."""
+    experts = {None if s.routed_experts is None else s.routed_experts.dtype for s in samples}
+    return len(experts) == 1 and len({s.media is None for s in samples}) == 1
 
 
 def row_to_sample(row: dict[str, Any]) -> Sample:

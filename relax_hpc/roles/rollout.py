@@ -18,7 +18,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 import torch
 
@@ -26,7 +26,7 @@ from relax_hpc.agents.config import AgenticConfig
 from relax_hpc.algos import group_advantages
 from relax_hpc.algos.advantages import advantages_by_group
 from relax_hpc.data.dataset import DataCursor, DataSettings, load_dataset
-from relax_hpc.data.rows import sample_to_row
+from relax_hpc.data.rows import samples_to_rows
 from relax_hpc.data.sample import Sample, assign_sample_ids
 from relax_hpc.engines.base import Generator, RolloutEngine, SamplingParams
 from relax_hpc.engines.disk_weights import FEDERATION_WEIGHTS
@@ -441,12 +441,9 @@ class RolloutWorker(WeightReceiverEndpoint, Heartbeats):
                 self._error = self._error or f"rollout producer failed: {type(e).__name__}: {e}"
             queue.close()
 
-    def _rows_of(self, samples: list[Sample]) -> list[dict[str, Any]]:
-        rows = [sample_to_row(s) for s in samples]
-        if self.cfg.advantages_role:
-            for row in rows:
-                del row["advantages"]
-        return rows
+    def _rows_of(self, samples: list[Sample]) -> Sequence[dict[str, Any]]:
+        # With an Advantages role, that role writes each row's advantage on the queue.
+        return samples_to_rows(samples, without=("advantages",) if self.cfg.advantages_role else ())
 
     def _set_advantages(self, samples: list[Sample]) -> None:
         rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)

@@ -60,7 +60,7 @@ class StepShipper:
             self._queue.close()
 
     def _put(self, step: int, build_rows: Callable[[], Sequence[Row]]) -> None:
-        rows = list(build_rows())
+        rows = build_rows()  # a ColumnRows stays one: the queue sends its columns as they are
         partition = partition_name(step)
         self._queue.put(partition, rows, timeout=self._timeout_s)
         self._queue.complete(partition, len(rows))

@@ -45,6 +45,7 @@ from relax_hpc.transfer.queue import (
     check_name,
     check_value,
 )
+from relax_hpc.transfer.columns import ArrayColumn, ColumnRows
 
 WIRE_VERSION = 2
 MAX_DIMS = 32
@@ -274,6 +275,8 @@ def encode_blocks(rows: Sequence[Row]) -> list[Block]:
 
     Raises :class:`TransferQueueError` naming the field for a value the wire cannot carry.
     """
+    if isinstance(rows, ColumnRows):  # checked when built: its columns go out as they are
+        return [_column_rows_block(rows)] if len(rows) else []
     if isinstance(rows, Mapping):
         raise TransferQueueError("rows must be a sequence of dicts, got a single dict; wrap it in [...]")
     rows = list(rows)
@@ -295,6 +298,34 @@ def encode_blocks(rows: Sequence[Row]) -> list[Block]:
             blocks.append(run)
             start = end
     return blocks
+
+
+def _column_rows_block(rows: ColumnRows) -> Block:
+    columns: dict[str, Column] = {}
+    for name, column in rows.columns.items():
+        if isinstance(column, ArrayColumn):
+            columns[name] = _array_column(name, column)
+        else:
+            columns[name] = Column("v", values=column)
+    return Block(len(rows), columns)
+
+
+def _array_column(name: str, column: ArrayColumn) -> Column:
+    data = column.data
+    if isinstance(data, torch.Tensor):
+        kind, dtype = "t", str(data.dtype).removeprefix("torch.")
+        if dtype not in TORCH_DTYPES:
+            raise TransferQueueError(f"field {name!r}: torch dtype {dtype} cannot be queued; allowed: {sorted(TORCH_DTYPES)}")
+        buffer = _tensor_bytes(data)
+    else:
+        kind, dtype = "n", data.dtype.newbyteorder("=").name
+        if dtype not in NUMPY_DTYPES:
+            raise TransferQueueError(f"field {name!r}: numpy dtype {dtype} cannot be queued; allowed: {sorted(NUMPY_DTYPES)}")
+        native = data if data.dtype.isnative else data.astype(data.dtype.newbyteorder("="))
+        buffer = native.view(np.uint8)
+    itemsize = _ITEMSIZE[kind][dtype]
+    return Column(kind, dtype, [list(s) for s in column.shapes], [n * itemsize for n in column.numels],
+                  buffers=[buffer])
 
 
 def blocks_to_wire(
