@@ -11,8 +11,8 @@ handing them out by load, and taking each weight version to every engine; the tr
 (the ZMQ server in a process of its own, as the driver hosts it, or the in-memory queue with
 `--queue memory`); the staleness rule (`wait_until_may_start`, then `required_weight_version`
 and `WeightInbox` at the batch boundary, as `RolloutWorker._produce` does); the rows (`Sample`
--> `sample_to_row`, group advantages, sample ids, built and put on the `StepShipper`'s thread
-while the next step generates). What is simulated: the engines
+-> `samples_to_rows`, by column; group advantages, sample ids), built and put on the
+`StepShipper`'s thread while the next step generates. What is simulated: the engines
 (relax_hpc/engines/sim_engine.py: a latency model measured on the native engine, long-tailed
 response lengths, no CPU spent while "generating"), the rewards (random), and the trainer (a
 process of its own; a thread with `--queue memory`), which reads each step's partition as the

@@ -8,8 +8,8 @@ against real runs.
    the host's parallel speed-up (two single-threaded torch processes against one, as
    bench_federation.py measures it), one engine pass of B samples of the tiny task
    (`EngineRouter.generate` over the native engine, in process and through an `EngineHost` Ray
-   actor), reward scoring per sample (`RewardHub.score`), advantages and `sample_to_row` per
-   sample, queue put and get per row (the ZMQ queue server in a process of its own, the trainer's
+   actor), reward scoring per sample (`RewardHub.score`), advantages and the rows per sample
+   (`RolloutWorker._rows_of`: `samples_to_rows`), queue put and get per row (the ZMQ queue server in a process of its own, the trainer's
    `ActorWorker.train_from_queue`), the trainer's step per sample (the same call, less its
    waits), the weight channel's broadcast and snapshot per byte (bench_weights.py's ranks, one
    receiver), sharing a weight version with an engine actor (`RayEngineClient.share` /
@@ -40,7 +40,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -66,7 +66,7 @@ class Costs:
     remote_call_s: float  # one engine pass in an EngineHost actor (N > 1 engines): the same line
     remote_sample_s: float
     reward_sample_s: float  # RewardHub.score
-    rows_sample_s: float  # group advantages + sample_to_row
+    rows_sample_s: float  # group advantages + the rows (samples_to_rows)
     put_row_s: float  # producer's put + complete, per row
     get_row_s: float  # trainer's get (stream) + ack, per row
     train_fixed_s: float  # trainer compute (forward, backward, optimizer step) = fixed + per sample * B
@@ -288,7 +288,6 @@ def measure_costs(base: str, model_dir: Path, root: Path, repeats: int, log: Cal
 
     import torch
 
-    from relax_hpc.data.rows import sample_to_row
     from relax_hpc.driver.run import role_configs
     from relax_hpc.roles.actor import ActorWorker
     from relax_hpc.roles.rollout import RolloutWorker
@@ -329,9 +328,9 @@ def measure_costs(base: str, model_dir: Path, root: Path, repeats: int, log: Cal
             samples = [s for g in groups for s in g]
             reward = median_s(lambda: worker.rewards.score(samples), repeats) / len(samples)
 
-            def rows_of() -> list[dict[str, Any]]:
+            def rows_of() -> Sequence[dict[str, Any]]:
                 worker._set_advantages(samples)
-                return [sample_to_row(s) for s in samples]
+                return worker._rows_of(samples)  # by column, as the producer builds them
 
             step_rows = rows_of()
             rows_s = median_s(rows_of, repeats) / len(samples)
