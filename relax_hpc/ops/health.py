@@ -183,17 +183,20 @@ class RestartBook:
     restarts_by_role: dict[str, int] = field(default_factory=dict)  # in this run, in place or global
     history: list[HealthEvent] = field(default_factory=list)  # every decision, in order
 
-    def decide(self, role: str, problem: str, core: bool, detail: str = "") -> HealthEvent:
-        """Record the failure of `role` and return what to do about it."""
+    def decide(self, role: str, problem: str, core: bool, detail: str = "",
+               in_place_possible: bool = True) -> HealthEvent:
+        """Record the failure of `role` and return what to do about it. `in_place_possible`:
+        False for a failure that already costs a global restart whatever the count (a role that
+        died while it was being restarted in place); it still counts as a failure of the role."""
         count = self.failures.get(role, 0) + 1
         self.failures[role] = count
-        if not core and count < self.max_in_place_restarts:
+        if not core and in_place_possible and count < self.max_in_place_restarts:
             action: Action = "in_place"
             self.in_place += 1
         elif self.global_restarts < self.max_global_restarts:
             action = "global"
             self.global_restarts += 1
-            if not core:
+            if not core and count >= self.max_in_place_restarts:
                 detail = (f"{detail}; " if detail else "") + f"failure {count} of this role in a row"
             self.failures.clear()  # every role starts afresh
         else:

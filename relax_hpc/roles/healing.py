@@ -81,9 +81,10 @@ class RoleHealer:
         return event
 
     def global_restart(self, role: str, problem: str, detail: str = "") -> HealthEvent:
-        """A failure already known to need a global restart (a dead trainer rank, say): counted,
-        reported; raises RestartsExhausted when none is left."""
-        event = self.book.decide(role, problem, core=True, detail=detail)
+        """A failure already known to need a global restart (a dead trainer rank, or a role that
+        died while it was being restarted in place): counted as a failure of `role`, reported;
+        raises RestartsExhausted when none is left."""
+        event = self.book.decide(role, problem, core=is_core(role), detail=detail, in_place_possible=False)
         log.info("health: %s", event.line())
         self.on_event(event)
         if event.action == "give_up":

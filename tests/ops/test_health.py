@@ -94,6 +94,18 @@ def test_restart_book_in_place_until_the_third_failure_of_a_role():
                                                         "give_up"]
 
 
+def test_a_failure_that_cannot_be_handled_in_place_is_global_and_still_counted():
+    book = RestartBook(max_in_place_restarts=3, max_global_restarts=3)
+    assert book.decide("reference", "died", core=False).action == "in_place"
+    first = book.decide("reference", "died", core=False, detail="while restarting", in_place_possible=False)
+    assert (first.action, first.detail) == ("global", "while restarting")  # failure 2 of 3: the count is not why
+    assert book.failures == {}  # a global restart starts every count afresh
+    for _ in range(2):
+        book.decide("reference", "died", core=False)
+    third = book.decide("reference", "died", core=False, detail="while restarting", in_place_possible=False)
+    assert third.detail == "while restarting; failure 3 of this role in a row"
+
+
 def test_a_core_role_costs_a_global_restart_at_once():
     book = RestartBook(max_in_place_restarts=3, max_global_restarts=3)
     event = book.decide("trainer_rank_1", "died", core=True, detail="pid 7")

@@ -30,6 +30,30 @@ def test_in_place_restarts_then_a_global_restart_then_none_left(tmp_path):
     assert [e.action for e in events] == ["in_place", "in_place", "global", "give_up"]
 
 
+def test_a_role_that_dies_while_restarted_in_place_costs_a_global_restart_counted_as_its_failure(tmp_path):
+    """The third kill of a role can land while its second replacement is still starting: the
+    driver then restarts everything (global_restart), and the event still says why."""
+    events = []
+    healer = RoleHealer(CFG, tmp_path, on_event=events.append)
+    healer.failed("reference", "died", restart=lambda: None)
+
+    def dies_while_starting() -> None:
+        raise RuntimeError("reference died while starting its heartbeat")
+
+    with pytest.raises(RuntimeError):
+        healer.failed("reference", "died", restart=dies_while_starting)
+    event = healer.global_restart("reference", "died", "died while starting its heartbeat")
+    assert [e.action for e in events] == ["in_place", "in_place", "global"]
+    assert event.detail == "died while starting its heartbeat; failure 3 of this role in a row"
+    assert healer.book.restarts_by_role == {"reference": 3}
+
+
+def test_a_role_whose_first_replacement_dies_costs_a_global_restart_with_its_own_reason(tmp_path):
+    healer = RoleHealer(CFG, tmp_path)
+    event = healer.global_restart("reference", "died", "died while starting its heartbeat")
+    assert (event.action, event.detail) == ("global", "died while starting its heartbeat")  # failure 1: no count
+
+
 def test_a_core_role_is_never_restarted_in_place(tmp_path):
     healer = RoleHealer(CFG, tmp_path)
     with pytest.raises(GlobalRestartNeeded):
