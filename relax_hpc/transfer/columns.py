@@ -82,10 +82,6 @@ class ColumnRows(Sequence[dict[str, Value]]):
     def fields(self) -> list[str]:
         return list(self._columns)
 
-    def without(self, *names: str) -> ColumnRows:
-        """The same rows without the fields ``names`` (the columns are shared, not copied)."""
-        return ColumnRows(self._n, {k: c for k, c in self._columns.items() if k not in names})
-
     def __len__(self) -> int:
         return self._n
 
@@ -127,8 +123,8 @@ def _checked(name: str, column: Column, n: int) -> Column:
     if types <= _PLAIN:  # the usual column: one pass in C, and the ints' range from min and max
         if int in types:
             ints = column if types == {int} else [v for v in column if type(v) is int]
-            if min(ints) < -(2**63) or max(ints) >= 2**64:
-                check_value(name, min(ints) if min(ints) < -(2**63) else max(ints))  # raises, naming it
+            check_value(name, min(ints))  # raises, naming the value, when it does not fit in 64 bits
+            check_value(name, max(ints))
         return column
     for value in column:
         if isinstance(value, (torch.Tensor, np.ndarray)):

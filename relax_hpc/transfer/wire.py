@@ -208,9 +208,14 @@ def _check_scalars(name: str, values: list[Any]) -> None:
         check_value(name, value)
 
 
+def _check_dtype(name: str, kind: str, dtype: str) -> None:
+    table, library = (TORCH_DTYPES, "torch") if kind == "t" else (NUMPY_DTYPES, "numpy")
+    if dtype not in table:
+        raise TransferQueueError(f"field {name!r}: {library} dtype {dtype} cannot be queued; allowed: {sorted(table)}")
+
+
 def _tensor_column(name: str, values: list[torch.Tensor], dtype: str) -> Column:
-    if dtype not in TORCH_DTYPES:
-        raise TransferQueueError(f"field {name!r}: torch dtype {dtype} cannot be queued; allowed: {sorted(TORCH_DTYPES)}")
+    _check_dtype(name, "t", dtype)
     for value in values:
         if value.device.type != "cpu" or value.layout != torch.strided or value.is_quantized:
             check_value(name, value)  # raises the dense-CPU message
@@ -225,8 +230,7 @@ def _tensor_column(name: str, values: list[torch.Tensor], dtype: str) -> Column:
 
 
 def _numpy_column(name: str, values: list[np.ndarray], dtype: str) -> Column:
-    if dtype not in NUMPY_DTYPES:
-        raise TransferQueueError(f"field {name!r}: numpy dtype {dtype} cannot be queued; allowed: {sorted(NUMPY_DTYPES)}")
+    _check_dtype(name, "n", dtype)
     arrays = [v if v.dtype.isnative else v.astype(v.dtype.newbyteorder("=")) for v in values]
     sizes = [a.nbytes for a in arrays]
     shapes = [list(a.shape) for a in arrays]
@@ -312,15 +316,11 @@ def _column_rows_block(rows: ColumnRows) -> Block:
 
 def _array_column(name: str, column: ArrayColumn) -> Column:
     data = column.data
+    kind, dtype = _tag(data)
+    _check_dtype(name, kind, dtype)
     if isinstance(data, torch.Tensor):
-        kind, dtype = "t", str(data.dtype).removeprefix("torch.")
-        if dtype not in TORCH_DTYPES:
-            raise TransferQueueError(f"field {name!r}: torch dtype {dtype} cannot be queued; allowed: {sorted(TORCH_DTYPES)}")
         buffer = _tensor_bytes(data)
     else:
-        kind, dtype = "n", data.dtype.newbyteorder("=").name
-        if dtype not in NUMPY_DTYPES:
-            raise TransferQueueError(f"field {name!r}: numpy dtype {dtype} cannot be queued; allowed: {sorted(NUMPY_DTYPES)}")
         native = data if data.dtype.isnative else data.astype(data.dtype.newbyteorder("="))
         buffer = native.view(np.uint8)
     itemsize = _ITEMSIZE[kind][dtype]

@@ -66,7 +66,6 @@ def test_indexing_builds_each_row_as_views_of_the_columns() -> None:
     assert rows[2]["tokens"].data_ptr() == tokens.data.data_ptr() + 2 * 8  # a view, not a copy
     with pytest.raises(IndexError):
         rows[3]
-    assert rows.without("block", "name").fields == ["tokens", "raw", "uid", "reward"]
 
 
 @pytest.mark.parametrize(("columns", "message"), [
