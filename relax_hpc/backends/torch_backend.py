@@ -140,8 +140,12 @@ class TorchBackend:
             self.teacher = load_policy_model(teacher_path, dtype=dtype, device=device).eval().requires_grad_(False)
         self.opd_coef = opd_coef
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
-        # One process has nothing to shard: fsdp2 then trains the whole model, as ddp does.
-        self.sharded = strategy == "fsdp2" and self.world_size > 1
+        # One CPU process has nothing to shard: fsdp2 then trains the whole model, as ddp does. One
+        # CUDA rank still wraps, for FSDP2's mixed precision (float32 master weights and AdamW
+        # state, bfloat16 compute), when it runs in a process group (benchmarks/gpu_check.py makes
+        # one; the trainer role makes one only for several ranks).
+        self.sharded = strategy == "fsdp2" and (
+            self.world_size > 1 or (self.device.type == "cuda" and dist.is_initialized()))
         if self.sharded:
             shard_model(self.model, self.device)
         # After sharding: FSDP2 replaces the parameters with sharded ones.
