@@ -8,6 +8,7 @@ into a row of the table. A scenario never raises for what the run did; only for 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from relax_hpc.ckpt.layout import step_dir_name
+from relax_hpc.ops.run_status import STATUS_FILE
 from relax_hpc.launch.fault_inject import (
     MountError,
     SmallFilesystem,
@@ -130,6 +132,16 @@ class FaultJob:
         if left:
             injection.problems.append(f"processes {left} of the run survived SIGKILL")
 
+    def role_back_at_work(self, role: str, restarts: int) -> bool:
+        """Whether the run's status.json shows `role` running after `restarts` restarts: its
+        replacement started, and the driver finished restarting it (relax_hpc/ops/run_status.py)."""
+        try:
+            status = json.loads((self.job_dir / STATUS_FILE).read_text())
+        except (OSError, ValueError):
+            return False
+        info = status.get("roles", {}).get(role) if isinstance(status, dict) else None
+        return isinstance(info, dict) and info.get("state") == "running" and info.get("restarts") == restarts
+
     def role_pid(self, run: JobProcess, role: str, injection: Injection, not_these: Sequence[int] = ()) -> int | None:
         """The pid in the role's heartbeat file, once it is a live process of this run and not one
         of `not_these` (processes signalled before, which may not have exited yet)."""
@@ -161,7 +173,13 @@ def role_fault(job: FaultJob, role: str, sig: signal.Signals, times: int = 1) ->
     try:
         if not job.reach_step(run, injection):
             return injection
-        for _ in range(times):
+        for k in range(times):
+            # The next signal goes to a replacement that is back at work (the driver finished
+            # restarting it in place), never to one still starting: the run's answer to the
+            # scenario is then a function of the scenario, not of the machine's speed.
+            if k > 0 and not job.wait(run, injection, lambda: job.role_back_at_work(role, k),
+                                      f"{role}'s replacement {k} back at work (status.json)"):
+                return injection
             pid = job.role_pid(run, role, injection, signalled)  # after a kill: the replacement
             if pid is None:
                 run.kill_all()

@@ -186,8 +186,8 @@ class RestartBook:
     def decide(self, role: str, problem: str, core: bool, detail: str = "",
                in_place_possible: bool = True) -> HealthEvent:
         """Record the failure of `role` and return what to do about it. `in_place_possible`:
-        False for a failure that already costs a global restart whatever the count (a role that
-        died while it was being restarted in place); it still counts as a failure of the role."""
+        False for a failure that already costs a global restart whatever the count (one the
+        driver met outside the health checks); it still counts as a failure of the role."""
         count = self.failures.get(role, 0) + 1
         self.failures[role] = count
         if not core and in_place_possible and count < self.max_in_place_restarts:

@@ -7,7 +7,8 @@
   changed for `stale_s`; a hung (SIGSTOPped, wedged) process is one of them;
 - `failed(role, problem, detail, restart)`: the `RestartBook` decides. In place: `restart()`
   runs now (the role's replacement picks up its unacked rows from the transfer queue) and the
-  step goes on. Global: `GlobalRestartNeeded` is raised; the driver tears every role down and
+  step goes on; a replacement that fails while it starts is the role's next failure, decided
+  the same way. Global: `GlobalRestartNeeded` is raised; the driver tears every role down and
   resumes from the newest checkpoint. No restarts left: `RestartsExhausted`.
 
 Every decision goes to `on_event` (the driver logs it, puts it into status.json and alerts the
@@ -28,7 +29,9 @@ from relax_hpc.ops.health import (
     heartbeat_path,
     read_heartbeats,
 )
-from relax_hpc.roles.errors import GlobalRestartNeeded, RestartsExhausted
+from relax_hpc.roles.errors import (
+    GlobalRestartNeeded, RestartsExhausted, RoleDiedError, RoleFailure, RoleTimeoutError,
+)
 
 log = logging.getLogger(__name__)
 
@@ -66,24 +69,37 @@ class RoleHealer:
     def failed(self, role: str, problem: str, detail: str = "",
                restart: Callable[[], None] | None = None) -> HealthEvent:
         """Decide about one failure of `role`; restart it in place when that is the decision and
-        `restart` is given, else raise (module docstring)."""
+        `restart` is given, else raise (module docstring).
+
+        A replacement that dies (or does not answer) before `restart` returns, while it is still
+        starting, is the next failure of the same role and is decided like any other: in place
+        again while the role has in-place restarts left, else a global restart. So what a run
+        does depends on how often a role failed, never on when in its restart it failed."""
         self.stale.forget(role)
-        event = self.book.decide(role, problem, core=is_core(role) or restart is None, detail=detail)
-        log.info("health: %s", event.line())
-        self.restarting[role] = "restarting" if event.action != "give_up" else "dead"
-        self.on_event(event)
-        if event.action == "global":
-            raise GlobalRestartNeeded(event)
-        if event.action == "give_up":
-            raise RestartsExhausted(event)
-        assert restart is not None
-        restart()
-        return event
+        while True:
+            event = self.book.decide(role, problem, core=is_core(role) or restart is None, detail=detail)
+            log.info("health: %s", event.line())
+            self.restarting[role] = "restarting" if event.action != "give_up" else "dead"
+            self.on_event(event)
+            if event.action == "global":
+                raise GlobalRestartNeeded(event)
+            if event.action == "give_up":
+                raise RestartsExhausted(event)
+            assert restart is not None
+            try:
+                restart()
+                return event
+            except RoleFailure:
+                raise
+            except (RoleDiedError, RoleTimeoutError) as error:
+                problem = "died" if isinstance(error, RoleDiedError) else "stopped answering"
+                first = str(error).strip().splitlines()[0][:160] if str(error).strip() else type(error).__name__
+                detail = f"while it was being restarted in place: {first}"
 
     def global_restart(self, role: str, problem: str, detail: str = "") -> HealthEvent:
-        """A failure already known to need a global restart (a dead trainer rank, or a role that
-        died while it was being restarted in place): counted as a failure of `role`, reported;
-        raises RestartsExhausted when none is left."""
+        """A failure already known to need a global restart (a dead trainer rank, rollout, a
+        broken weight broadcast): counted as a failure of `role`, reported; raises
+        RestartsExhausted when none is left."""
         event = self.book.decide(role, problem, core=is_core(role), detail=detail, in_place_possible=False)
         log.info("health: %s", event.line())
         self.on_event(event)

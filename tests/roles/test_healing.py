@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from relax_hpc.ops.health import HealthConfig, HeartbeatWriter, heartbeat_path
-from relax_hpc.roles.errors import GlobalRestartNeeded, RestartsExhausted
+from relax_hpc.roles.errors import GlobalRestartNeeded, RestartsExhausted, RoleDiedError, RoleTimeoutError
 from relax_hpc.roles.healing import RoleHealer, is_core
 
 CFG = HealthConfig(heartbeat_s=0.1, stale_s=0.5, max_in_place_restarts=3, max_global_restarts=1)
@@ -30,28 +30,71 @@ def test_in_place_restarts_then_a_global_restart_then_none_left(tmp_path):
     assert [e.action for e in events] == ["in_place", "in_place", "global", "give_up"]
 
 
-def test_a_role_that_dies_while_restarted_in_place_costs_a_global_restart_counted_as_its_failure(tmp_path):
-    """The third kill of a role can land while its second replacement is still starting: the
-    driver then restarts everything (global_restart), and the event still says why."""
-    events = []
+def test_a_replacement_that_dies_while_it_starts_is_the_roles_next_failure_decided_alike(tmp_path):
+    """The rule for a role killed again while its replacement is still starting: the same as a
+    kill after the replacement is serving. Kill 1 is restarted in place; the replacement dies
+    inside `restart` (kill 2): in place again; the next replacement also dies while starting
+    (kill 3, the max_in_place_restarts-th failure): a global restart, whose event names the count."""
+    events, attempts = [], []
+
+    def replacement_dies_while_starting() -> None:
+        attempts.append(len(attempts))
+        if len(attempts) <= 2:
+            raise RoleDiedError(f"reference died while starting its heartbeat (attempt {len(attempts)})")
+
     healer = RoleHealer(CFG, tmp_path, on_event=events.append)
-    healer.failed("reference", "died", restart=lambda: None)
-
-    def dies_while_starting() -> None:
-        raise RuntimeError("reference died while starting its heartbeat")
-
-    with pytest.raises(RuntimeError):
-        healer.failed("reference", "died", restart=dies_while_starting)
-    event = healer.global_restart("reference", "died", "died while starting its heartbeat")
-    assert [e.action for e in events] == ["in_place", "in_place", "global"]
-    assert event.detail == "died while starting its heartbeat; failure 3 of this role in a row"
+    with pytest.raises(GlobalRestartNeeded, match="failure 3 of this role in a row"):
+        healer.failed("reference", "died", restart=replacement_dies_while_starting)
+    assert [(e.role, e.problem, e.action) for e in events] == [
+        ("reference", "died", "in_place"), ("reference", "died", "in_place"), ("reference", "died", "global")]
+    assert events[1].detail == "while it was being restarted in place: reference died while starting its heartbeat (attempt 1)"
+    assert attempts == [0, 1]  # the third failure started no third replacement
     assert healer.book.restarts_by_role == {"reference": 3}
 
 
-def test_a_role_whose_first_replacement_dies_costs_a_global_restart_with_its_own_reason(tmp_path):
+def test_a_replacement_that_dies_while_starting_after_one_kill_is_served_by_the_next(tmp_path):
+    events, attempts = [], []
+
+    def first_replacement_dies() -> None:
+        attempts.append(1)
+        if len(attempts) == 1:
+            raise RoleDiedError("reference died while loading its model")
+
+    healer = RoleHealer(CFG, tmp_path, on_event=events.append)
+    event = healer.failed("reference", "died", restart=first_replacement_dies)
+    assert [e.action for e in events] == ["in_place", "in_place"] and event is events[-1]
+    assert len(attempts) == 2 and healer.role_states()["reference"]["restarts"] == 2
+
+
+def test_a_replacement_that_does_not_answer_while_starting_counts_as_stopped_answering(tmp_path):
+    events = []
+
+    def hangs() -> None:
+        raise RoleTimeoutError("reference did not answer 'restarting its loop' within 60 s")
+
+    healer = RoleHealer(CFG, tmp_path, on_event=events.append)
+    with pytest.raises(GlobalRestartNeeded):
+        healer.failed("reference", "died", restart=hangs)
+    assert [(e.problem, e.action) for e in events] == [
+        ("died", "in_place"), ("stopped answering", "in_place"), ("stopped answering", "global")]
+
+
+def test_a_decision_raised_inside_a_restart_is_passed_on_not_counted_again(tmp_path):
+    events = []
+    healer = RoleHealer(CFG, tmp_path, on_event=events.append)
+
+    def engine_failure_decided_inside() -> None:
+        healer.failed("rollout", "died")  # a core role: GlobalRestartNeeded
+
+    with pytest.raises(GlobalRestartNeeded, match="rollout died"):
+        healer.failed("reference", "died", restart=engine_failure_decided_inside)
+    assert [(e.role, e.action) for e in events] == [("reference", "in_place"), ("rollout", "global")]
+
+
+def test_a_failure_met_outside_the_health_checks_costs_a_global_restart_with_its_own_reason(tmp_path):
     healer = RoleHealer(CFG, tmp_path)
-    event = healer.global_restart("reference", "died", "died while starting its heartbeat")
-    assert (event.action, event.detail) == ("global", "died while starting its heartbeat")  # failure 1: no count
+    event = healer.global_restart("reference", "died", "died while the driver called it")
+    assert (event.action, event.detail) == ("global", "died while the driver called it")  # failure 1: no count
 
 
 def test_a_core_role_is_never_restarted_in_place(tmp_path):
