@@ -357,3 +357,10 @@ def test_faults_refuses_too_few_steps_and_unknown_faults(tmp_path: Path) -> None
     result = relax("faults", "tiny_local", "--only", "kill-everything")
     assert result.returncode == 2 and "invalid choice: 'kill-everything'" in result.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_fault_suite_groups_cover_every_fault_once() -> None:
+    from fault_suite import GROUPS
+
+    grouped = [fault for faults in GROUPS.values() for fault in faults]
+    assert sorted(grouped) == sorted(FAULT_NAMES) and len(grouped) == len(set(grouped))
