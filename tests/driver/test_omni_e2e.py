@@ -34,15 +34,35 @@ def _run(tmp: Path, name: str, drop_media: bool) -> list[float]:
     return report.result.rewards
 
 
-def test_the_reward_rises_with_the_media_and_stays_at_chance_without(tmp_path: Path) -> None:
-    media = _run(tmp_path, "omni", drop_media=False)
+@pytest.fixture(scope="module")
+def omni_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("omni")
+
+
+@pytest.fixture(scope="module")
+def media_rewards(omni_dir: Path) -> list[float]:
+    return _run(omni_dir, "omni", drop_media=False)
+
+
+@pytest.fixture(scope="module")
+def control_rewards(omni_dir: Path, media_rewards: list[float]) -> list[float]:
+    return _run(omni_dir, "omni-control", drop_media=True)  # after the media run: it wrote the model
+
+
+# Two tests, one run each (each within the per-test budget, docs/testing.md); the control's test
+# compares with the media run's rewards.
+def test_the_reward_rises_with_the_media(omni_dir: Path, media_rewards: list[float]) -> None:
+    media = media_rewards
     first, last = sum(media[:5]) / 5, sum(media[-10:]) / 10
     assert len(media) == STEPS
     assert last >= 3 * first and last > 0.3, (first, last)
-    metrics = read_metrics(tmp_path / "omni" / "metrics.jsonl")
+    metrics = read_metrics(omni_dir / "omni" / "metrics.jsonl")
     assert {"reward/by_media/image", "reward/by_media/audio", "reward/by_media/video"} <= set(metrics[-1])
 
-    blank = _run(tmp_path, "omni-control", drop_media=True)
-    control = sum(blank[-10:]) / 10
+
+def test_the_reward_stays_at_chance_without_the_media(media_rewards: list[float], control_rewards: list[float]) -> None:
+    last = sum(media_rewards[-10:]) / 10
+    control = sum(control_rewards[-10:]) / 10
+    assert len(control_rewards) == STEPS
     # Four options per question and nothing in the text to tell them apart: chance is 0.25.
     assert control < 0.3 and control < last - 0.07, (control, last)
