@@ -45,3 +45,55 @@ def wheel_venv(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str
     from wheel_venv import build_wheel_venv
 
     return build_wheel_venv(tmp_path_factory.mktemp("wheel"))
+
+
+# -- the per-test time budget (tests/time_budget.py) ----------------------------------------------
+
+from time_budget import TimeBudget, budget_s  # noqa: E402
+
+_BUDGET = TimeBudget(budget_s())
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    _BUDGET.add(report)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    for line in _BUDGET.lines():
+        terminalreporter.write_line(line, red=True)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if _BUDGET.over() and exitstatus == 0:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+# -- groups for a run in two pytest-xdist workers (`--dist loadgroup`; docs/testing.md) ----------
+
+# Tests that share one session start-up run in one worker: the local Slurm (tests/slurm) and the
+# venv with the relax-hpc wheel (`wheel_venv`, used by tests/slurm and tests/cli/test_wheel_install).
+SHARED_GROUPS = {"tests/slurm/": "slurm", "tests/cli/test_wheel_install.py": "slurm"}
+
+
+def xdist_group_of(nodeid: str) -> str:
+    """The worker group of a test: its shared start-up's group, else its module, so a module's
+    fixtures (a Ray cluster, SGLang servers, one run read by several tests) start once."""
+    path = nodeid.split("::", 1)[0]
+    for prefix, group in SHARED_GROUPS.items():
+        if path.startswith(prefix):
+            return group
+    return path
+
+
+# The groups that take longest (docs/testing.md, measured), handed out first so that two workers
+# end together instead of one waiting on a long group handed out last.
+LONGEST_FIRST = ("slurm", "tests/launch/test_faults_in_place.py", "tests/launch/test_faults_rerun.py",
+                 "tests/launch/test_faults_global.py")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(xdist_group_of(item.nodeid)))
+    if hasattr(config, "workerinput"):  # an xdist worker (its collection orders the hand-out); a plain run keeps file order
+        rank = {group: i for i, group in enumerate(LONGEST_FIRST)}
+        items.sort(key=lambda item: rank.get(xdist_group_of(item.nodeid), len(rank)))

@@ -109,7 +109,9 @@ ROUTES = [("GET", "/health"), ("GET", "/rollout/engines"), ("POST", "/rollout/sc
 
 
 @pytest.mark.parametrize("method,path", ROUTES)
-@pytest.mark.parametrize("authorization", [None, "Bearer wrong", f"Basic {TOKEN}", f"Bearer {TOKEN}x"])
+# Ids without the token: it is random per process, and two test workers must collect the same ids.
+@pytest.mark.parametrize("authorization", [None, "Bearer wrong", f"Basic {TOKEN}", f"Bearer {TOKEN}x"],
+                         ids=["none", "wrong", "basic-scheme", "token-plus-one-char"])
 def test_every_path_refuses_a_missing_or_wrong_token(http: httpx.Client, control: FakeControl, method: str,
                                                      path: str, authorization: str | None) -> None:
     headers = {"Authorization": authorization} if authorization else {}

@@ -1,0 +1,40 @@
+"""The per-test time budget of the test command (docs/testing.md, "Budget").
+
+Every test's setup, call and teardown are added up (a module-scoped fixture is paid by the first
+test that asks for it, so a shared start-up counts too). When the session ends, any test over
+`RELAX_TEST_BUDGET_S` (default 180 s) is named and the run fails: a new slow test is split or
+shares its start-up the day it is written, instead of growing the suite unnoticed.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+
+import pytest
+
+DEFAULT_BUDGET_S = 180.0
+
+
+def budget_s() -> float:
+    return float(os.environ.get("RELAX_TEST_BUDGET_S", DEFAULT_BUDGET_S))
+
+
+class TimeBudget:
+    def __init__(self, limit_s: float) -> None:
+        self.limit_s = limit_s
+        self.seconds: dict[str, float] = defaultdict(float)
+
+    def add(self, report: pytest.TestReport) -> None:
+        self.seconds[report.nodeid] += report.duration
+
+    def over(self) -> list[tuple[str, float]]:
+        return sorted(((node, s) for node, s in self.seconds.items() if s > self.limit_s), key=lambda x: -x[1])
+
+    def lines(self) -> list[str]:
+        over = self.over()
+        if not over:
+            return []
+        return [f"{len(over)} test(s) over the {self.limit_s:g} s budget of one test (setup + call + teardown; "
+                "docs/testing.md, 'Budget'): split it, or share its start-up with a module or session fixture",
+                *(f"  {s:7.1f} s  {node}" for node, s in over)]
