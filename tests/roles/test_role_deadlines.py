@@ -92,6 +92,9 @@ def test_a_call_past_its_deadline_names_the_role_and_what_it_was_doing(ray_clust
 @pytest.mark.timeout(120)
 def test_answers_come_back_in_order(ray_cluster: None) -> None:
     roles = [FakeRole.remote(), FakeRole.remote()]
+    # Both started before the deadline's clock runs: on a loaded 2-core machine starting two actor
+    # processes took more than the 30 s the calls are given (seen beside an environment build).
+    ray.get([role.pid.remote() for role in roles])
     calls = [("trainer rank 0", roles[0].sleep.remote(0.3)), ("trainer rank 1", roles[1].sleep.remote(0.1))]
     assert get_from_roles(calls, "saving", 30.0) == [0.3, 0.1]
 
