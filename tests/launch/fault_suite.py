@@ -136,3 +136,26 @@ def check_a_role_killed_three_times_in_a_row_restarts_the_whole_run(suite: Suite
     last = json.loads((job_dir / "metrics.jsonl").read_text().splitlines()[-1])
     assert (last["health/in_place_restarts"], last["health/global_restarts"]) == (2, 1)
     assert "health: reference died: global restart from the newest checkpoint" in (job_dir / "fault.log").read_text()
+
+
+def group_tests(group: str) -> tuple[Any, ...]:
+    """The module fixture and the tests of one group's module, in this order: `suite`,
+    `test_fault_is_recovered_with_every_sample_trained_once`,
+    `test_group_prints_the_table_and_the_last_line_and_exits_0`,
+    `test_group_leaves_no_process_and_no_mount_behind` (a module assigns them to those names)."""
+
+    @pytest.fixture(scope="module")
+    def suite(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> SuiteResult:
+        return run_group(tmp_path_factory.mktemp(f"faults-{group}"), tiny_model_dir, group)
+
+    @pytest.mark.parametrize("fault", GROUPS[group])
+    def recovered(suite: SuiteResult, fault: str) -> None:
+        check_fault_recovered_with_every_sample_trained_once(suite, fault)
+
+    def table(suite: SuiteResult) -> None:
+        check_table_last_line_and_exit_0(suite)
+
+    def nothing_left(suite: SuiteResult) -> None:
+        check_no_process_and_no_mount_left(suite)
+
+    return suite, recovered, table, nothing_left
