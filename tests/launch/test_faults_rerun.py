@@ -1,4 +1,4 @@
-"""`relax-hpc faults` group "rerun" (tests/launch/fault_suite.py). The faults a rerun of the job answers (a killed driver, a corrupt checkpoint) and a full disk.
+"""`relax-hpc faults` group "rerun" (tests/launch/fault_suite.py). A killed driver (the job is run again and resumes) and a full disk (a failed save, then good ones).
 """
 
 from __future__ import annotations
