@@ -47,9 +47,21 @@ def test_a_session_with_a_test_over_the_budget_fails_and_names_it(tmp_path: Path
             pass
     """))
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
-                          cwd=tmp_path, env={**os.environ, "RELAX_TEST_BUDGET_S": "0.2"},
+                          cwd=tmp_path, env={**os.environ, "RELAX_TEST_BUDGET_S": "0.2", "RELAX_TEST_BUDGET_ENFORCE": "1"},
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 1, done.stdout + done.stderr
     assert "2 passed" in done.stdout
     assert "1 test(s) over the 0.2 s budget" in done.stdout
     assert "test_sleepy.py::test_sleeps" in done.stdout and "test_quick" not in done.stdout.split("budget")[-1]
+
+
+def test_without_enforcing_the_session_names_the_test_and_passes(tmp_path: Path) -> None:
+    tests = Path(__file__).resolve().parent
+    (tmp_path / "conftest.py").write_text((tests / "conftest.py").read_text())
+    (tmp_path / "time_budget.py").write_text((tests / "time_budget.py").read_text())
+    (tmp_path / "test_sleepy.py").write_text("import time\ndef test_sleeps():\n    time.sleep(0.3)\n")
+    env = {k: v for k, v in os.environ.items() if k != "RELAX_TEST_BUDGET_ENFORCE"} | {"RELAX_TEST_BUDGET_S": "0.2"}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "1 test(s) over the 0.2 s budget" in done.stdout and "test_sleepy.py::test_sleeps" in done.stdout

@@ -2,8 +2,11 @@
 
 Every test's setup, call and teardown are added up (a module-scoped fixture is paid by the first
 test that asks for it, so a shared start-up counts too). When the session ends, any test over
-`RELAX_TEST_BUDGET_S` (default 180 s) is named and the run fails: a new slow test is split or
-shares its start-up the day it is written, instead of growing the suite unnoticed.
+`RELAX_TEST_BUDGET_S` (default 180 s) is named, and with `RELAX_TEST_BUDGET_ENFORCE=1` the run
+fails: a new slow test is split or shares its start-up the day it is written, instead of growing
+the suite unnoticed. Enforcing is not the default yet: the two omni learning tests take 152-159 s
+on a quiet 2-core machine, too close to 180 s for a check that must never fail by timing
+(docs/testing.md, "Budget").
 """
 
 from __future__ import annotations
@@ -18,6 +21,10 @@ DEFAULT_BUDGET_S = 180.0
 
 def budget_s() -> float:
     return float(os.environ.get("RELAX_TEST_BUDGET_S", DEFAULT_BUDGET_S))
+
+
+def enforced() -> bool:
+    return os.environ.get("RELAX_TEST_BUDGET_ENFORCE", "0") == "1"
 
 
 class TimeBudget:
