@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from relax_hpc.ckpt.layout import step_dir_name
-from relax_hpc.ops.run_status import STATUS_FILE
 from relax_hpc.launch.fault_inject import (
     MountError,
     SmallFilesystem,
@@ -35,6 +34,7 @@ from relax_hpc.launch.fault_process import (
     WaitResult,
     log_tail,
 )
+from relax_hpc.ops.run_status import STATUS_FILE
 
 HEARTBEAT_WAIT_S = 30.0  # for a role's heartbeat file, once the run trains (a replacement loads its model first)
 SAVE_FAILURES = "ckpt/save_failures"  # the metric a failed (non-fatal) save counts in

@@ -9,6 +9,12 @@ if TYPE_CHECKING:
     from relax_hpc.ops.health import HealthEvent
 
 
+def short_cause(error: BaseException) -> str:
+    """The cause of a role's failure in a few words, for its health event."""
+    text = str(error).strip().split(";")[0] or type(error).__name__
+    return text if len(text) <= 160 else text[:157] + "..."
+
+
 class RoleDiedError(RuntimeError):
     """A role's process died (Ray reports its actor dead); the message names it and its log.
     `role` is its health name ("trainer_rank_1", "rollout", "reference", ...)."""

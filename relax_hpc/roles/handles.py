@@ -23,7 +23,7 @@ from relax_hpc.engines.elastic_api import ElasticReply
 from relax_hpc.roles.actor import ActorConfig, ActorWorker, rendezvous_address
 from relax_hpc.roles.advantages import AdvantagesConfig, AdvantagesWorker
 from relax_hpc.roles.engine_host import EngineHost
-from relax_hpc.roles.errors import RoleDiedError, RoleTimeoutError
+from relax_hpc.roles.errors import RoleDiedError, RoleTimeoutError, short_cause
 from relax_hpc.roles.forward import ForwardConfig, ForwardWorker
 from relax_hpc.roles.healing import RoleHealer
 from relax_hpc.roles.rollout import RolloutConfig, RolloutWorker, engine_role_name
@@ -506,7 +506,7 @@ class RayRoles:
             except RoleDiedError as e:
                 if self._healer is None:
                     raise
-                self._healer.failed(name, "died", _short(e),
+                self._healer.failed(name, "died", short_cause(e),
                                     restart=lambda index=index: self._restart_queue_role(index))
         return "; ".join(e for e in found if e) or None
 
@@ -642,12 +642,6 @@ class RayRoles:
                 self._all("shutting down", STATUS_TIMEOUT_S, "shutdown")
         except Exception as e:  # noqa: BLE001 - a role that already died; the loop's own error matters
             log.warning("roles did not shut down cleanly (%s: %s); killing them", type(e).__name__, e)
-
-
-def _short(error: BaseException) -> str:
-    """The cause of a role's death in a few words, for its health event."""
-    text = str(error).split(";")[0]
-    return text if len(text) <= 160 else text[:157] + "..."
 
 
 def _gpus(device: str, shared: bool = False) -> dict[str, float]:

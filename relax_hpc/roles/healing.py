@@ -30,7 +30,7 @@ from relax_hpc.ops.health import (
     read_heartbeats,
 )
 from relax_hpc.roles.errors import (
-    GlobalRestartNeeded, RestartsExhausted, RoleDiedError, RoleFailure, RoleTimeoutError,
+    GlobalRestartNeeded, RestartsExhausted, RoleDiedError, RoleFailure, RoleTimeoutError, short_cause,
 )
 
 log = logging.getLogger(__name__)
@@ -93,8 +93,7 @@ class RoleHealer:
                 raise
             except (RoleDiedError, RoleTimeoutError) as error:
                 problem = "died" if isinstance(error, RoleDiedError) else "stopped answering"
-                first = str(error).strip().splitlines()[0][:160] if str(error).strip() else type(error).__name__
-                detail = f"while it was being restarted in place: {first}"
+                detail = f"while it was being restarted in place: {short_cause(error)}"
 
     def global_restart(self, role: str, problem: str, detail: str = "") -> HealthEvent:
         """A failure already known to need a global restart (a dead trainer rank, rollout, a
