@@ -23,6 +23,12 @@ def budget_s() -> float:
     return float(os.environ.get("RELAX_TEST_BUDGET_S", DEFAULT_BUDGET_S))
 
 
+def times_file() -> str | None:
+    """RELAX_TEST_TIMES: a file that gets one line per finished test (seconds, outcome, node id),
+    written as the run goes, so a stopped run still leaves its table (docs/testing.md)."""
+    return os.environ.get("RELAX_TEST_TIMES") or None
+
+
 def enforced() -> bool:
     return os.environ.get("RELAX_TEST_BUDGET_ENFORCE", "0") == "1"
 
@@ -31,9 +37,18 @@ class TimeBudget:
     def __init__(self, limit_s: float) -> None:
         self.limit_s = limit_s
         self.seconds: dict[str, float] = defaultdict(float)
+        self.outcomes: dict[str, str] = {}
 
     def add(self, report: pytest.TestReport) -> None:
         self.seconds[report.nodeid] += report.duration
+        if report.failed:
+            self.outcomes[report.nodeid] = "failed"
+        elif report.skipped:
+            self.outcomes.setdefault(report.nodeid, "skipped")
+        if report.when == "teardown" and (path := times_file()):
+            outcome = self.outcomes.get(report.nodeid, "passed")
+            with open(path, "a", encoding="utf-8") as out:
+                out.write(f"{self.seconds[report.nodeid]:.1f}\t{outcome}\t{report.nodeid}\n")
 
     def over(self) -> list[tuple[str, float]]:
         return sorted(((node, s) for node, s in self.seconds.items() if s > self.limit_s), key=lambda x: -x[1])

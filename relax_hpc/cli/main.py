@@ -34,7 +34,7 @@ from relax_hpc.jobspecs import resolve_spec_path, with_embedded_inputs
 from relax_hpc.launch import commands as slurm_commands
 from relax_hpc.launch.federation import SlurmGrowSubmitter
 from relax_hpc.launch.slurm_client import SlurmError
-from relax_hpc.models.tiny_mm import TINY_MM_ARCHS, is_omni, write_tiny_multimodal
+from relax_hpc.models.mm_archs import TINY_MM_ARCHS, is_omni
 from relax_hpc.spec import JobSpec, SpecError, load_spec, spec_to_toml
 from relax_hpc.spec.model_fit import check_model_fit, memory_estimate
 
@@ -121,6 +121,7 @@ def _cmd_make_tiny(args: argparse.Namespace) -> int:
     from safetensors import safe_open
 
     from relax_hpc.models.tiny import write_tiny_model
+    from relax_hpc.models.tiny_mm import write_tiny_multimodal
 
     arch = _tiny_arch(args.kind, args.arch)
     if arch is None:

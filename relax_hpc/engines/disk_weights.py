@@ -18,9 +18,10 @@ import shutil
 import tempfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # torch loads where tensors are handled, not for the command line's FEDERATION_WEIGHTS
+    import torch
 
 __all__ = [
     "WEIGHTS_FILE",
@@ -170,6 +171,8 @@ def parameter_shapes(engine: Any) -> dict[str, torch.Size] | None:
     """Name -> shape of what the engine's `update_weights` takes: its torch model's state dict
     (tied weights under each name); None for an engine without a torch `model` (nothing to check)."""
     model = getattr(engine, "model", None)
+    import torch
+
     if not isinstance(model, torch.nn.Module):
         return None
     return {name: t.shape for name, t in model.state_dict().items()}

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from relax_hpc.models.mm_archs import TINY_MM_ARCHS, is_omni
 from relax_hpc.models.tiny import (
     IM_END,
     IM_START,
@@ -35,7 +36,6 @@ from relax_hpc.models.tiny import (
     vocab_size,
 )
 
-TINY_MM_ARCHS = ("qwen2_5_vl", "qwen3_vl", "qwen2_5_omni", "qwen3_omni")
 
 VISION_START = "<|vision_start|>"
 VISION_END = "<|vision_end|>"
@@ -69,10 +69,6 @@ VIDEO_PROCESSOR_TYPE = {
     "qwen2_5_omni": "Qwen2VLVideoProcessor",
     "qwen3_omni": "Qwen2VLVideoProcessor",
 }
-
-
-def is_omni(arch: str) -> bool:
-    return arch.endswith("_omni")
 
 
 def mm_special_tokens(arch: str) -> tuple[str, ...]:

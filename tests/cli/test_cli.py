@@ -97,6 +97,22 @@ def test_help_lists_the_commands() -> None:
         assert command in result.stdout
 
 
+@pytest.mark.parametrize("argv", [["--help"], ["validate", "jobspecs/tiny_local.toml"],
+                                  ["render", "jobspecs/tiny_slurm.toml"], ["show", "tiny_local"]],
+                         ids=lambda argv: argv[0])
+def test_commands_that_only_read_specs_do_not_load_torch(argv: list[str]) -> None:
+    # --help, validate, render and show answer at once on a login node: torch, Ray and
+    # transformers load only for the commands that train, serve or write a model.
+    probe = ("import runpy, sys; sys.argv = ['relax-hpc', *sys.argv[1:]]\n"
+             "try:\n    runpy.run_module('relax_hpc.cli.main', run_name='__main__')\n"
+             "except SystemExit as e:\n    code = e.code\nelse:\n    code = 0\n"
+             "heavy = sorted(m for m in ('torch', 'ray', 'transformers') if m in sys.modules)\n"
+             "print('LOADED', heavy, code)")
+    done = subprocess.run([sys.executable, "-c", probe, *argv], cwd=REPO, env={**os.environ, "RAY_AUTH_MODE": "disabled"},
+                          capture_output=True, text=True, timeout=120)
+    assert done.stdout.splitlines()[-1] == "LOADED [] 0", done.stdout + done.stderr
+
+
 def test_run_refuses_a_backend_this_build_does_not_have(tmp_path: Path) -> None:
     spec = tmp_path / "s.toml"
     spec.write_text(
