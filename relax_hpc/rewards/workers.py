@@ -11,8 +11,11 @@ the same way and the call raises `RewardWorkerDied`.
 
 Workers start lazily (none for a run whose rewards are all inline or async), at most
 `processes` of them, each a fresh interpreter (`python -m relax_hpc.rewards.workers`) talking
-over two pipes: the caller's threads (Ray's, the engine's) are never forked, and the caller's
-main module is never re-imported. A worker exits when the caller does (its pipe closes, and on
+over two pipes. A new worker says it is ready once its interpreter has started, and loads a
+reward function (imports its module) before it scores with it, each within `START_TIMEOUT_S`:
+`timeout_s` is the reward's own time on a sample, never a worker's start-up or a module's
+import, which take seconds on a busy node. The caller's threads (Ray's, the engine's) are never
+forked, and the caller's main module is never re-imported. A worker exits when the caller does (its pipe closes, and on
 Linux the kernel sends it SIGKILL when its parent dies). Each worker optionally caps its address
 space (`memory_mb`), so a runaway reward gets a MemoryError instead of the node's memory.
 """
@@ -29,13 +32,17 @@ import signal
 import subprocess
 import sys
 import threading
+from typing import Any
 
 from relax_hpc.data.sample import Sample
 from relax_hpc.rewards.registry import RewardFn, RewardResult
 
 
+START_TIMEOUT_S = 120.0  # a new worker's interpreter start-up (imports); not part of a reward's timeout
+
+
 class RewardWorkerDied(RuntimeError):
-    """A worker process ended while it scored a sample."""
+    """A worker process ended while it scored a sample, or never came up."""
 
 
 def can_run_in_worker(fn: RewardFn) -> bool:
@@ -47,17 +54,29 @@ def can_run_in_worker(fn: RewardFn) -> bool:
     return True
 
 
+_LOAD, _SCORE = b"L", b"S"  # a request's first byte: load a reward function, score a sample with it
+
+
 def _serve_pair(requests: multiprocessing.connection.Connection,
                 replies: multiprocessing.connection.Connection) -> None:
-    """A worker's loop: receive (fn, sample), answer ("ok", result) or ("error", message)."""
+    """A worker's loop: receive a reward to load or a sample to score with the one loaded; answer
+    ("ok", result) or ("error", message)."""
     logging.getLogger("math_verify").setLevel(logging.ERROR)
+    fn: RewardFn | None = None
     while True:
         try:
-            fn, sample = requests.recv()
+            request = requests.recv_bytes()
         except (EOFError, OSError):  # the caller closed its end: shut down
             return
+        kind, body = request[:1], request[1:]
         try:
-            replies.send(("ok", fn(sample)))
+            if kind == _LOAD:
+                fn = pickle.loads(body)  # imports the reward's module: that is the load's time
+                replies.send(("ok", None))
+            elif fn is None:
+                replies.send(("error", "no reward function loaded"))
+            else:
+                replies.send(("ok", fn(pickle.loads(body))))
         except Exception as e:  # the reward's own failure (or an unpicklable result) is reported
             replies.send(("error", f"{type(e).__name__}: {e}"))
 
@@ -79,13 +98,36 @@ class _Worker:
             os.close(from_worker_w)
         self.requests = multiprocessing.connection.Connection(to_worker_w, readable=False)
         self.replies = multiprocessing.connection.Connection(from_worker_r, writable=False)
+        self._loaded: bytes | None = None  # the pickled reward function the worker holds
+        self._wait_ready()
+
+    def _wait_ready(self) -> None:
+        try:
+            if self.replies.poll(START_TIMEOUT_S) and self.replies.recv() == ("ready", None):
+                return
+            why = f"did not say it was ready within {START_TIMEOUT_S:g} s"
+        except (EOFError, OSError):
+            why = f"exited while starting (exit code {self.process.poll()})"
+        self.kill()
+        raise RewardWorkerDied(f"a reward worker process {why}; run `{sys.executable} -m {__name__}` "
+                               "by hand to see why it cannot start (an import error, a full disk)")
 
     def call(self, fn: RewardFn, sample: Sample, timeout_s: float) -> RewardResult:
-        """Score one sample; TimeoutError / RewardWorkerDied leave this worker unusable."""
-        # Pickle first: an unpicklable sample fails here and leaves the worker usable.
-        payload = pickle.dumps((fn, sample), protocol=pickle.HIGHEST_PROTOCOL)
+        """Score one sample; TimeoutError / RewardWorkerDied leave this worker unusable.
+
+        A reward the worker has not loaded yet is loaded first, within START_TIMEOUT_S: importing
+        its module (sympy, a tokenizer) is not the reward's time on a sample."""
+        # Pickle first: an unpicklable reward or sample fails here and leaves the worker usable.
+        reward = pickle.dumps(fn, protocol=pickle.HIGHEST_PROTOCOL)
+        payload = pickle.dumps(sample, protocol=pickle.HIGHEST_PROTOCOL)
+        if reward != self._loaded:
+            self._exchange(_LOAD + reward, START_TIMEOUT_S, "loading the reward function")
+            self._loaded = reward
+        return self._exchange(_SCORE + payload, timeout_s, "scoring")  # type: ignore[no-any-return]
+
+    def _exchange(self, request: bytes, timeout_s: float, doing: str) -> Any:
         try:
-            self.requests.send_bytes(payload)
+            self.requests.send_bytes(request)
             answered = self.replies.poll(timeout_s)
             if answered:
                 status, value = self.replies.recv()
@@ -95,14 +137,14 @@ class _Worker:
             except subprocess.TimeoutExpired:
                 code = None
             raise RewardWorkerDied(
-                f"the reward worker process died while scoring (exit code {code}); "
+                f"the reward worker process died while {doing} (exit code {code}); "
                 "if it ran out of memory, raise [reward] worker_memory_mb"
             ) from e
         if not answered:
-            raise TimeoutError(f"no answer within {timeout_s} s")
+            raise TimeoutError(f"no answer within {timeout_s:g} s ({doing})")
         if status == "error":
             raise RuntimeError(value)
-        return value  # type: ignore[no-any-return]
+        return value
 
     def kill(self) -> None:
         self.process.kill()
@@ -215,6 +257,7 @@ def main(argv: list[str]) -> None:
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     requests = multiprocessing.connection.Connection(read_fd, writable=False)
     replies = multiprocessing.connection.Connection(write_fd, readable=False)
+    replies.send(("ready", None))
     _serve_pair(requests, replies)
 
 

@@ -97,6 +97,44 @@ def test_a_timeout_kills_the_worker_and_a_new_one_takes_the_next_sample(rewards_
         os.kill(first, 0)
 
 
+SLOW_START = """
+    import time
+
+    time.sleep(3)  # as an interpreter that starts slowly on a busy node
+"""
+
+
+def test_a_workers_start_up_and_the_rewards_import_are_not_the_rewards_time(
+        rewards_module: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # sitecustomize runs at every interpreter start: each worker takes 3 s to come up, and the
+    # rewards module's import (math_verify, sympy) comes on top. A 2 s timeout is for scoring.
+    site = tmp_path / "slow_site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(textwrap.dedent(SLOW_START))
+    monkeypatch.syspath_prepend(str(site))
+    length = resolve_reward(f"{rewards_module}:length")
+    workers = RewardWorkers(processes=1)
+    try:
+        assert workers.run(length, _sample("abc"), timeout_s=2) == 3.0
+    finally:
+        workers.close()
+    assert workers.replaced == 0
+
+
+def test_a_worker_that_never_comes_up_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    site = tmp_path / "slow_site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(textwrap.dedent(SLOW_START))
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.setattr("relax_hpc.rewards.workers.START_TIMEOUT_S", 0.5)
+    workers = RewardWorkers(processes=1)
+    try:
+        with pytest.raises(RewardWorkerDied, match=r"did not say it was ready within 0.5 s"):
+            workers.run(resolve_reward("tiny_sum"), _sample(), timeout_s=30)
+    finally:
+        workers.close()
+
+
 def test_a_worker_that_dies_is_replaced(rewards_module: str) -> None:
     dies, length = resolve_reward(f"{rewards_module}:dies"), resolve_reward(f"{rewards_module}:length")
     workers = RewardWorkers(processes=1)
@@ -138,7 +176,7 @@ def test_pool_scores_a_timeout_as_a_wrong_answer_and_goes_on(rewards_module: str
     signed = resolve_reward(f"{rewards_module}:signed_hog")
     assert failure_score(signed) == -1.0
     samples = [_sample("hang", "7"), _sample("7", "7"), _sample("3", "7")]
-    # 6 s: a worker that starts slowly on a loaded host must not time out the good samples too.
+    # 6 s of scoring: a worker's start-up and the module's import do not count (the test above).
     with RewardPool(concurrency=3, timeout_s=6, worker_processes=2) as pool:
         stats = pool.score(samples, lambda s: ("signed", signed))
         again = [_sample("7", "7")]
