@@ -26,6 +26,7 @@ import torch
 
 from relax_hpc.media.families import Family, family_of, supported_model_types
 from relax_hpc.media.items import MediaError, MediaItem, PromptMedia
+from relax_hpc.models.hf import transformers_name
 
 MARKUP_FLOOR = -1e30  # the logit of a media markup token: never sampled, probability exactly 0
 MIN_AUDIO_SAMPLES = 400  # one Whisper FFT window (25 ms at 16 kHz); shorter clips cannot be framed
@@ -116,8 +117,7 @@ class MediaProcessor:
 
     # -- loading the pieces ----------------------------------------------------------------
     def _image_processor(self) -> Any:
-        from transformers import AutoImageProcessor
-
+        AutoImageProcessor = transformers_name("AutoImageProcessor")
         try:
             return AutoImageProcessor.from_pretrained(self.model_dir, backend="pil", local_files_only=True)
         except (OSError, ValueError) as e:
@@ -127,8 +127,7 @@ class MediaProcessor:
             ) from e
 
     def _feature_extractor(self) -> Any:
-        from transformers import AutoFeatureExtractor
-
+        AutoFeatureExtractor = transformers_name("AutoFeatureExtractor")
         try:
             return AutoFeatureExtractor.from_pretrained(self.model_dir, local_files_only=True)
         except (OSError, ValueError) as e:

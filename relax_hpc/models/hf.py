@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,22 @@ from typing import Any
 import torch
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+# transformers 5 resolves `from transformers import X` through a lazy module that is not safe for
+# two threads' first imports: one of them can get "cannot import name 'AutoTokenizer'" (seen when
+# a rollout worker started two SGLang engines' clients on two threads). Every first use of a
+# transformers name in relax-hpc goes through this lock; later ones are plain attribute lookups.
+_TRANSFORMERS_IMPORT = threading.Lock()
+
+
+def transformers_name(name: str) -> Any:
+    """`transformers.<name>` (AutoTokenizer, AutoModelForCausalLM, ...), imported safely from any thread."""
+    with _TRANSFORMERS_IMPORT:
+        quiet_transformers()
+        import transformers
+
+        return getattr(transformers, name)
 
 
 def quiet_transformers() -> None:
@@ -40,8 +57,7 @@ def _require_model_dir(path: Path) -> None:
 
 def load_causal_lm(path: str | Path, dtype: str = "float32", device: str = "cpu") -> torch.nn.Module:
     """Load a causal LM through `AutoModelForCausalLM.from_pretrained`, local files only."""
-    quiet_transformers()
-    from transformers import AutoModelForCausalLM
+    AutoModelForCausalLM = transformers_name("AutoModelForCausalLM")
 
     if dtype not in _DTYPES:
         raise ValueError(f"model dtype {dtype!r} is not supported; use one of {', '.join(_DTYPES)}")
@@ -183,20 +199,16 @@ def load_policy_model(path: str | Path, dtype: str = "float32", device: str = "c
         return load_causal_lm(path, dtype=dtype, device=device)
     if dtype not in _DTYPES:
         raise ValueError(f"model dtype {dtype!r} is not supported; use one of {', '.join(_DTYPES)}")
-    quiet_transformers()
-    import transformers
-
-    model_class = getattr(transformers, family.model_class)
+    model_class = transformers_name(family.model_class)
     kwargs: dict[str, Any] = {"dtype": _DTYPES[dtype], "local_files_only": True, "attn_implementation": "sdpa"}
     if family.full_omni:  # the thinker's class, with the thinker's part of the full config
-        kwargs["config"] = transformers.AutoConfig.from_pretrained(path, local_files_only=True).thinker_config
+        kwargs["config"] = transformers_name("AutoConfig").from_pretrained(path, local_files_only=True).thinker_config
     return model_class.from_pretrained(path, **kwargs).to(device)
 
 
 def load_tokenizer(path: str | Path):  # -> transformers.PreTrainedTokenizerBase
     """Load the tokenizer that lives next to the model weights."""
-    quiet_transformers()
-    from transformers import AutoTokenizer
+    AutoTokenizer = transformers_name("AutoTokenizer")
 
     path = Path(path)
     _require_model_dir(path)
