@@ -45,7 +45,9 @@ class TimeBudget:
             self.outcomes[report.nodeid] = "failed"
         elif report.skipped:
             self.outcomes.setdefault(report.nodeid, "skipped")
-        if report.when == "teardown" and (path := times_file()):
+        # Under xdist the controller sees every worker's reports too: only it writes the file.
+        in_worker = "PYTEST_XDIST_WORKER" in os.environ
+        if report.when == "teardown" and not in_worker and (path := times_file()):
             outcome = self.outcomes.get(report.nodeid, "passed")
             with open(path, "a", encoding="utf-8") as out:
                 out.write(f"{self.seconds[report.nodeid]:.1f}\t{outcome}\t{report.nodeid}\n")

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from e2e_helpers import tiny_spec_text
+from e2e_helpers import LEARN_LR, LEARN_STEPS, tiny_spec_text
 from relax_hpc.driver.run import run_job
 from relax_hpc.spec import parse_spec
 
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow
 
 
 def _run(model_dir: Path, job: Path, steps: int, algorithm: str, extra_algorithm: str = "") -> list[float]:
-    text = tiny_spec_text(model_dir, job, steps=steps, save_interval=steps)
+    text = tiny_spec_text(model_dir, job, steps=steps, save_interval=steps, lr=LEARN_LR)
     text = text.replace('[algorithm]\nname = "grpo"', f'[algorithm]\nname = "{algorithm}"\n{extra_algorithm}')
     report = run_job(parse_spec(text), in_process=True, progress=False)
     return report.result.rewards
@@ -30,9 +30,9 @@ def _run(model_dir: Path, job: Path, steps: int, algorithm: str, extra_algorithm
     ],
 )
 def test_algorithm_lifts_the_reward_like_grpo(tiny_model_dir: Path, tmp_path: Path, algorithm: str, extra: str) -> None:
-    rewards = _run(tiny_model_dir, tmp_path / algorithm, 150, algorithm, extra)
+    rewards = _run(tiny_model_dir, tmp_path / algorithm, LEARN_STEPS, algorithm, extra)
     first, last = sum(rewards[:5]) / 5, sum(rewards[-10:]) / 10
-    # GRPO's own test asks the same of 150 steps: from ~0.015 to well above 3x that.
+    # GRPO's own test asks the same of LEARN_STEPS steps: from ~0.015 to well above 3x that.
     assert last > 3 * first and last > 0.08, (algorithm, first, last)
 
 
@@ -64,9 +64,10 @@ def _reverse_kl_to_teacher(student_dir: Path, teacher_dir: Path, job_ckpt: Path 
 def test_on_policy_distillation_moves_the_student_toward_the_teacher(tiny_model_dir: Path, tmp_path: Path) -> None:
     from relax_hpc.ckpt.export import export_hf
 
-    # The teacher: the tiny model after 150 GRPO steps, exported as an HF directory.
-    _run(tiny_model_dir, tmp_path / "teacher_job", 150, "grpo")
-    teacher = export_hf(tmp_path / "teacher_job" / "checkpoints" / "step_150", tiny_model_dir, tmp_path / "teacher")
+    # The teacher: the tiny model after LEARN_STEPS GRPO steps, exported as an HF directory.
+    _run(tiny_model_dir, tmp_path / "teacher_job", LEARN_STEPS, "grpo")
+    teacher = export_hf(tmp_path / "teacher_job" / "checkpoints" / f"step_{LEARN_STEPS}", tiny_model_dir,
+                        tmp_path / "teacher")
 
     before = _reverse_kl_to_teacher(tiny_model_dir, teacher, None)
     extra = f'opd_teacher_path = "{teacher}"\nopd_coef = 1.0'

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from e2e_helpers import DATA, REPO
+from e2e_helpers import DATA, LEARN_LR, LEARN_STEPS, REPO
 
 from relax_hpc.ckpt import CheckpointManager, read_resume_file
 from relax_hpc.models.hf import load_causal_lm
@@ -23,7 +23,7 @@ from relax_hpc.ops.metrics import read_metrics
 
 pytestmark = pytest.mark.slow
 
-STEPS = 150
+STEPS = LEARN_STEPS  # at the learning tests' lr (tests/driver/e2e_helpers.py)
 
 
 def _fsdp2_spec(model_dir: Path, job_dir: Path, steps: int = STEPS) -> str:
@@ -35,6 +35,7 @@ def _fsdp2_spec(model_dir: Path, job_dir: Path, steps: int = STEPS) -> str:
         r'(?m)^path = "runs/models/tiny-qwen3"$': f'path = "{model_dir}"',
         r'(?m)^path = "jobspecs/data/tiny_sum.jsonl"$': f'path = "{DATA}"',
         r"(?m)^steps = \d+$": f'steps = {steps}\nstrategy = "fsdp2"\nnum_processes = 2',
+        r"(?m)^lr = 5e-4$": f"lr = {LEARN_LR}",
         r"(?m)^save_interval = \d+$": f"save_interval = {STEPS}",
         r"(?m)^temperature = 1.0$": "temperature = 1.0\nnum_engines = 2",
     }

@@ -5,7 +5,7 @@ Checks that the reward rises as with the native engine (tests/driver/test_train_
 the servers received every weight version (each step's samples carry the version SGLang reports,
 and at two checkpoints the servers' log-probs equal HF's for the checkpoint's weights), and that
 no server outlives the run. Needs .venv-sglang (tools/setup-sglang-cpu); about 3 minutes on
-2 cores, a minute of it the servers' start-up:
+2 cores, most of it the servers' start-up:
 
     RELAX_TEST_SGLANG=1 .venv/bin/python -m pytest tests/driver/test_sglang_e2e.py -q
 """
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from e2e_helpers import DATA, REPO
+from e2e_helpers import DATA, LEARN_LR, LEARN_STEPS, REPO
 from side_env import SGLANG
 
 from relax_hpc.ckpt.export import export_hf
@@ -31,8 +31,8 @@ from relax_hpc.ops.metrics import read_metrics
 
 pytestmark = [pytest.mark.slow, pytest.mark.sglang]
 
-STEPS = 150
-CHECKED_VERSIONS = (50, 100)  # checkpoints whose weights the next step's samples must have run on
+STEPS = LEARN_STEPS  # at the learning tests' lr (tests/driver/e2e_helpers.py)
+CHECKED_VERSIONS = (20, 40)  # checkpoints whose weights the next step's samples must have run on
 LOGPROB_TOL = 1e-4  # float32 SGLang vs an HF forward; observed 4.8e-7
 
 
@@ -45,6 +45,7 @@ def _spec(model_dir: Path, job_dir: Path, python: Path) -> str:
         r'(?m)^path = "jobspecs/data/tiny_sum.jsonl"$': f'path = "{DATA}"',
         r'(?m)^python = "\.venv-sglang/bin/python"': f'python = "{python}"',
         r"(?m)^steps = \d+$": f"steps = {STEPS}",
+        r"(?m)^lr = 5e-4$": f"lr = {LEARN_LR}",
         r"(?m)^save_interval = \d+$": f"save_interval = {CHECKED_VERSIONS[0]}",
         r"(?m)^keep_last = \d+$": "keep_last = 3",
     }

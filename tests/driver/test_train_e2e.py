@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from e2e_helpers import REPO, tiny_spec_text
+from e2e_helpers import LEARN_LR, LEARN_STEPS, REPO, tiny_spec_text
 from relax_hpc.driver.run import run_job
 from relax_hpc.models.hf import load_causal_lm
 from relax_hpc.ops.metrics import read_metrics
@@ -27,12 +27,13 @@ def _env() -> dict[str, str]:
 
 
 def test_reward_rises_and_every_parameter_changes(tiny_model_dir: Path, tmp_path: Path) -> None:
-    spec = parse_spec(tiny_spec_text(tiny_model_dir, tmp_path / "job", steps=150, save_interval=150))
+    spec = parse_spec(tiny_spec_text(tiny_model_dir, tmp_path / "job", steps=LEARN_STEPS, save_interval=LEARN_STEPS,
+                                     lr=LEARN_LR))
     report = run_job(spec, in_process=True, progress=False)
 
     rewards = report.result.rewards
     first, last = sum(rewards[:5]) / 5, sum(rewards[-10:]) / 10
-    # A random policy answers ~1-2% right; 150 GRPO steps lift it well above that.
+    # A random policy answers ~1-2% right; LEARN_STEPS GRPO steps lift it well above that.
     assert first < 0.05
     assert last > 3 * first and last > 0.08, (first, last)
 
@@ -42,8 +43,8 @@ def test_reward_rises_and_every_parameter_changes(tiny_model_dir: Path, tmp_path
 
     opt = torch.optim.AdamW(after.parameters())
     state = CheckpointManager(tmp_path / "job" / "checkpoints").load_latest(after, opt)
-    assert state is not None and state.step == 150
-    assert state.samples_trained == 150 * 16 * 16
+    assert state is not None and state.step == LEARN_STEPS
+    assert state.samples_trained == LEARN_STEPS * 16 * 16
     unchanged = [n for (n, p), (_, q) in zip(before.named_parameters(), after.named_parameters())
                  if torch.equal(p, q)]
     assert unchanged == [], f"parameters not trained: {unchanged}"

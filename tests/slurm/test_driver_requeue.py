@@ -42,7 +42,7 @@ def _driver_pid(job_dir: Path) -> int:
     return pid
 
 
-def _wait_for_checkpoint(job_dir: Path, step: int, timeout: float = 240.0) -> None:
+def _wait_for_checkpoint(job_dir: Path, step: int, timeout: float = 600.0) -> None:
     deadline = time.monotonic() + timeout
     while not (job_dir / "checkpoints" / f"step_{step}").is_dir():
         assert time.monotonic() < deadline, f"{job_dir} wrote no checkpoint step_{step}"

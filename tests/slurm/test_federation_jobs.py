@@ -50,7 +50,7 @@ def _engines(job_dir: Path) -> list[dict[str, Any]]:
     return body["engines"] if status == 200 else []
 
 
-def _wait(what: str, check: Any, timeout: float = 240.0) -> Any:
+def _wait(what: str, check: Any, timeout: float = 600.0) -> Any:
     deadline = time.monotonic() + timeout
     while not (found := check()):
         assert time.monotonic() < deadline, f"timed out waiting for {what}"

@@ -70,7 +70,9 @@ def last_step(job_dir: Path) -> int:
     return json.loads(lines[-1])["step"] if lines else 0
 
 
-def wait_for_step(job_dir: Path, step: int, timeout: float = 150.0) -> int:
+# The deadlines of these tests are safety nets for a hung job, not timings: a quiet 2-core machine
+# reaches step 1 in about 20 s, a machine at a load average of 12 took over 150 s (2026-11-28).
+def wait_for_step(job_dir: Path, step: int, timeout: float = 600.0) -> int:
     deadline = time.monotonic() + timeout
     while (now := last_step(job_dir)) < step:
         assert time.monotonic() < deadline, f"{job_dir} did not reach step {step} (at {now})"
@@ -96,7 +98,7 @@ def test_submit_runs_one_hetjob_with_one_ray_cluster_and_completes(
     running = relax_hpc(dev_slurm, "status", job_id)
     assert re.search(r"trainer\s+\d+\s+RUNNING", running) and re.search(r"rollout\s+\d+\s+RUNNING", running), running
 
-    assert dev_slurm.wait_job_done(job_id, timeout=240) == ["COMPLETED", "COMPLETED"], logs_of(job_dir, 0)
+    assert dev_slurm.wait_job_done(job_id, timeout=600) == ["COMPLETED", "COMPLETED"], logs_of(job_dir, 0)
     done = summary(job_dir)
     assert done["end_step"] == steps and done["samples_trained"] == steps * PROMPTS * SAMPLES
     batch = (job_dir / "logs" / "restart-0" / "batch.log").read_text()
@@ -116,7 +118,7 @@ def test_submit_runs_one_hetjob_with_one_ray_cluster_and_completes(
     out = relax_hpc(dev_slurm, "convert", str(job_dir), str(tmp_path / "hf"), "--slurm")
     convert_id = re.search(r"submitted convert job (\d+)", out)
     assert convert_id, out
-    assert dev_slurm.wait_job_done(convert_id.group(1), timeout=120) == ["COMPLETED"]
+    assert dev_slurm.wait_job_done(convert_id.group(1), timeout=600) == ["COMPLETED"]
     assert (tmp_path / "hf" / "config.json").is_file() and (tmp_path / "hf" / "model.safetensors").is_file()
 
 
@@ -135,7 +137,7 @@ def test_requeue_and_preemption_resume_and_train_every_sample_once(
     dev_slurm.slurm("scancel", "--signal=USR1", "--batch", signalled_id)
 
     for job_id, job_dir in ((requeued_id, requeued_dir), (signalled_id, signalled_dir)):
-        states = dev_slurm.wait_job_done(job_id, timeout=300)
+        states = dev_slurm.wait_job_done(job_id, timeout=600)
         assert states == ["COMPLETED", "COMPLETED"], logs_of(job_dir, 0) + logs_of(job_dir, 1)
         done = summary(job_dir)
         assert done["end_step"] == steps and done["stopped_early"] is False
@@ -174,17 +176,18 @@ def test_job_whose_ray_worker_cannot_start_fails_with_the_reason_in_its_log(
         blocker.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         blocker.bind(("127.0.0.1", ray_ports(expected_id, 1).node_manager))
         blocker.listen()
-        started = time.monotonic()
         job_id = submit(dev_slurm, spec)
         assert int(job_id) == expected_id, f"another job was submitted meanwhile: got {job_id}, not {expected_id}"
-        states = dev_slurm.wait_job_done(job_id, timeout=150)
+        states = dev_slurm.wait_job_done(job_id, timeout=600)
         assert "FAILED" in states, states
-        assert time.monotonic() - started < 120  # fails fast, well before ray_join_timeout_s
     finally:
         blocker.close()
     text = logs_of(job_dir, 0)
     assert "cannot start Ray" in text and "in use" in text, text
     assert "FAILED: the Ray cluster did not form" in text
+    # It failed fast, on the dead srun, not after cluster.ray_join_timeout_s (a check of what
+    # happened rather than of a time: under load a fast failure can take minutes too).
+    assert "exited early" in text and "within the timeout" not in text, text
 
 
 def test_a_wheel_install_submits_the_embedded_spec_from_any_directory(
