@@ -87,8 +87,11 @@ def xdist_group_of(nodeid: str) -> str:
 
 # The groups that take longest (docs/testing.md, measured), handed out first so that two workers
 # end together instead of one waiting on a long group handed out last.
-LONGEST_FIRST = ("slurm", "tests/launch/test_faults_global.py", "tests/launch/test_faults_in_place.py",
-                 "tests/launch/test_faults_rerun.py", "tests/launch/test_faults_three_kills.py")
+LONGEST_FIRST = ("slurm", "tests/driver/test_omni_e2e.py", "tests/backends/test_megatron_backend.py",
+                 "tests/driver/test_train_e2e.py", "tests/driver/test_fsdp2_e2e.py",
+                 "tests/launch/test_faults_global.py", "tests/launch/test_faults_in_place.py",
+                 "tests/launch/test_faults_rerun.py", "tests/driver/test_algorithms_e2e.py",
+                 "tests/driver/test_sglang_e2e.py", "tests/launch/test_faults_three_kills.py")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
