@@ -1,9 +1,8 @@
 # shellcheck shell=bash
 # Sourced by tools/setup-env, tools/setup-sglang-cpu and tools/setup-megatron-cpu, which install
 # with uv instead of pip: parallel downloads, one wheel cache shared by the three environments (and
-# by every checkout on the machine), files hard-linked from that cache into each venv. On the
-# 2-core machine this cuts the three builds from about 10 minutes to about 2 (docs/engines.md,
-# "SGLang on CPU", has the measurements).
+# by every checkout on the machine), files hard-linked from that cache into each venv
+# (docs/benchmarks.md, "Building the environments", compares the two).
 #
 #   uv         $RELAX_UV when set; else `uv` on PATH when it is version $relax_uv_version; else that
 #              version, installed once with pip into ~/.cache/relax-hpc/uv-$relax_uv_version
