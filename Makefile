@@ -10,7 +10,7 @@ RELAX_SGLANG_ENV ?= .venv-sglang
 RELAX_MEGATRON_ENV ?= .venv-megatron
 export RAY_AUTH_MODE ?= disabled
 
-.PHONY: setup run test clean sglang-env megatron-env
+.PHONY: setup run test clean sglang-env megatron-env envs
 
 setup:
 	tools/setup-env
@@ -21,7 +21,7 @@ run: setup
 # The SGLang and Megatron tests need their own environments (tools/setup-sglang-cpu,
 # tools/setup-megatron-cpu); a failed install stops here with the step that broke, rather than
 # skipping those tests.
-test: setup sglang-env megatron-env
+test: envs
 	RELAX_TEST_SGLANG=1 RELAX_SGLANG_ENV=$(RELAX_SGLANG_ENV) \
 	RELAX_TEST_MEGATRON=1 RELAX_MEGATRON_ENV=$(RELAX_MEGATRON_ENV) tools/run-tests $(PYTEST_ARGS)
 
@@ -33,6 +33,16 @@ sglang-env:
 # transformers < 5): docs/backends.md, "Megatron on CPU".
 megatron-env:
 	tools/setup-megatron-cpu $(RELAX_MEGATRON_ENV)
+
+# The three environments: .venv, then .venv-megatron (both install relax-hpc editable from this
+# checkout, so not at the same time), and .venv-sglang beside them, which does not touch the
+# checkout: one build's single-threaded import checks overlap the other's bytecode compilation
+# (docs/benchmarks.md, "Building the environments"). Each script prefixes its lines with its name;
+# make fails if any of them failed.
+envs:
+	@tools/setup-sglang-cpu $(RELAX_SGLANG_ENV) & sglang=$$!; \
+	tools/setup-env && tools/setup-megatron-cpu $(RELAX_MEGATRON_ENV); rc=$$?; \
+	wait $$sglang && exit $$rc
 
 clean:
 	rm -rf runs .pytest_cache
