@@ -224,8 +224,10 @@ def _wait_for_head(address: str, deadline: float, pids: Sequence[int]) -> None:
             pass
         dead = [pid for pid in pids if not _pid_alive(pid)]
         if dead:
-            raise RuntimeError(f"the Ray head's srun exited before {address} accepted connections "
-                               f"(PID {dead}); see ray-head-*.log in this restart's log directory")
+            # `pids` are every srun that starts a Ray node: the one that died may be a worker's.
+            raise RuntimeError(f"an srun that starts Ray nodes exited early (PID {dead}), before the Ray head "
+                               f"at {address} accepted connections; see the ray-*.log files in this restart's "
+                               "log directory")
         if time.monotonic() > deadline:
             raise RuntimeError(f"the Ray head at {address} did not accept connections within the "
                                "timeout (cluster.ray_join_timeout_s)")

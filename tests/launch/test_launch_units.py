@@ -387,3 +387,21 @@ def test_status_names_the_groups_from_the_submitted_spec(tmp_path: Path) -> None
                                        JobComponent("9", 2, "RUNNING", "g3")]})
     names = [name for name, _ in job_status("7", tmp_path, fake).components]
     assert names == ["trainer", "forward", "group 2"]  # colocated: group 1 is forward, not rollout
+
+
+def test_waiting_for_the_head_names_any_dead_srun_not_only_the_heads(tmp_path: Path) -> None:
+    # The wait watches every srun that starts a Ray node; a worker node's srun that died (its port
+    # taken) is reported as such, before the join timeout (tests/slurm/test_relax_jobs.py runs it).
+    import socket
+    import time
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    with pytest.raises(RuntimeError) as raised:
+        incluster._wait_for_head(f"127.0.0.1:{port}", time.monotonic() + 60, [dead.pid])
+    message = str(raised.value)
+    assert f"an srun that starts Ray nodes exited early (PID [{dead.pid}])" in message
+    assert "within the timeout" not in message and "ray-*.log" in message
