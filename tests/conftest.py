@@ -94,6 +94,20 @@ LONGEST_FIRST = ("slurm", "tests/driver/test_omni_e2e.py", "tests/backends/test_
                  "tests/driver/test_sglang_e2e.py", "tests/launch/test_faults_three_kills.py")
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Refuse two workers where xdist cannot group: on pytest 9.2 its --dist loadgroup silently
+    stops grouping (pytest-dev/pytest-xdist#1386), the tests of a module then run on both workers,
+    each starting the module's servers (two SGLang fleets at once failed a test that way)."""
+    if hasattr(config, "workerinput") or config.getoption("dist", "no") != "loadgroup":
+        return
+    major, minor = (int(part) for part in pytest.__version__.split(".")[:2])
+    if (major, minor) >= (9, 2):
+        raise pytest.UsageError(
+            f"pytest {pytest.__version__} with pytest-xdist's --dist loadgroup does not group tests; install what "
+            "pyproject.toml's dev extra pins (tools/setup-env: pytest < 9.2), or run RELAX_TEST_WORKERS=0")
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the marks into "@group" node ids
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         item.add_marker(pytest.mark.xdist_group(xdist_group_of(item.nodeid)))
