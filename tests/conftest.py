@@ -103,8 +103,9 @@ def pytest_configure(config: pytest.Config) -> None:
     major, minor = (int(part) for part in pytest.__version__.split(".")[:2])
     if (major, minor) >= (9, 2):
         raise pytest.UsageError(
-            f"pytest {pytest.__version__} with pytest-xdist's --dist loadgroup does not group tests; install what "
-            "pyproject.toml's dev extra pins (tools/setup-env: pytest < 9.2), or run RELAX_TEST_WORKERS=0")
+            f"pytest {pytest.__version__} with pytest-xdist's --dist loadgroup does not group tests; "
+            "install what pyproject.toml's dev extra pins (tools/setup-env: pytest < 9.2), "
+            "or run RELAX_TEST_WORKERS=0")
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the marks into "@group" node ids

@@ -9,6 +9,15 @@ See docs/checkpoints.md for the layout, resume and corruption behaviour, and doc
 for the owner-only modes and the refusal to resume from a checkpoint others could change.
 """
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # what type checkers see; at run time each name loads on first use (below)
+    from relax_hpc.ckpt.collective import Collective, SingleProcessCollective, TorchDistCollective, default_collective
+    from relax_hpc.ckpt.manager import CheckpointDiskFullError, CheckpointManager
+    from relax_hpc.ckpt.permissions import UnsafeCheckpointError
+    from relax_hpc.ckpt.resume_state import ResumeState, read_resume_file
+    from relax_hpc.ckpt.rng import capture_rng_state, restore_rng_state
+
 # The names below load on first use (PEP 562): `relax_hpc.ckpt.fs` (atomic writes) is imported by
 # the command line, which must not pay for torch.distributed.checkpoint to print --help or render.
 _WHERE = {
@@ -37,16 +46,4 @@ def __getattr__(name: str) -> object:
     return value
 
 
-__all__ = [
-    "CheckpointDiskFullError",
-    "CheckpointManager",
-    "Collective",
-    "ResumeState",
-    "SingleProcessCollective",
-    "TorchDistCollective",
-    "UnsafeCheckpointError",
-    "capture_rng_state",
-    "default_collective",
-    "read_resume_file",
-    "restore_rng_state",
-]
+__all__ = sorted(_WHERE)

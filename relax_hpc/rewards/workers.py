@@ -15,9 +15,10 @@ over two pipes. A new worker says it is ready once its interpreter has started, 
 reward function (imports its module) before it scores with it, each within `START_TIMEOUT_S`:
 `timeout_s` is the reward's own time on a sample, never a worker's start-up or a module's
 import, which take seconds on a busy node. The caller's threads (Ray's, the engine's) are never
-forked, and the caller's main module is never re-imported. A worker exits when the caller does (its pipe closes, and on
-Linux the kernel sends it SIGKILL when its parent dies). Each worker optionally caps its address
-space (`memory_mb`), so a runaway reward gets a MemoryError instead of the node's memory.
+forked, and the caller's main module is never re-imported. A worker exits when the caller does
+(its pipe closes, and on Linux the kernel sends it SIGKILL when its parent dies). Each worker
+optionally caps its address space (`memory_mb`), so a runaway reward gets a MemoryError instead
+of the node's memory.
 """
 
 from __future__ import annotations

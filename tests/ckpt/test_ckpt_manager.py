@@ -300,3 +300,11 @@ def test_save_with_and_load_latest_with_use_the_backends_reader_and_fall_back(tm
     assert state is not None and state.step == 1  # step_2 failed: the previous one
     assert read == ["step_2", "step_1"]
     assert (tmp_path / "ckpt" / "step_2").is_dir()  # never deleted
+
+
+def test_every_public_name_of_the_package_loads() -> None:
+    # relax_hpc.ckpt loads its names on first use (the command line must not import torch): each
+    # name it lists must come from the module its table names.
+    import relax_hpc.ckpt as ckpt
+
+    assert ckpt.__all__ and all(getattr(ckpt, name).__name__ == name for name in ckpt.__all__)
