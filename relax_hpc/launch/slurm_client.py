@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -90,6 +91,21 @@ def _sacct_components(records: Sequence[Mapping[str, Any]], job_id: str) -> list
     return sorted(found, key=lambda c: c.offset)
 
 
+# A query (squeue, sacct, sinfo, scontrol show) that met a busy controller is asked again: a
+# client killed by a signal (SIGPIPE when slurmctld closed the connection mid-request, seen while a
+# job was being requeued) or one that could not reach the controller in time. Commands that change
+# something (sbatch, scancel, scontrol requeue) are never repeated: they may have been done.
+QUERY_ATTEMPTS = 3
+QUERY_RETRY_S = 1.0
+_TRANSIENT = ("Socket timed out", "Unable to contact slurm controller", "Connection refused",
+              "Zero Bytes were transmitted or received")
+
+
+def transient_failure(returncode: int, stderr: str) -> bool:
+    """Whether a failed Slurm client command is worth asking again (a query only)."""
+    return returncode < 0 or any(text in stderr for text in _TRANSIENT)
+
+
 class SubprocessSlurmClient:
     """The real adapter: runs the Slurm client commands found on PATH."""
 
@@ -98,18 +114,23 @@ class SubprocessSlurmClient:
         self._timeout_s = timeout_s
 
     def _run(self, args: Sequence[str], cwd: Path | None = None,
-             env: Mapping[str, str] | None = None) -> str:
-        try:
-            done = subprocess.run(list(args), capture_output=True, text=True, timeout=self._timeout_s,
-                                  cwd=cwd, env=dict(env) if env is not None else self._env, check=False)
-        except FileNotFoundError:
-            raise SlurmError(f"{args[0]} not found on PATH: run this on a Slurm login node "
-                             "(or start the local one with tools/dev-slurm up)") from None
-        except subprocess.TimeoutExpired:
-            raise SlurmError(f"{' '.join(args)} did not answer within {self._timeout_s:.0f} s") from None
-        if done.returncode != 0:
-            raise SlurmError(f"{' '.join(args)} exited {done.returncode}: {done.stderr.strip()}")
-        return done.stdout
+             env: Mapping[str, str] | None = None, query: bool = False) -> str:
+        """Run one client command; a `query` is asked again after a transient failure."""
+        for attempt in range(1, QUERY_ATTEMPTS + 1):
+            try:
+                done = subprocess.run(list(args), capture_output=True, text=True, timeout=self._timeout_s,
+                                      cwd=cwd, env=dict(env) if env is not None else self._env, check=False)
+            except FileNotFoundError:
+                raise SlurmError(f"{args[0]} not found on PATH: run this on a Slurm login node "
+                                 "(or start the local one with tools/dev-slurm up)") from None
+            except subprocess.TimeoutExpired:
+                raise SlurmError(f"{' '.join(args)} did not answer within {self._timeout_s:.0f} s") from None
+            if done.returncode == 0:
+                return done.stdout
+            if not (query and attempt < QUERY_ATTEMPTS and transient_failure(done.returncode, done.stderr)):
+                break
+            time.sleep(QUERY_RETRY_S * attempt)
+        raise SlurmError(f"{' '.join(args)} exited {done.returncode}: {done.stderr.strip()}")
 
     def sbatch(self, script: Path, cwd: Path, env: Mapping[str, str]) -> str:
         out = self._run(["sbatch", "--parsable", str(script)], cwd=cwd, env=env)
@@ -118,7 +139,7 @@ class SubprocessSlurmClient:
 
     def job_components(self, job_id: str) -> list[JobComponent]:
         try:
-            out = self._run(["squeue", "--json", "--jobs", job_id])
+            out = self._run(["squeue", "--json", "--jobs", job_id], query=True)
         except SlurmError as error:
             if "Invalid job id" in str(error):
                 return []
@@ -127,13 +148,13 @@ class SubprocessSlurmClient:
 
     def accounting(self, job_id: str) -> list[JobComponent] | None:
         try:
-            out = self._run(["sacct", "--json", "--jobs", job_id])
+            out = self._run(["sacct", "--json", "--jobs", job_id], query=True)
         except SlurmError:
             return None  # no slurmdbd: sacct fails, and that only means "not available"
         return _sacct_components(json.loads(out).get("jobs", []), job_id)
 
     def nodes(self) -> list[dict[str, Any]]:
-        return list(json.loads(self._run(["sinfo", "--json"])).get("nodes", []))
+        return list(json.loads(self._run(["sinfo", "--json"], query=True)).get("nodes", []))
 
     def requeue(self, job_id: str) -> None:
         self._run(["scontrol", "requeue", job_id])

@@ -405,3 +405,40 @@ def test_waiting_for_the_head_names_any_dead_srun_not_only_the_heads(tmp_path: P
     message = str(raised.value)
     assert f"an srun that starts Ray nodes exited early (PID [{dead.pid}])" in message
     assert "within the timeout" not in message and "ray-*.log" in message
+
+
+def _fake_client_commands(bin_dir: Path, script: str) -> None:
+    """squeue and sbatch that die by SIGPIPE (as one did when slurmctld dropped the connection
+    mid-request) until they have been called twice, then answer; calls counted in bin_dir/calls."""
+    bin_dir.mkdir()
+    for name, answer in (("squeue", '{"jobs": []}'), ("sbatch", "42")):
+        path = bin_dir / name
+        path.write_text(script.format(name=name, answer=answer, calls=bin_dir / "calls"))
+        path.chmod(0o755)
+
+
+def test_a_slurm_query_killed_by_a_signal_is_asked_again_and_an_sbatch_never(tmp_path: Path,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    from relax_hpc.launch import slurm_client
+    from relax_hpc.launch.slurm_client import SlurmError, SubprocessSlurmClient
+
+    _fake_client_commands(tmp_path / "bin", "#!/bin/sh\necho {name} >> {calls}\n"
+                          "[ $(grep -c {name} {calls}) -ge 3 ] && {{ echo '{answer}'; exit 0; }}\nkill -PIPE $$\n")
+    monkeypatch.setattr(slurm_client, "QUERY_RETRY_S", 0.01)
+    env = {**os.environ, "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}"}
+    client = SubprocessSlurmClient(env=env)
+
+    assert client.job_components("7") == []  # the third squeue answered
+    with pytest.raises(SlurmError, match=r"sbatch --parsable .* exited -13"):
+        client.sbatch(tmp_path / "job.sh", tmp_path, env)
+    calls = (tmp_path / "bin" / "calls").read_text().split()
+    assert (calls.count("squeue"), calls.count("sbatch")) == (3, 1)
+
+
+def test_only_signal_deaths_and_unreachable_controllers_count_as_transient() -> None:
+    from relax_hpc.launch.slurm_client import transient_failure
+
+    assert transient_failure(-13, "")
+    assert transient_failure(1, "squeue: error: slurm_load_jobs error: Socket timed out on send/recv operation")
+    assert transient_failure(1, "scontrol: error: Unable to contact slurm controller (connect failure)")
+    assert not transient_failure(1, "slurm_load_jobs error: Invalid job id specified")

@@ -13,6 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from relax_hpc.launch.slurm_client import QUERY_ATTEMPTS, transient_failure
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEV_SLURM = REPO_ROOT / "tools" / "dev-slurm"
 DEFAULT_STATE_DIR = Path("/tmp/relax-dev-slurm")
@@ -81,13 +83,20 @@ class DevSlurm:
         return {**os.environ, "SLURM_CONF": str(self.conf)}
 
     def slurm(self, *args: str, timeout: float = 60.0) -> str:
-        """Run a Slurm client command (sbatch, scontrol, ...) and return its stdout."""
-        done = subprocess.run(
-            list(args), capture_output=True, text=True, timeout=timeout, env=self.env(), check=False
-        )
-        if done.returncode != 0:
-            raise AssertionError(f"{' '.join(args)} exited {done.returncode}: {done.stderr.strip()}")
-        return done.stdout
+        """Run a Slurm client command (sbatch, scontrol, ...) and return its stdout. A query
+        (squeue, sacct, sinfo, scontrol show) is asked again after a transient failure, as the
+        product's client does (relax_hpc/launch/slurm_client.py)."""
+        query = args[0] in ("squeue", "sacct", "sinfo") or args[:2] == ("scontrol", "show")
+        for attempt in range(1, QUERY_ATTEMPTS + 1):
+            done = subprocess.run(
+                list(args), capture_output=True, text=True, timeout=timeout, env=self.env(), check=False
+            )
+            if done.returncode == 0:
+                return done.stdout
+            if not (query and attempt < QUERY_ATTEMPTS and transient_failure(done.returncode, done.stderr)):
+                break
+            time.sleep(attempt)
+        raise AssertionError(f"{' '.join(args)} exited {done.returncode}: {done.stderr.strip()}")
 
     def job_states(self, job_id: str) -> list[str]:
         """JobState of every component of ``job_id`` (one entry for a plain job)."""
