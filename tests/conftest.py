@@ -89,9 +89,9 @@ def xdist_group_of(nodeid: str) -> str:
 # end together instead of one waiting on a long group handed out last.
 LONGEST_FIRST = ("slurm", "tests/driver/test_omni_e2e.py", "tests/backends/test_megatron_backend.py",
                  "tests/driver/test_train_e2e.py", "tests/driver/test_fsdp2_e2e.py",
-                 "tests/launch/test_faults_global.py", "tests/launch/test_faults_in_place.py",
-                 "tests/launch/test_faults_rerun.py", "tests/driver/test_algorithms_e2e.py",
-                 "tests/driver/test_sglang_e2e.py", "tests/launch/test_faults_three_kills.py")
+                 "tests/launch/test_faults_global.py", "tests/launch/test_faults_rerun.py",
+                 "tests/launch/test_faults_three_kills.py", "tests/driver/test_algorithms_e2e.py",
+                 "tests/driver/test_sglang_e2e.py", "tests/launch/test_faults_in_place.py")
 
 
 def pytest_configure(config: pytest.Config) -> None:

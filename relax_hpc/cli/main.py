@@ -261,7 +261,7 @@ def _cmd_faults(args: argparse.Namespace) -> int:
     spec = with_embedded_inputs(load_spec(args.spec), args.spec)
     faults = [fault_named(name) for name in dict.fromkeys(args.only)] if args.only else list(FAULTS)
     out = Path(args.out) if args.out else default_out(spec)
-    rows = run_suite(spec, out, faults, args.steps, args.run_timeout_s)
+    rows = run_suite(spec, out, faults, args.steps, args.run_timeout_s, in_one_run=args.in_one_run)
     return 0 if suite_ok(rows) else 1
 
 
@@ -292,9 +292,16 @@ def _add_faults_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore
     p.add_argument("--out", default=None, metavar="DIR",
                    help="where the job directories go, DIR/<fault>/, and DIR/faults.json "
                         "(default runs/faults-<job name>); an earlier suite's directories there are replaced")
+    p.add_argument("--in-one-run", action="store_true",
+                   help="inject the faults one after another into one run of SPEC (OUT/in-one-run/), each once "
+                        "the run recovered from the one before: one start-up instead of one per fault, and a "
+                        "run that survives a sequence of faults; disk-full still gets a run of its own. The "
+                        "order is fixed (docs/operations.md, \"Fault suite\"); a fault that breaks the run "
+                        "leaves the later ones untried")
     p.add_argument("--run-timeout-s", type=float, default=DEFAULT_TIMEOUT_S, metavar="S",
                    help=f"longest one run of the spec may take before it is killed and its fault fails "
-                        f"(default {DEFAULT_TIMEOUT_S:.0f})")
+                        f"(default {DEFAULT_TIMEOUT_S:.0f}); with --in-one-run, the longest to each fault, and "
+                        f"from it to the next fault or the end")
     p.set_defaults(func=_cmd_faults)
 
 

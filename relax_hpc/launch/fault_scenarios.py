@@ -78,8 +78,12 @@ class FaultJob:
         command = [sys.executable, "-m", "relax_hpc.cli.main", "run", str(self.spec_path), "--no-progress"]
         run = JobProcess(command, self.log_path, self.env)
         injection.last_run_started = run.started_at
-        self._deadline = time.monotonic() + self.timeout_s
+        self.renew_deadline()
         return run
+
+    def renew_deadline(self) -> None:
+        """`timeout_s` from now: for a run, and in a chain again for each next fault."""
+        self._deadline = time.monotonic() + self.timeout_s
 
     def wait(self, run: JobProcess, injection: Injection, ready: Callable[[], bool], what: str) -> bool:
         """Wait for `ready()`; on an exit or the deadline first, record why and return False."""
@@ -119,28 +123,38 @@ class FaultJob:
         injection.first_after = len(self.tail.records)
         injection.in_flight = None if rerun else self.tail.last_step() + 1
 
-    def run_to_end(self, injection: Injection) -> None:
-        """Start the run again (it resumes) and wait until it ends."""
-        run = self.start(injection)
-        try:
-            self.wait_exit(run, injection)
-        finally:
-            self.finish(run, injection)
-
     def finish(self, run: JobProcess, injection: Injection) -> None:
         left = run.finish()
         if left:
             injection.problems.append(f"processes {left} of the run survived SIGKILL")
 
-    def role_back_at_work(self, role: str, restarts: int) -> bool:
-        """Whether the run's status.json shows `role` running after `restarts` restarts: its
-        replacement started, and the driver finished restarting it (relax_hpc/ops/run_status.py)."""
+    def _role_status(self, role: str) -> dict[str, object]:
         try:
             status = json.loads((self.job_dir / STATUS_FILE).read_text())
         except (OSError, ValueError):
-            return False
+            return {}
         info = status.get("roles", {}).get(role) if isinstance(status, dict) else None
-        return isinstance(info, dict) and info.get("state") == "running" and info.get("restarts") == restarts
+        return info if isinstance(info, dict) else {}
+
+    def role_back_at_work(self, role: str, restarts: int) -> bool:
+        """Whether the run's status.json shows `role` running after `restarts` restarts: its
+        replacement started, and the driver finished restarting it (relax_hpc/ops/run_status.py)."""
+        info = self._role_status(role)
+        return info.get("state") == "running" and info.get("restarts") == restarts
+
+    def active_engines(self) -> int:
+        """The rollout engines status.json shows active and alive (its report is a few seconds old)."""
+        try:
+            status = json.loads((self.job_dir / STATUS_FILE).read_text())
+        except (OSError, ValueError):
+            return 0
+        engines = status.get("engines", []) if isinstance(status, dict) else []
+        return sum(1 for e in engines if isinstance(e, dict) and e.get("state") == "active" and e.get("alive"))
+
+    def role_restarts(self, role: str) -> int:
+        """The restarts of `role` so far in this run of the driver (status.json; 0 before any)."""
+        restarts = self._role_status(role).get("restarts", 0)
+        return restarts if isinstance(restarts, int) else 0
 
     def role_pid(self, run: JobProcess, role: str, injection: Injection, not_these: Sequence[int] = ()) -> int | None:
         """The pid in the role's heartbeat file, once it is a live process of this run and not one
@@ -163,105 +177,137 @@ class FaultJob:
             time.sleep(POLL_S)
 
 
+def signal_role(job: FaultJob, run: JobProcess, injection: Injection, role: str, sig: signal.Signals,
+                times: int, signalled: list[int]) -> bool:
+    """Send `sig` to one role's process of a live run, `times` times in a row (each time to the
+    process that replaced the last one); the pids signalled go into `signalled`. False when the
+    fault could not be injected (said in `injection`; the run is then killed)."""
+    base = job.role_restarts(role)
+    for k in range(times):
+        # The next signal goes to a replacement that is back at work (the driver finished
+        # restarting it in place), never to one still starting: the run's answer to the
+        # scenario is then a function of the scenario, not of the machine's speed.
+        if k > 0 and not job.wait(run, injection, lambda: job.role_back_at_work(role, base + k),
+                                  f"{role}'s replacement {k} back at work (status.json)"):
+            return False
+        pid = job.role_pid(run, role, injection, signalled)  # after a kill: the replacement
+        if pid is None:
+            run.kill_all()
+            injection.exit_codes.append(None)
+            return False
+        job.mark(injection)
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            injection.injected = False
+            injection.problems.append(f"{role} (pid {pid}) exited by itself before the {sig.name}")
+            run.kill_all()
+            injection.exit_codes.append(None)
+            return False
+        signalled.append(pid)
+    pids = ", ".join(str(p) for p in signalled[-times:])
+    injection.notes.append(f"{sig.name} to {role} (pid {pids}) after step {job.tail.last_step()}")
+    return True
+
+
+def continue_stopped(run: JobProcess, signalled: Sequence[int]) -> None:
+    """SIGCONT to the processes a hang fault stopped that are still there: never leave a stopped
+    process behind."""
+    for pid in signalled:
+        if run.owns(pid):
+            os.kill(pid, signal.SIGCONT)
+
+
 def role_fault(job: FaultJob, role: str, sig: signal.Signals, times: int = 1) -> Injection:
-    """Send `sig` to one role's process mid-run, `times` times in a row (each time to the process
-    that replaced the last one); with SIGSTOP it is continued once the run is over. The time to
-    recover counts from the last signal."""
+    """Send `sig` to one role's process mid-run, `times` times in a row (signal_role); with
+    SIGSTOP it is continued once the run is over. The time to recover counts from the last signal."""
     injection = Injection()
     run = job.start(injection)
     signalled: list[int] = []
     try:
-        if not job.reach_step(run, injection):
-            return injection
-        for k in range(times):
-            # The next signal goes to a replacement that is back at work (the driver finished
-            # restarting it in place), never to one still starting: the run's answer to the
-            # scenario is then a function of the scenario, not of the machine's speed.
-            if k > 0 and not job.wait(run, injection, lambda: job.role_back_at_work(role, k),
-                                      f"{role}'s replacement {k} back at work (status.json)"):
-                return injection
-            pid = job.role_pid(run, role, injection, signalled)  # after a kill: the replacement
-            if pid is None:
-                run.kill_all()
-                injection.exit_codes.append(None)
-                return injection
-            job.mark(injection)
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                injection.injected = False
-                injection.problems.append(f"{role} (pid {pid}) exited by itself before the {sig.name}")
-                run.kill_all()
-                injection.exit_codes.append(None)
-                return injection
-            signalled.append(pid)
-        pids = ", ".join(str(p) for p in signalled)
-        injection.notes.append(f"{sig.name} to {role} (pid {pids}) after step {job.tail.last_step()}")
-        job.wait_exit(run, injection)
+        if job.reach_step(run, injection) and signal_role(job, run, injection, role, sig, times, signalled):
+            job.wait_exit(run, injection)
     finally:
         if sig == signal.SIGSTOP:
-            for pid in signalled:
-                if run.owns(pid):
-                    os.kill(pid, signal.SIGCONT)  # never leave a stopped process behind
+            continue_stopped(run, signalled)
         job.finish(run, injection)
     return injection
 
 
-def driver_kill(job: FaultJob) -> Injection:
-    """SIGKILL the driver and every process it started, then start the run again (a requeue)."""
-    injection = Injection()
-    run = job.start(injection)
-    try:
-        if not job.reach_step(run, injection):
-            return injection
-        step = job.tail.last_step()
-        killed_at = time.monotonic()
-        left = run.kill_all()
-        injection.exit_codes.append(run.exit_code())
-        if left:
-            injection.problems.append(f"processes {left} of the killed run survived SIGKILL")
-            return injection
-        job.mark(injection, rerun=True)  # the killed run's last records are read by now
-        injection.injected_at = killed_at
-        injection.notes.append(f"SIGKILL to the driver and all its processes after step {step}; started again")
-    finally:
-        job.finish(run, injection)
-    job.run_to_end(injection)
-    return injection
+def kill_driver_and_start_again(job: FaultJob, run: JobProcess, injection: Injection) -> JobProcess | None:
+    """SIGKILL the driver of a live run and every process it started, then start the run again
+    (a requeue): the new run, or None when the killed one left processes behind."""
+    step = job.tail.last_step()
+    killed_at = time.monotonic()
+    left = run.kill_all()
+    injection.exit_codes.append(run.exit_code())
+    job.finish(run, injection)
+    if left:
+        injection.problems.append(f"processes {left} of the killed run survived SIGKILL")
+        return None
+    job.mark(injection, rerun=True)  # the killed run's last records are read by now
+    injection.injected_at = killed_at
+    injection.notes.append(f"SIGKILL to the driver and all its processes after step {step}; started again")
+    return job.start(injection)
 
 
-def corrupt_newest_checkpoint(job: FaultJob) -> Injection:
-    """Stop the run (SIGTERM: it checkpoints), truncate its newest checkpoint, start it again:
-    it must resume from the checkpoint before."""
-    injection = Injection()
-    run = job.start(injection)
+def stop_corrupt_and_start_again(job: FaultJob, run: JobProcess, injection: Injection) -> JobProcess | None:
+    """Stop a live run (SIGTERM: it checkpoints), truncate its newest checkpoint, start it again:
+    it must resume from the checkpoint before. The new run, or None when that could not be done."""
+    run.signal_driver(signal.SIGTERM)
     try:
-        if not job.reach_step(run, injection):
-            return injection
-        run.signal_driver(signal.SIGTERM)
         code = job.wait_exit(run, injection)
     finally:
         job.finish(run, injection)
     if code is None:
-        return injection  # timed out: said by wait_exit
+        return None  # timed out: said by wait_exit
     if code != 0:
         injection.problems.append(f"the run stopped by SIGTERM exited {code}, not 0 (it finishes the step, "
                                   f"checkpoints and stops): {injection.last_log_line}")
-        return injection
+        return None
     root = job.job_dir / "checkpoints"
     pair = newest_and_previous(root)
     if pair is None:
         injection.problems.append(f"fewer than two complete checkpoints in {root} after the stop: nothing "
                                   "older to resume from ([checkpoint] save_interval, keep_last)")
-        return injection
+        return None
     newest, previous = pair
     damaged = corrupt_checkpoint(root / step_dir_name(newest))
     job.mark(injection, rerun=True)
     injection.expect_start_step = previous
     injection.notes.append(f"stopped at step {job.tail.last_step()}, truncated {step_dir_name(newest)}/"
                            f"{damaged.name}; started again")
-    job.run_to_end(injection)
+    return job.start(injection)
+
+
+def _then_run_to_end(job: FaultJob, injection: Injection,
+                     inject: Callable[[FaultJob, JobProcess, Injection], JobProcess | None]) -> Injection:
+    run = job.start(injection)
+    try:
+        if not job.reach_step(run, injection):
+            job.finish(run, injection)
+            return injection
+        again = inject(job, run, injection)
+    except BaseException:
+        job.finish(run, injection)
+        raise
+    if again is not None:
+        try:
+            job.wait_exit(again, injection)
+        finally:
+            job.finish(again, injection)
     return injection
+
+
+def driver_kill(job: FaultJob) -> Injection:
+    """SIGKILL the driver and every process it started, then start the run again (a requeue)."""
+    return _then_run_to_end(job, Injection(), kill_driver_and_start_again)
+
+
+def corrupt_newest_checkpoint(job: FaultJob) -> Injection:
+    """Stop the run (SIGTERM: it checkpoints), truncate its newest checkpoint, start it again:
+    it must resume from the checkpoint before."""
+    return _then_run_to_end(job, Injection(), stop_corrupt_and_start_again)
 
 
 def disk_full(job: FaultJob, model_path: Path, keep_last: int) -> Injection:

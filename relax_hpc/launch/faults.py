@@ -42,6 +42,7 @@ DEFAULT_TIMEOUT_S = 300.0  # per run of the spec
 FAULT_SPEC = "fault-spec.toml"  # also marks a directory the suite may replace
 REPORT = "faults.json"
 KL_COEF = 0.01  # when the spec has none: the Reference role needs a use
+ONE_RUN = "in-one-run"  # the job directory (OUT/in-one-run/) of the faults run in one run
 
 
 @dataclass(frozen=True)
@@ -82,23 +83,27 @@ def fault_named(name: str) -> Fault:
     raise ValueError(f"no fault {name!r}; the faults are {', '.join(FAULT_NAMES)}")
 
 
-def derive_spec(spec: JobSpec, fault: Fault, job_dir: Path, steps: int) -> JobSpec:
-    """`spec` as the fault's run: in `job_dir`, `steps` steps, a checkpoint every 2, the trajectory
-    archive, heartbeats every 0.5 s (stale after 4), the roles the fault needs, no alerts or
-    trackers (a fault run pages nobody), and the model and data paths absolute."""
+def derive_spec(spec: JobSpec, faults: Fault | Sequence[Fault], job_dir: Path, steps: int) -> JobSpec:
+    """`spec` as the run of one fault (or of several in one run): in `job_dir`, `steps` steps, a
+    checkpoint every 2, the trajectory archive, heartbeats every 0.5 s (stale after 4), the roles
+    every fault needs, no alerts or trackers (a fault run pages nobody), and the model and data
+    paths absolute."""
+    faults = (faults,) if isinstance(faults, Fault) else tuple(faults)
     r, t, a = spec.rollout, spec.train, spec.algorithm
-    if fault.needs == "engines":
+    needs = {fault.needs for fault in faults}
+    if "engines" in needs:
         r = dataclasses.replace(r, num_engines=max(2, r.num_engines))
-    elif fault.needs == "reference":
+    if "reference" in needs:
         t = dataclasses.replace(t, reference_role=True)
         a = dataclasses.replace(a, kl_coef=a.kl_coef or KL_COEF)
-    elif fault.needs == "actor_fwd":
+    if "actor_fwd" in needs:
         t = dataclasses.replace(t, actor_fwd_role=True)
-    elif fault.needs == "ranks":
+    if "ranks" in needs:
         t = dataclasses.replace(t, num_processes=max(2, t.num_processes))
+    suffix = faults[0].name if len(faults) == 1 else ONE_RUN
     return dataclasses.replace(
         spec,
-        job=dataclasses.replace(spec.job, name=f"{spec.job.name}-{fault.name}"[:64], output_dir=str(job_dir)),
+        job=dataclasses.replace(spec.job, name=f"{spec.job.name}-{suffix}"[:64], output_dir=str(job_dir)),
         model=dataclasses.replace(spec.model, path=str(Path(spec.model.path).absolute())),
         data=dataclasses.replace(spec.data, path=str(Path(spec.data.path).absolute())),
         rollout=r, algorithm=a,
@@ -112,15 +117,17 @@ def derive_spec(spec: JobSpec, fault: Fault, job_dir: Path, steps: int) -> JobSp
     )
 
 
-def checked_spec_text(spec: JobSpec, fault: Fault) -> str:
+def checked_spec_text(spec: JobSpec, faults: Fault | Sequence[Fault]) -> str:
     """The derived spec as TOML, loaded back once so a conflict with SPEC shows before any run."""
     from relax_hpc.spec import SpecError
 
+    faults = (faults,) if isinstance(faults, Fault) else tuple(faults)
+    what = f"fault {faults[0].name}" if len(faults) == 1 else f"faults {', '.join(f.name for f in faults)} in one run"
     text = spec_to_toml(spec)
     try:
-        parse_spec(text, f"{FAULT_SPEC} of fault {fault.name}")
+        parse_spec(text, f"{FAULT_SPEC} of {what}")
     except SpecError as e:
-        raise ValueError(f"fault {fault.name} needs SPEC changed in a way it does not allow (leave that "
+        raise ValueError(f"{what} needs SPEC changed in a way it does not allow (leave that "
                          f"fault out with --only): {e}") from e
     return text
 
@@ -138,6 +145,8 @@ class FaultRow:
     duplicated: int | None
     lost: int | None
     note: str = ""
+    job_dir: str = ""  # the run's: OUT/<fault>/, or OUT/in-one-run/ shared by the faults run in one run
+    steps: int | None = None  # of that run
 
 
 def restart_kind(rerun: bool, health: Any) -> str:
@@ -166,10 +175,11 @@ def time_to_recover(injection: Injection, records: Sequence[StepRecord]) -> floa
 
 
 def judge(fault: Fault, injection: Injection, steps: int, summary: dict[str, Any] | None,
-          counts: tuple[int, int] | str, recover_s: float | None) -> FaultRow:
+          counts: tuple[int, int] | str, recover_s: float | None, restart: str | None = None) -> FaultRow:
     """The row of one fault: recovered when the fault was injected, the last run exited 0 at
     step `steps`, no sample was duplicated or lost, and the fault's own checks held.
-    `counts`: (duplicated, lost) of the exactly-once check, or why it could not run."""
+    `counts`: (duplicated, lost) of the exactly-once check, or why it could not run. `restart`:
+    what brought the run back, when known otherwise than from summary.json (faults in one run)."""
     if injection.not_run:
         return FaultRow(fault.name, False, False, "-", None, None, None, None, injection.not_run)
     problems = list(injection.problems)
@@ -194,7 +204,8 @@ def judge(fault: Fault, injection: Injection, steps: int, summary: dict[str, Any
     if not injection.injected and not injection.problems:
         problems.append("the fault was not injected")
     samples = summary.get("samples_trained") if summary else None
-    restart = restart_kind(injection.rerun, summary.get("health") if summary else None)
+    if restart is None:
+        restart = restart_kind(injection.rerun, summary.get("health") if summary else None)
     note = "; ".join(problems + injection.notes)
     return FaultRow(fault.name, True, not problems, restart, recover_s, samples, duplicated, lost, note)
 
@@ -225,11 +236,14 @@ def format_table(rows: Sequence[FaultRow]) -> list[str]:
 
 
 def last_line(rows: Sequence[FaultRow]) -> str:
+    """The counts of the faults, and the samples lost and duplicated of every run (faults that
+    shared one run share its counts: counted once)."""
     ran = [row for row in rows if row.ran]
     survived = sum(row.recovered for row in ran)
     skipped = len(rows) - len(ran)
-    lost = sum(row.lost or 0 for row in ran)
-    duplicated = sum(row.duplicated or 0 for row in ran)
+    runs = {row.job_dir or row.fault: row for row in ran}.values()
+    lost = sum(row.lost or 0 for row in runs)
+    duplicated = sum(row.duplicated or 0 for row in runs)
     not_run = f" ({skipped} not run)" if skipped else ""
     return f"faults survived: {survived}/{len(ran)}{not_run}, samples lost {lost}, duplicated {duplicated}"
 
@@ -269,8 +283,10 @@ def run_fault(spec: JobSpec, fault: Fault, job_dir: Path, steps: int, timeout_s:
     (job_dir / FAULT_SPEC).write_text(text)
     job = FaultJob(job_dir / FAULT_SPEC, job_dir, INJECT_AFTER, timeout_s, dict(os.environ))
     injection = _inject(fault, job, derived)
-    return judge(fault, injection, steps, _summary(job_dir, injection.last_run_started), _counts(job_dir),
-                 time_to_recover(injection, job.tail.records))
+    summary = read_summary(job_dir, injection.last_run_started)
+    row = judge(fault, injection, steps, summary, exactly_once_counts(job_dir),
+                time_to_recover(injection, job.tail.records))
+    return dataclasses.replace(row, job_dir=str(job_dir), steps=steps)
 
 
 def _inject(fault: Fault, job: FaultJob, spec: JobSpec) -> Injection:
@@ -287,7 +303,7 @@ def _inject(fault: Fault, job: FaultJob, spec: JobSpec) -> Injection:
     return scenarios.disk_full(job, Path(spec.model.path), spec.checkpoint.keep_last)
 
 
-def _summary(job_dir: Path, since: float) -> dict[str, Any] | None:
+def read_summary(job_dir: Path, since: float) -> dict[str, Any] | None:
     """summary.json of the last run, if that run wrote one (an older file is an earlier run's)."""
     path = job_dir / "summary.json"
     try:
@@ -299,7 +315,7 @@ def _summary(job_dir: Path, since: float) -> dict[str, Any] | None:
     return summary if isinstance(summary, dict) else None
 
 
-def _counts(job_dir: Path) -> tuple[int, int] | str:
+def exactly_once_counts(job_dir: Path) -> tuple[int, int] | str:
     from relax_hpc.ops.archive import ArchiveError
     from relax_hpc.ops.exactly_once import check_exactly_once
 
@@ -311,17 +327,29 @@ def _counts(job_dir: Path) -> tuple[int, int] | str:
 
 
 def run_suite(spec: JobSpec, out: Path, faults: Sequence[Fault], steps: int, timeout_s: float,
-              echo: Callable[[str], None] = print) -> list[FaultRow]:
-    """Every fault in turn; prints a line per fault as it ends, then the table and the last line,
-    and writes OUT/faults.json."""
+              echo: Callable[[str], None] = print, in_one_run: bool = False) -> list[FaultRow]:
+    """Every fault in turn, each in a run of its own; with `in_one_run` the faults that can share
+    a run in one (relax_hpc/launch/fault_chain.py) and the others each in its own. Prints a line
+    per fault as it ends, then the table and the last line, and writes OUT/faults.json."""
+    from relax_hpc.launch.fault_chain import one_run_steps, run_in_one_run, split_for_one_run
+
     if steps < MIN_STEPS:
         raise ValueError(f"--steps {steps}: the suite needs at least {MIN_STEPS} (a fault after step "
                          f"{INJECT_AFTER}, a failed save and a later one that succeeds)")
     out = out.absolute()
-    for fault in faults:  # every derived spec valid before the first run
+    chained, alone = split_for_one_run(faults) if in_one_run else ([], list(faults))
+    if chained:  # every derived spec valid before the first run
+        checked_spec_text(derive_spec(spec, chained, out / ONE_RUN, one_run_steps(steps, len(chained))), chained)
+    for fault in alone:
         checked_spec_text(derive_spec(spec, fault, out / fault.name, steps), fault)
     rows: list[FaultRow] = []
-    for fault in faults:
+    if chained:
+        echo(f"faults {', '.join(f.name for f in chained)} in one run of {one_run_steps(steps, len(chained))} "
+             f"steps (job dir {out / ONE_RUN})")
+        for row in run_in_one_run(spec, chained, out / ONE_RUN, steps, timeout_s):
+            echo(f"  {row.fault} -> {_cells(row)[1]}" + (f": {row.note}" if row.note else ""))
+            rows.append(row)
+    for fault in alone:
         echo(f"fault {fault.name}: {fault.what} (job dir {out / fault.name})")
         row = run_fault(spec, fault, out / fault.name, steps, timeout_s)
         echo(f"  -> {_cells(row)[1]}" + (f": {row.note}" if row.note else ""))

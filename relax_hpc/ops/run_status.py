@@ -109,7 +109,7 @@ class RunStatus:
             self._write_locked()
 
     def set_roles(self, roles: dict[str, dict[str, Any]]) -> None:
-        """Per role: {"state": "running" | "restarting" | "dead" | "stale", "restarts": n, ...}."""
+        """Per role: {"state": "running" | "restarting" | "replaced" | "dead" | "stale", "restarts": n, ...}."""
         self._update(roles={name: dict(info) for name, info in roles.items()})
 
     def set_engines(self, engines: list[dict[str, Any]]) -> None:

@@ -553,6 +553,7 @@ class RayRoles:
             role = engine_role_name(engine["id"])
             self._healer.failed(role, "died", "its prompts went to the other engines",
                                 restart=lambda: self._replace_engine(engine["id"]))
+            self._healer.replaced(role)  # a new engine (another id) joins in its place
             self._seen_failed_engines.add(engine["id"])
 
     def _replace_engine(self, engine_id: str) -> None:

@@ -95,6 +95,12 @@ class RoleHealer:
                 problem = "died" if isinstance(error, RoleDiedError) else "stopped answering"
                 detail = f"while it was being restarted in place: {short_cause(error)}"
 
+    def replaced(self, role: str) -> None:
+        """`role` (a dead rollout engine) is not coming back: another took its place (status.json
+        shows it "replaced", not "restarting" for the rest of the run)."""
+        self.stale.forget(role)
+        self.restarting[role] = "replaced"
+
     def global_restart(self, role: str, problem: str, detail: str = "") -> HealthEvent:
         """A failure already known to need a global restart (a dead trainer rank, rollout, a
         broken weight broadcast): counted as a failure of `role`, reported; raises
@@ -107,7 +113,8 @@ class RoleHealer:
         return event
 
     def role_states(self) -> dict[str, dict[str, object]]:
-        """Per role: "running" / "restarting" / "dead" and its restarts in this run (status.json)."""
+        """Per role: "running" / "restarting" / "replaced" / "dead" and its restarts in this run
+        (status.json)."""
         roles = {*self.stale.roles(), *self.restarting, *self.book.restarts_by_role}
         return {role: {"state": self.restarting.get(role, "running"),
                        "restarts": self.book.restarts_by_role.get(role, 0)} for role in sorted(roles)}

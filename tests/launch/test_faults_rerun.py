@@ -1,4 +1,4 @@
-"""`relax-hpc faults` group "rerun" (tests/launch/fault_suite.py). A killed driver (the job is run again and resumes) and a full disk (a failed save, then good ones).
+"""`relax-hpc faults` group "rerun" (tests/launch/fault_suite.py). The faults that start the run again, in one run: a killed driver (a requeue), then a stop whose newest checkpoint is damaged.
 """
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from fault_suite import group_tests
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]  # the first test pays for the group's runs
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]  # the first test pays for the group's run
 
 (suite, test_fault_is_recovered_with_every_sample_trained_once,
  test_group_prints_the_table_and_the_last_line_and_exits_0,

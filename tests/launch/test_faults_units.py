@@ -209,6 +209,52 @@ def test_the_suite_passes_only_when_every_fault_that_ran_recovered_and_one_ran()
     assert not suite_ok([row("b", False, False)])
 
 
+# -- faults in one run (relax_hpc/launch/fault_chain.py) ---------------------------------------
+
+
+def test_faults_in_one_run_go_in_the_fixed_order_and_disk_full_gets_a_run_of_its_own() -> None:
+    from relax_hpc.launch.fault_chain import ONE_RUN_ORDER, split_for_one_run
+
+    asked = [fault_named(n) for n in ("corrupt-checkpoint", "disk-full", "kill-reference", "kill-reference-3x")]
+    chained, alone = split_for_one_run(asked)
+    # The three-kill fault first: a Reference killed before it would make its first kill the third failure.
+    assert [f.name for f in chained] == ["kill-reference-3x", "kill-reference", "corrupt-checkpoint"]
+    assert [f.name for f in alone] == ["disk-full"]
+    assert sorted(ONE_RUN_ORDER) == sorted(n for n in FAULT_NAMES if n != "disk-full")
+
+
+def test_a_run_of_several_faults_has_every_role_they_need_and_room_for_each(tmp_path: Path) -> None:
+    from relax_hpc.launch.fault_chain import FAULT_GAP, one_run_steps
+
+    faults = [fault_named(n) for n in ("kill-engine", "kill-reference", "kill-actor-fwd", "kill-trainer-rank")]
+    derived = parse_spec(checked_spec_text(derive_spec(tiny_spec(), faults, tmp_path, 15), faults))
+    assert (derived.rollout.num_engines, derived.train.reference_role, derived.train.actor_fwd_role,
+            derived.train.num_processes) == (2, True, True, 2)
+    assert derived.job.name.endswith("-in-one-run") and derived.train.steps == 15
+    # The first fault after step 3, each next FAULT_GAP steps later, the last one's recovery after it.
+    assert one_run_steps(8, 2) == 3 + FAULT_GAP * 3 + 2 and one_run_steps(40, 2) == 40
+
+
+def test_what_each_fault_of_one_run_cost_is_read_from_the_restart_counters_around_it() -> None:
+    from relax_hpc.launch.fault_chain import restart_between
+
+    def record(step: int, in_place: int, global_: int) -> StepRecord:
+        return StepRecord(float(step), step, {"health/in_place_restarts": in_place, "health/global_restarts": global_})
+
+    timeline = [record(3, 0, 0), record(4, 1, 0), record(5, 2, 0), record(5, 2, 1), record(6, 2, 1),
+                record(7, 3, 1), record(8, 3, 1)]
+    assert restart_between(timeline, 0, 4) == "global"  # two in place, then a global restart
+    assert restart_between(timeline, 4, 6) == "in place"
+    assert restart_between(timeline, 5, 6) == "none"
+    assert restart_between(timeline, 6, 6) == "none"  # no record after the fault yet
+
+
+def test_faults_that_shared_a_run_count_its_lost_samples_once() -> None:
+    shared = [dataclasses.replace(row(n, False, lost=32), job_dir="/out/in-one-run") for n in ("a", "b")]
+    alone = dataclasses.replace(row("c", False, lost=8), job_dir="/out/c")
+    assert last_line([*shared, alone]) == "faults survived: 0/3, samples lost 40, duplicated 0"
+
+
 # -- job directories ---------------------------------------------------------------------------
 
 
@@ -349,6 +395,7 @@ def test_faults_help_lists_every_fault() -> None:
     assert result.returncode == 0
     for fault in FAULTS:
         assert f"  {fault.name}" in result.stdout
+    assert "--in-one-run" in result.stdout
 
 
 def test_faults_refuses_too_few_steps_and_unknown_faults(tmp_path: Path) -> None:

@@ -114,3 +114,15 @@ def test_stale_roles_come_from_the_heartbeat_files(tmp_path):
     assert healer.stale_roles() == ["reference"]
     healer.forget("reference")
     assert healer.stale_roles() == ["rollout"]  # no beat since the last look
+
+
+def test_a_dead_engine_whose_replacement_joined_shows_replaced_not_restarting(tmp_path):
+    """A rollout engine is not restarted: a new engine (another id) joins in its place. status.json
+    showed the dead one "restarting" for the rest of the run; now "replaced", its restart counted."""
+    healer = RoleHealer(CFG, tmp_path)
+    healer.watch("engine_1")
+    healer.failed("engine_1", "died", "its prompts went to the other engines", restart=lambda: None)
+    assert healer.role_states()["engine_1"] == {"state": "restarting", "restarts": 1}
+    healer.replaced("engine_1")
+    assert healer.role_states()["engine_1"] == {"state": "replaced", "restarts": 1}
+    assert "engine_1" not in healer.stale.roles()  # its silence is not a failure any more
