@@ -250,13 +250,8 @@ def _cmd_serve_engine(args: argparse.Namespace) -> int:
 
 def _cmd_faults(args: argparse.Namespace) -> int:
     """Exit 0 when every fault that ran was recovered, 1 otherwise (2, via main, on a bad spec)."""
-    from relax_hpc.launch.faults import (
-        FAULTS,
-        default_out,
-        fault_named,
-        run_suite,
-        suite_ok,
-    )
+    from relax_hpc.launch.fault_suite import run_suite
+    from relax_hpc.launch.faults import FAULTS, default_out, fault_named, suite_ok
 
     spec = with_embedded_inputs(load_spec(args.spec), args.spec)
     faults = [fault_named(name) for name in dict.fromkeys(args.only)] if args.only else list(FAULTS)

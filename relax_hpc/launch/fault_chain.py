@@ -204,7 +204,7 @@ class _Chain:
                                          last_log_line=self.end.last_log_line or injection.last_log_line)
             row = judge(fault, judged, steps, summary, counts, time_to_recover(injection, records[:until + 1]),
                         restart=restart if injection.injected else "-")
-            rows.append(dataclasses.replace(row, job_dir=str(self.job.job_dir), steps=steps))
+            rows.append(dataclasses.replace(row, job_dir=str(self.job.job_dir), run_steps=steps))
         return rows
 
 

@@ -8,7 +8,8 @@ Each fault gets a fresh job directory, OUT/<fault>/ (default OUT: runs/faults-<s
 holding fault-spec.toml (SPEC with a few steps, frequent checkpoints, the trajectory archive,
 fast heartbeats and the roles the fault needs), the run's log fault.log, and the run's own
 files. The run is `relax-hpc run fault-spec.toml` as a subprocess (relax_hpc/launch/
-fault_scenarios.py says how each fault is injected). Afterwards the exactly-once check of the
+fault_scenarios.py says how each fault is injected; fault_suite.py runs the faults, fault_chain.py
+several in one run: --in-one-run). Afterwards the exactly-once check of the
 trajectory archive (relax_hpc/ops/exactly_once.py) counts duplicated and lost samples, and
 summary.json gives the samples trained and the restarts. The table and OUT/faults.json hold a
 row per fault; the exit status is 0 only when every fault that ran was recovered.
@@ -22,7 +23,7 @@ import json
 import os
 import shutil
 import signal
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -146,7 +147,7 @@ class FaultRow:
     lost: int | None
     note: str = ""
     job_dir: str = ""  # the run's: OUT/<fault>/, or OUT/in-one-run/ shared by the faults run in one run
-    steps: int | None = None  # of that run
+    run_steps: int | None = None  # the steps of that run
 
 
 def restart_kind(rerun: bool, health: Any) -> str:
@@ -214,7 +215,7 @@ COLUMNS = (("fault", 20), ("recovered", 10), ("restart", 15), ("recover s", 10),
            ("duplicated", 11), ("lost", 5))
 
 
-def _cells(row: FaultRow) -> list[str]:
+def cells(row: FaultRow) -> list[str]:
     def number(value: float | None, form: str = "{}") -> str:
         return "-" if value is None else form.format(value)
 
@@ -230,7 +231,7 @@ def format_table(rows: Sequence[FaultRow]) -> list[str]:
         return (first[0].ljust(first[1][1]) + "".join(c.rjust(w) for c, (_, w) in rest)).rstrip()
 
     lines = [line([name for name, _ in COLUMNS])]
-    lines += [line(_cells(row)) for row in rows]
+    lines += [line(cells(row)) for row in rows]
     notes = [f"  {row.fault}: {row.note}" for row in rows if row.note]
     return lines + (["notes:", *notes] if notes else [])
 
@@ -286,7 +287,7 @@ def run_fault(spec: JobSpec, fault: Fault, job_dir: Path, steps: int, timeout_s:
     summary = read_summary(job_dir, injection.last_run_started)
     row = judge(fault, injection, steps, summary, exactly_once_counts(job_dir),
                 time_to_recover(injection, job.tail.records))
-    return dataclasses.replace(row, job_dir=str(job_dir), steps=steps)
+    return dataclasses.replace(row, job_dir=str(job_dir), run_steps=steps)
 
 
 def _inject(fault: Fault, job: FaultJob, spec: JobSpec) -> Injection:
@@ -324,46 +325,3 @@ def exactly_once_counts(job_dir: Path) -> tuple[int, int] | str:
     except (ArchiveError, OSError) as e:
         return str(e)
     return report.duplicated, report.lost
-
-
-def run_suite(spec: JobSpec, out: Path, faults: Sequence[Fault], steps: int, timeout_s: float,
-              echo: Callable[[str], None] = print, in_one_run: bool = False) -> list[FaultRow]:
-    """Every fault in turn, each in a run of its own; with `in_one_run` the faults that can share
-    a run in one (relax_hpc/launch/fault_chain.py) and the others each in its own. Prints a line
-    per fault as it ends, then the table and the last line, and writes OUT/faults.json."""
-    from relax_hpc.launch.fault_chain import one_run_steps, run_in_one_run, split_for_one_run
-
-    if steps < MIN_STEPS:
-        raise ValueError(f"--steps {steps}: the suite needs at least {MIN_STEPS} (a fault after step "
-                         f"{INJECT_AFTER}, a failed save and a later one that succeeds)")
-    out = out.absolute()
-    chained, alone = split_for_one_run(faults) if in_one_run else ([], list(faults))
-    if chained:  # every derived spec valid before the first run
-        checked_spec_text(derive_spec(spec, chained, out / ONE_RUN, one_run_steps(steps, len(chained))), chained)
-    for fault in alone:
-        checked_spec_text(derive_spec(spec, fault, out / fault.name, steps), fault)
-    rows: list[FaultRow] = []
-    if chained:
-        echo(f"faults {', '.join(f.name for f in chained)} in one run of {one_run_steps(steps, len(chained))} "
-             f"steps (job dir {out / ONE_RUN})")
-        for row in run_in_one_run(spec, chained, out / ONE_RUN, steps, timeout_s):
-            echo(f"  {row.fault} -> {_cells(row)[1]}" + (f": {row.note}" if row.note else ""))
-            rows.append(row)
-    for fault in alone:
-        echo(f"fault {fault.name}: {fault.what} (job dir {out / fault.name})")
-        row = run_fault(spec, fault, out / fault.name, steps, timeout_s)
-        echo(f"  -> {_cells(row)[1]}" + (f": {row.note}" if row.note else ""))
-        rows.append(row)
-    for line in ["", *format_table(rows), last_line(rows)]:
-        echo(line)
-    write_report(out / REPORT, rows, steps)
-    return rows
-
-
-def write_report(path: Path, rows: Sequence[FaultRow], steps: int) -> None:
-    from relax_hpc.ckpt.fs import atomic_write_text
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    report = {"steps": steps, "rows": [dataclasses.asdict(row) for row in rows], "last_line": last_line(rows),
-              "ok": suite_ok(rows)}
-    atomic_write_text(path, json.dumps(report, indent=2) + "\n")

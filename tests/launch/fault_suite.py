@@ -96,7 +96,7 @@ def check_fault_recovered_with_every_sample_trained_once(suite: SuiteResult, fau
         pytest.skip("needs root to mount a small file system")
     assert row["ran"] and row["recovered"], row["note"]
     assert (row["duplicated"], row["lost"]) == (0, 0)
-    assert row["steps"] >= STEPS and row["samples"] == row["steps"] * PROMPTS * SAMPLES
+    assert row["run_steps"] >= STEPS and row["samples"] == row["run_steps"] * PROMPTS * SAMPLES
     assert row["restart"] in RESTART[fault], row["note"]
     assert row["recover_s"] is not None and row["recover_s"] >= 0
 
