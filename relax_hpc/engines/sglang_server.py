@@ -53,10 +53,12 @@ except ProcessLookupError:
 
 # The flags under which SGLang 0.5.23 serves on CPU: only its torch-native attention and sampling
 # call no compiled kernel; token ids in and out; a KV cache of 4096 tokens (without the cap it
-# takes ~70% of host memory). docs/engines.md, "SGLang on CPU".
+# takes ~70% of host memory); and a scheduler that waits on its sockets when it has nothing to do
+# (without --sleep-on-idle it polls them, a whole core per server even when idle, taken from the
+# trainer between rollouts). docs/engines.md, "SGLang on CPU".
 CPU_FLAGS = (
     "--attention-backend", "torch_native", "--sampling-backend", "pytorch", "--dtype", "float32",
-    "--max-total-tokens", "4096",
+    "--max-total-tokens", "4096", "--sleep-on-idle",
 )
 
 

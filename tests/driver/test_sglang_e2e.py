@@ -4,8 +4,8 @@ the rollout engines, on CPU, through Ray as a user runs it.
 Checks that the reward rises as with the native engine (tests/driver/test_train_e2e.py), that
 the servers received every weight version (each step's samples carry the version SGLang reports,
 and at two checkpoints the servers' log-probs equal HF's for the checkpoint's weights), and that
-no server outlives the run. Needs .venv-sglang (tools/setup-sglang-cpu); 270-280 s on 2 cores
-beside the other test worker (2026-11-28), the servers' start-up included:
+no server outlives the run. Needs .venv-sglang (tools/setup-sglang-cpu); 143 s alone on 2 cores
+(2026-11-28, the servers' start-up included; 153 s before they slept when idle, docs/engines.md):
 
     RELAX_TEST_SGLANG=1 .venv/bin/python -m pytest tests/driver/test_sglang_e2e.py -q
 """
