@@ -18,6 +18,7 @@ Redirects are not followed, so the token goes to `base_url` only.
 
 from __future__ import annotations
 
+import http.client
 import json
 import time
 import urllib.error
@@ -210,7 +211,9 @@ class HttpEngine:
                     raise EngineAuthError(self._auth_problem(url, last)) from e
                 if e.code != 429 and e.code < 500:
                     raise EngineHttpError(f"engine at {url} rejected the request: {last}") from e
-            except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as e:
+            except (urllib.error.URLError, TimeoutError, ConnectionError, OSError, http.client.HTTPException) as e:
+                # HTTPException: a server that died while it sent its reply (IncompleteRead: a
+                # grow job's engine cancelled mid-step) is a failed attempt like a refused one.
                 reason = getattr(e, "reason", e)
                 last = f"{type(reason).__name__}: {reason}"
             except json.JSONDecodeError as e:

@@ -248,3 +248,34 @@ def test_cli_serve_engine_prints_its_url_and_its_token_file(tiny_model_dir: Path
     assert process.returncode == 0, err
     assert f"bearer token (new for this run) in {token_file} (mode 0600" in err and token not in err
     assert not token_file.exists()
+
+
+def test_a_server_that_dies_in_the_middle_of_its_reply_is_a_failed_attempt_not_a_crash(tmp_path: Path) -> None:
+    """A grow job's engine cancelled mid-step closed its connection after the headers of a reply
+    that announced 180 bytes: http.client raised IncompleteRead, which is no OSError, and it ended
+    the whole rollout. It is an attempt that failed, named in the client's error (the router then
+    gives the prompts to another engine)."""
+    import threading
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    port = listener.getsockname()[1]
+    served: list[int] = []
+
+    def half_replies() -> None:
+        while len(served) < 2:
+            conn, _ = listener.accept()
+            with conn:
+                conn.recv(65536)
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 180\r\n\r\n")
+                served.append(1)
+
+    thread = threading.Thread(target=half_replies, daemon=True)
+    thread.start()
+    client = HttpEngine(f"http://127.0.0.1:{port}", token=TOKEN, retries=1, backoff_s=0.01)
+    with pytest.raises(EngineHttpError, match=r"failed after 2 attempt\(s\) \(last error: IncompleteRead"):
+        client.generate([[1, 2]], SamplingParams())
+    thread.join(timeout=10)
+    listener.close()
+    assert len(served) == 2  # it tried again before giving up
