@@ -12,8 +12,11 @@ numbers (tests/backends/test_megatron_backend.py judges them); exits non-zero wh
   bridge, vs TorchBackend's on the same batch and loss, and the step's stats.
 - ``save``: one step on batch 1, checkpoint (step 1), then a second step on batch 2; writes the
   weights and AdamW moments (HF names) after step 1 and the step-2 stats to ``--out``.
-- ``resume``: load the newest checkpoint from ``--ckpt``; writes the same as ``save`` to
-  ``--out`` (the weights and moments as loaded, the stats of the step on batch 2).
+- ``resume``: load the newest checkpoint from ``--ckpt`` (step s); writes the same as ``save``
+  to ``--out`` (the weights and moments as loaded, the stats of the step on batch s + 1). With
+  ``--save-next`` that step is checkpointed as step s + 1, and ``--out`` also holds, under
+  ``next``, what a ``resume`` from it must find: the weights and moments after it and the stats
+  of the step on batch s + 2. One such run checks one reshard and prepares the reverse one.
 - ``replay`` (``--model`` a tiny MoE): a bfloat16 native engine samples with its routing
   recorded; the float32 backend, built with routing replay, recomputes the log-probs of the
   rows (through the queue's row format) with the routes and without, then trains one step on
@@ -101,13 +104,25 @@ def scenario(name: str, args: argparse.Namespace, rank: int) -> dict[str, Any]:
             backend.train(samples() if backend.reads_rows else [])
             backend.save_checkpoint(manager, ResumeState(step=1, weight_version=1, data_cursor={},
                                                          samples_trained=4))
+            step = 1
         else:
             state = backend.load_checkpoint(manager)
-            result["resumed_step"] = None if state is None else state.step
-        result["tensors"] = {"weights": hf_named(backend), "exp_avg": hf_named(backend, "exp_avg"),
-                             "exp_avg_sq": hf_named(backend, "exp_avg_sq")}
-        result["stats"] = backend.train(samples(shift=5) if backend.reads_rows else [])
+            result["resumed_step"] = step = None if state is None else state.step
+            assert step is not None, f"no checkpoint in {args.ckpt}"
+        result["tensors"] = moments_and_weights(backend)
+        result["stats"] = backend.train(samples(shift=5 * step) if backend.reads_rows else [])
+        if name == "resume" and args.save_next:
+            backend.save_checkpoint(manager, ResumeState(step=step + 1, weight_version=step + 1, data_cursor={},
+                                                         samples_trained=4 * (step + 1)))
+            after = moments_and_weights(backend)
+            result["next"] = {"tensors": after,
+                              "stats": backend.train(samples(shift=5 * (step + 1)) if backend.reads_rows else [])}
     return result
+
+
+def moments_and_weights(backend: Any) -> dict[str, dict[str, torch.Tensor]]:
+    return {"weights": hf_named(backend), "exp_avg": hf_named(backend, "exp_avg"),
+            "exp_avg_sq": hf_named(backend, "exp_avg_sq")}
 
 
 def engine_samples(model: str) -> list[Any]:
@@ -214,6 +229,7 @@ def main(argv: Iterator[str] | None = None) -> None:
     parser.add_argument("--ep", type=int, default=1)
     parser.add_argument("--ckpt")
     parser.add_argument("--out")
+    parser.add_argument("--save-next", action="store_true")
     args = parser.parse_args(None if argv is None else list(argv))
     import tempfile
 
@@ -227,7 +243,8 @@ def main(argv: Iterator[str] | None = None) -> None:
         result.update(compare_logprobs(args.model, result.pop("logprobs")))
         result.update(compare_grads(args.model, result.pop("grads"), result.pop("stats")))
     elif args.scenario in ("save", "resume"):
-        torch.save({"tensors": result.pop("tensors"), "stats": result["stats"]}, args.out)
+        torch.save({"tensors": result.pop("tensors"), "stats": result["stats"], "next": result.pop("next", None)},
+                   args.out)
     print(json.dumps(result))
 
 

@@ -80,20 +80,43 @@ def test_routing_replay_through_the_backend_agrees_better_with_the_engine(
     assert "grouped-GEMM layout" in result["export"] and 'backend = "torch"' in result["export"], result["export"]
 
 
-@pytest.mark.parametrize(("save_at", "resume_at"), [("2", "1"), ("1", "2")], ids=["tp2-to-tp1", "tp1-to-tp2"])
+@pytest.fixture(scope="module")
+def reshard_chain(megatron_python: Path, tiny_model_dir: Path,
+                  tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Three launches check both reshard directions: TP=2 saves step 1; TP=1 resumes it, takes
+    the next step and saves it as step 2; TP=2 resumes step 2. Each resume is compared with what
+    the run before it held and did next."""
+    tmp = tmp_path_factory.mktemp("reshard")
+    ckpt, model = tmp / "checkpoints", str(tiny_model_dir)
+    out = {name: tmp / f"{name}.pt" for name in ("tp2-saved", "tp1-resumed", "tp2-resumed")}
+    _check(megatron_python, "save", "--model", model, "--ranks", "2", "--tp", "2",
+           "--ckpt", str(ckpt), "--out", str(out["tp2-saved"]))
+    after_save = sorted(p.name for p in ckpt.iterdir())
+    tp1 = _check(megatron_python, "resume", "--model", model, "--ranks", "1", "--tp", "1",
+                 "--ckpt", str(ckpt), "--out", str(out["tp1-resumed"]), "--save-next")
+    after_tp1 = sorted(p.name for p in ckpt.iterdir())
+    tp2 = _check(megatron_python, "resume", "--model", model, "--ranks", "2", "--tp", "2",
+                 "--ckpt", str(ckpt), "--out", str(out["tp2-resumed"]))
+    loaded = {name: torch.load(path, weights_only=False) for name, path in out.items()}
+    return {
+        "tp2-to-tp1": {"listing": after_save, "resumed_step": tp1["resumed_step"], "ckpt": ckpt / "step_1",
+                       "saved": loaded["tp2-saved"], "resumed": loaded["tp1-resumed"]},
+        "tp1-to-tp2": {"listing": after_tp1, "resumed_step": tp2["resumed_step"], "ckpt": ckpt / "step_2",
+                       "saved": loaded["tp1-resumed"]["next"], "resumed": loaded["tp2-resumed"]},
+    }
+
+
+@pytest.mark.parametrize(("direction", "listing", "step"), [
+    ("tp2-to-tp1", ["latest", "step_1"], 1), ("tp1-to-tp2", ["latest", "step_1", "step_2"], 2)],
+    ids=["tp2-to-tp1", "tp1-to-tp2"])
 def test_a_checkpoint_reshards_with_identical_weights_moments_and_next_step(
-    megatron_python: Path, tiny_model_dir: Path, tmp_path: Path, save_at: str, resume_at: str
+    reshard_chain: dict[str, Any], direction: str, listing: list[str], step: int
 ) -> None:
-    ckpt, saved, resumed = tmp_path / "checkpoints", tmp_path / "saved.pt", tmp_path / "resumed.pt"
-    model = str(tiny_model_dir)
-    _check(megatron_python, "save", "--model", model, "--ranks", save_at, "--tp", save_at,
-           "--ckpt", str(ckpt), "--out", str(saved))
-    assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step_1"]
-    assert (ckpt / "step_1" / ".metadata").is_file() and (ckpt / "step_1" / "resume.json").is_file()
-    result = _check(megatron_python, "resume", "--model", model, "--ranks", resume_at, "--tp", resume_at,
-                    "--ckpt", str(ckpt), "--out", str(resumed))
-    assert result["resumed_step"] == 1
-    a, b = torch.load(saved, weights_only=False), torch.load(resumed, weights_only=False)
+    link = reshard_chain[direction]
+    assert link["listing"] == listing
+    assert (link["ckpt"] / ".metadata").is_file() and (link["ckpt"] / "resume.json").is_file()
+    assert link["resumed_step"] == step
+    a, b = link["saved"], link["resumed"]
     for kind in ("weights", "exp_avg", "exp_avg_sq"):  # each with HF names, whole tensors
         assert sorted(a["tensors"][kind]) == sorted(b["tensors"][kind]), kind
         for name, tensor in a["tensors"][kind].items():
