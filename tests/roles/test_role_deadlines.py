@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from collections.abc import Iterator
 
 import pytest
 import ray
 
 from relax_hpc.roles.handles import RoleDiedError, RoleTimeoutError, _died, _RayTicket, get_from_roles
+from role_fakes import BrokenRole, FakeRole
 
 
 def test_a_death_message_names_the_role_its_process_and_its_log() -> None:
@@ -33,49 +33,13 @@ def test_a_death_message_names_the_role_its_process_and_its_log() -> None:
 
 @pytest.fixture(scope="module")
 def ray_cluster() -> Iterator[None]:
-    here = os.path.dirname(os.path.abspath(__file__))  # the actors below are classes of this module
+    # The actors are classes of tests/roles/role_fakes.py, which imports neither torch nor this
+    # package: each actor process imports only it (this module would bring torch, seconds each).
+    here = os.path.dirname(os.path.abspath(__file__))
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"RAY_AUTH_MODE": "disabled", "PYTHONPATH": here}})
     yield
     ray.shutdown()
-
-
-@ray.remote
-class FakeRole:
-    """A role whose calls sleep, fail, or wait for a peer the way a collective does."""
-
-    def pid(self) -> int:
-        return os.getpid()
-
-    def sleep(self, seconds: float) -> float:
-        time.sleep(seconds)
-        return seconds
-
-    def fail(self) -> None:
-        raise ValueError("bad rows")
-
-    def fail_when_gone(self, peer_pid: int) -> None:
-        """Like a gloo collective whose peer died: raise once that process is gone."""
-        while _alive(peer_pid):
-            time.sleep(0.01)
-        raise ConnectionResetError("Connection closed by peer")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has died
-    except OSError:
-        return False
-
-
-@ray.remote
-class BrokenRole:
-    def __init__(self) -> None:
-        raise OSError("no such model: /models/missing")
-
-    def pid(self) -> int:
-        return os.getpid()
 
 
 @pytest.mark.slow
