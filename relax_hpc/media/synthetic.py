@@ -4,11 +4,11 @@
 
 writes `train.jsonl` and, under `media/`, one file per row (kinds round-robin):
 
-- image: a 32x32 PNG, black, with one solid 16x16 square of red / green / blue / white
+- image: a 64x64 PNG, black, with one solid 32x32 square of red / green / blue / white
   (brightness 200..255) at a random place. "square colour? a:red b:green c:blue d:white"
 - audio: a 1 s, 16 kHz, 16-bit mono WAV sine of 250 / 500 / 1000 / 2000 Hz, random phase and
   amplitude 0.3..0.8. "tone? a:250 b:500 c:1000 d:2000"
-- video: 8 frames of 16x16 at 8 fps (lossless ffv1 in Matroska), grey (40) with 1..4 white
+- video: 8 frames of 32x32 at 8 fps (lossless ffv1 in Matroska), grey (40) with 1..4 white
   frames at random distinct places. "flashes? a:1 b:2 c:3 d:4"
   Load it with `MediaLimits(video_fps=OMNI_VIDEO_FPS)` or more: at the default 2 fps only two
   of its frames remain and the flashes can no longer be counted.
@@ -42,9 +42,12 @@ OMNI_TASK_PROMPTS: dict[MediaKind, str] = {
 }
 _EXTENSIONS: dict[MediaKind, str] = {"image": "png", "audio": "wav", "video": "mkv"}
 
-IMAGE_SIZE, SQUARE_SIZE = 32, 16
+# Sizes that give each image and each clip 16 tokens of the tiny model (8x8 patches, 2x2 merged,
+# 2 frames a patch): with 4 each (32x32 images, 16x16 frames) the media were a few tokens among
+# some 60 of text, the policy learned them slowly, and the clips' flashes not at all.
+IMAGE_SIZE, SQUARE_SIZE = 64, 32
 AUDIO_RATE, AUDIO_SECONDS = 16000, 1.0
-VIDEO_SIZE, VIDEO_FRAMES, OMNI_VIDEO_FPS = 16, 8, 8
+VIDEO_SIZE, VIDEO_FRAMES, OMNI_VIDEO_FPS = 32, 8, 8
 VIDEO_GREY, VIDEO_FLASH = 40, 255
 _CHANNELS = {"red": (0,), "green": (1,), "blue": (2,), "white": (0, 1, 2)}
 

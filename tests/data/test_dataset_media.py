@@ -128,11 +128,12 @@ def test_drop_media_blanks_the_content_only(task: Path, tokenizer: Any, processo
 
 def test_max_prompt_tokens_counts_expanded_placeholders(tmp_path: Path, tokenizer: Any,
                                                         processor: MediaProcessor) -> None:
-    task = write_omni_task(tmp_path, rows=1, seed=0, kinds=("image",))  # a 32x32 image: 4 tokens
-    big = np.random.default_rng(1).integers(0, 256, (64, 64, 3), dtype=np.uint8)  # 64x64: 16 tokens
-    (tmp_path / "media" / "big.png").write_bytes(encode_image_png(big))
-    [small_row] = _records(task)
-    big_row = {**small_row, "image": "media/big.png"}
+    task = write_omni_task(tmp_path, rows=1, seed=0, kinds=("image",))
+    pixels = np.random.default_rng(1).integers(0, 256, (64, 64, 3), dtype=np.uint8)
+    (tmp_path / "media" / "small.png").write_bytes(encode_image_png(pixels[:32, :32]))  # 32x32: 4 tokens
+    (tmp_path / "media" / "big.png").write_bytes(encode_image_png(pixels))  # 64x64: 16 tokens
+    [row] = _records(task)
+    small_row, big_row = {**row, "image": "media/small.png"}, {**row, "image": "media/big.png"}
     task.write_text("".join(json.dumps(r) + "\n" for r in (small_row, big_row)))
     unlimited, _ = load_prompt_rows(task, tokenizer, "prompt", "answer", LIMIT, FMT, processor)
     small, big_ = (len(r.prompt_ids) for r in unlimited)

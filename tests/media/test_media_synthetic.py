@@ -56,11 +56,11 @@ def test_labels_match_the_media(tmp_path: Path) -> None:
         data = (tmp_path / row[kind]).read_bytes()
         if kind == "image":
             image = decode_image(data)
-            assert image.shape == (32, 32, 3)
+            assert image.shape == (64, 64, 3)
             lit = image.max(axis=2) > 0
-            assert lit.sum() == 16 * 16
+            assert lit.sum() == 32 * 32
             rows_lit, cols_lit = np.nonzero(lit)
-            assert np.ptp(rows_lit) == 15 and np.ptp(cols_lit) == 15  # one 16x16 square
+            assert np.ptp(rows_lit) == 31 and np.ptp(cols_lit) == 31  # one 32x32 square
             pixel = image[rows_lit[0], cols_lit[0]]
             assert tuple(int(v > 0) for v in pixel) == COLOURS[meaning] and pixel.max() >= 200
         elif kind == "audio":
@@ -69,7 +69,7 @@ def test_labels_match_the_media(tmp_path: Path) -> None:
             assert peak_hz(wave, 16000) == float(meaning)
         else:
             frames, rate = decode_video(data, fps=OMNI_VIDEO_FPS, max_frames=32)
-            assert frames.shape == (8, 16, 16, 3) and rate == OMNI_VIDEO_FPS
+            assert frames.shape == (8, 32, 32, 3) and rate == OMNI_VIDEO_FPS
             assert set(np.unique(frames)) <= {40, 255}
             assert int((frames.reshape(8, -1).mean(axis=1) == 255).sum()) == int(meaning)
 
@@ -82,7 +82,7 @@ def test_loads_through_load_media(tmp_path: Path) -> None:
         load_media(row[row["kind"]], row["kind"], base_dir=tmp_path, geometry=geom, limits=limits)[0].data.shape
         for row in rows
     ]
-    assert shapes == [(32, 32, 3), (16000,), (8, 16, 16, 3)]
+    assert shapes == [(64, 64, 3), (16000,), (8, 32, 32, 3)]
 
 
 def test_kinds_subset(tmp_path: Path) -> None:
