@@ -49,9 +49,27 @@ def wheel_venv(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str
 
 # -- the per-test time budget (tests/time_budget.py) ----------------------------------------------
 
-from time_budget import TimeBudget, budget_s, enforced  # noqa: E402
+from side_env import build_wait_s  # noqa: E402
+from time_budget import BUILD_WAIT_PROPERTY, TimeBudget, budget_s, enforced  # noqa: E402
 
 _BUDGET = TimeBudget(budget_s())
+_WAIT_MARK = pytest.StashKey[float]()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):  # type: ignore[no-untyped-def]
+    item.stash[_WAIT_MARK] = build_wait_s()
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  # type: ignore[no-untyped-def]
+    """Each phase's report says how long it waited for a background environment build."""
+    outcome = yield
+    now = build_wait_s()
+    waited, item.stash[_WAIT_MARK] = now - item.stash.get(_WAIT_MARK, now), now
+    if waited > 0:
+        outcome.get_result().user_properties.append((BUILD_WAIT_PROPERTY, waited))
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,16 @@ from typing import Any
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+# tools/test-all builds the side environments while the tests run: a test that needs one waits
+# for its build this long at most (a build from an empty cache takes a few minutes).
+BUILD_WAIT_S = 30 * 60
+_waited_s = [0.0]  # seconds this process spent waiting for builds: not a test's own time
+
+
+def build_wait_s() -> float:
+    """Seconds this process has waited for background builds so far (tests/time_budget.py takes
+    them out of the waiting test's time)."""
+    return _waited_s[0]
 
 
 @dataclass(frozen=True)
@@ -56,6 +67,31 @@ class SideEnv:
         where = "" if env_dir == REPO / self.default_dir else f" {shlex.quote(str(env_dir))}"
         return f"{self.script}{where}" + ("" if where else f" (or `make {self.make_target}`)")
 
+    def wait_for_build(self) -> None:
+        """Under tools/test-all ($RELAX_ENV_BUILDS set), wait until this environment's background
+        build has ended; fail naming its log if it failed."""
+        builds = os.environ.get("RELAX_ENV_BUILDS")
+        if not builds:
+            return
+        log, status = Path(builds) / f"{self.make_target}.log", Path(builds) / f"{self.make_target}.rc"
+        if not log.exists():
+            return
+        start = time.monotonic()
+        try:
+            while not status.exists():
+                if time.monotonic() > start + BUILD_WAIT_S:
+                    pytest.fail(f"the {self.name} environment's build is still running after {BUILD_WAIT_S} s; "
+                                f"see {log}", pytrace=False)
+                time.sleep(1)
+        finally:
+            _waited_s[0] += time.monotonic() - start
+        code = status.read_text().strip()
+        if code != "0":
+            tail = "\n".join(log.read_text(errors="replace").splitlines()[-20:])
+            pytest.fail(f"building the {self.name} environment failed (exit {code}); "
+                        f"fix what its log says and run `{self.build_command(REPO / self.default_dir)}`. "
+                        f"The end of {log}:\n{tail}", pytrace=False)
+
     def find(self, env_dir: Path | None = None) -> FoundEnv:
         """The venv at `env_dir` (default: $variable, else default_dir in the repo)."""
         env_dir = (env_dir or Path(os.environ.get(self.variable) or REPO / self.default_dir)).absolute()
@@ -71,6 +107,7 @@ class SideEnv:
     def require_built(self) -> None:
         """The one test that fails on a missing env (with strict_variable=1); the tests that need
         it skip then, so the reason and the command to build it are reported once."""
+        self.wait_for_build()
         found = self.find()
         if found.python is None:
             if os.environ.get(self.strict_variable) == "1":
@@ -78,6 +115,7 @@ class SideEnv:
             pytest.skip(f"{found.reason}; {self.strict_variable}=1 turns this skip into a failure")
 
     def python_or_skip(self) -> Path:
+        self.wait_for_build()
         found = self.find()
         if found.python is None:
             pytest.skip(f"{found.reason} (see the test that checks the {self.name} environment is built)")

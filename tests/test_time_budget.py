@@ -10,11 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from time_budget import TimeBudget
+from time_budget import BUILD_WAIT_PROPERTY, TimeBudget
 
 
-def _report(nodeid: str, when: str, duration: float) -> pytest.TestReport:
-    return pytest.TestReport(nodeid, ("f.py", 1, nodeid), {}, "passed", None, when, [], duration)
+def _report(nodeid: str, when: str, duration: float, waited: float = 0.0) -> pytest.TestReport:
+    properties = [(BUILD_WAIT_PROPERTY, waited)] if waited else []
+    return pytest.TestReport(nodeid, ("f.py", 1, nodeid), {}, "passed", None, when, [], duration,
+                             user_properties=properties)
 
 
 def test_setup_call_and_teardown_add_up_per_test() -> None:
@@ -28,6 +30,13 @@ def test_setup_call_and_teardown_add_up_per_test() -> None:
     assert lines[1].split() == ["11.0", "s", "a.py::slow"]
 
 
+def test_time_spent_waiting_for_an_environment_build_is_not_the_tests() -> None:
+    budget = TimeBudget(10.0)
+    budget.add(_report("a.py::waits", "setup", 95.0, waited=90.0))
+    budget.add(_report("a.py::waits", "call", 4.0))
+    assert budget.over() == [] and budget.seconds["a.py::waits"] == 9.0
+
+
 def test_no_line_when_every_test_is_within_the_budget() -> None:
     budget = TimeBudget(10.0)
     budget.add(_report("a.py::t", "call", 10.0))
@@ -38,7 +47,8 @@ def test_a_session_with_a_test_over_the_budget_fails_and_names_it(tmp_path: Path
     # A real pytest session under this conftest, with a budget of 0.2 s and one test of 0.3 s.
     tests = Path(__file__).resolve().parent
     (tmp_path / "conftest.py").write_text((tests / "conftest.py").read_text())
-    (tmp_path / "time_budget.py").write_text((tests / "time_budget.py").read_text())
+    for helper in ("time_budget.py", "side_env.py"):
+        (tmp_path / helper).write_text((tests / helper).read_text())
     (tmp_path / "test_sleepy.py").write_text(textwrap.dedent("""
         import time
         def test_sleeps():
@@ -58,10 +68,50 @@ def test_a_session_with_a_test_over_the_budget_fails_and_names_it(tmp_path: Path
 def test_without_enforcing_the_session_names_the_test_and_passes(tmp_path: Path) -> None:
     tests = Path(__file__).resolve().parent
     (tmp_path / "conftest.py").write_text((tests / "conftest.py").read_text())
-    (tmp_path / "time_budget.py").write_text((tests / "time_budget.py").read_text())
+    for helper in ("time_budget.py", "side_env.py"):
+        (tmp_path / helper).write_text((tests / helper).read_text())
     (tmp_path / "test_sleepy.py").write_text("import time\ndef test_sleeps():\n    time.sleep(0.3)\n")
     env = {k: v for k, v in os.environ.items() if k != "RELAX_TEST_BUDGET_ENFORCE"} | {"RELAX_TEST_BUDGET_S": "0.2"}
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "1 test(s) over the 0.2 s budget" in done.stdout and "test_sleepy.py::test_sleeps" in done.stdout
+
+
+_WAITS_FOR_A_BUILD = """
+import threading, time
+from pathlib import Path
+from side_env import SGLANG
+
+def test_waits_for_the_build(tmp_path):
+    import os
+    builds = Path(os.environ["RELAX_ENV_BUILDS"])
+    threading.Timer(0.6, lambda: (builds / "sglang-env.rc").write_text(os.environ["BUILD_RC"] + "\\n")).start()
+    start = time.monotonic()
+    SGLANG.wait_for_build()
+    assert time.monotonic() - start >= 0.5
+"""
+
+
+@pytest.mark.parametrize("build_rc", ["0", "2"])
+def test_a_test_waits_for_a_background_build_and_the_wait_is_not_its_time(tmp_path: Path, build_rc: str) -> None:
+    # tools/test-all's protocol: <target>.log while a build runs, <target>.rc once it ended. The
+    # test waits 0.6 s; its budget is 0.3 s, enforced: only the build's failure may fail the run.
+    tests = Path(__file__).resolve().parent
+    for helper in ("conftest.py", "time_budget.py", "side_env.py"):
+        (tmp_path / helper).write_text((tests / helper).read_text())
+    (tmp_path / "test_waits.py").write_text(_WAITS_FOR_A_BUILD)
+    builds = tmp_path / "builds"
+    builds.mkdir()
+    (builds / "sglang-env.log").write_text("setup-sglang-cpu: install sglang\nerror: no space left on device\n")
+    env = os.environ | {"RELAX_TEST_BUDGET_S": "0.3", "RELAX_TEST_BUDGET_ENFORCE": "1",
+                        "RELAX_ENV_BUILDS": str(builds), "BUILD_RC": build_rc}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path / "test_waits.py")],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    if build_rc == "0":
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert "1 passed" in done.stdout and "over the 0.3 s budget" not in done.stdout
+    else:
+        assert done.returncode == 1, done.stdout + done.stderr
+        assert "building the SGLang environment failed (exit 2)" in done.stdout
+        assert "no space left on device" in done.stdout and str(builds / "sglang-env.log") in done.stdout
