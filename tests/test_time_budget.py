@@ -47,7 +47,7 @@ def test_a_session_with_a_test_over_the_budget_fails_and_names_it(tmp_path: Path
     # A real pytest session under this conftest, with a budget of 0.2 s and one test of 0.3 s.
     tests = Path(__file__).resolve().parent
     (tmp_path / "conftest.py").write_text((tests / "conftest.py").read_text())
-    for helper in ("time_budget.py", "side_env.py"):
+    for helper in ("time_budget.py", "side_env.py", "worker_groups.py"):
         (tmp_path / helper).write_text((tests / helper).read_text())
     (tmp_path / "test_sleepy.py").write_text(textwrap.dedent("""
         import time
@@ -68,7 +68,7 @@ def test_a_session_with_a_test_over_the_budget_fails_and_names_it(tmp_path: Path
 def test_without_enforcing_the_session_names_the_test_and_passes(tmp_path: Path) -> None:
     tests = Path(__file__).resolve().parent
     (tmp_path / "conftest.py").write_text((tests / "conftest.py").read_text())
-    for helper in ("time_budget.py", "side_env.py"):
+    for helper in ("time_budget.py", "side_env.py", "worker_groups.py"):
         (tmp_path / helper).write_text((tests / helper).read_text())
     (tmp_path / "test_sleepy.py").write_text("import time\ndef test_sleeps():\n    time.sleep(0.3)\n")
     env = {k: v for k, v in os.environ.items() if k != "RELAX_TEST_BUDGET_ENFORCE"} | {"RELAX_TEST_BUDGET_S": "0.2"}
@@ -103,7 +103,7 @@ def test_a_test_waits_for_a_background_build_and_the_wait_is_not_its_time(tmp_pa
     # tools/test-all's protocol: <target>.log while a build runs, <target>.rc once it ended. Each
     # test waits 0.6 s; the budget is 0.3 s, enforced: only the failed build may fail a test.
     tests = Path(__file__).resolve().parent
-    for helper in ("conftest.py", "time_budget.py", "side_env.py"):
+    for helper in ("conftest.py", "time_budget.py", "side_env.py", "worker_groups.py"):
         (tmp_path / helper).write_text((tests / helper).read_text())
     (tmp_path / "test_waits.py").write_text(_WAITS_FOR_BUILDS)
     builds = tmp_path / "builds"

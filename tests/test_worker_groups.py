@@ -1,16 +1,16 @@
-"""How tests/conftest.py hands the suite to two pytest-xdist workers (docs/testing.md, "Two workers")."""
+"""How tests/worker_groups.py hands the suite to two pytest-xdist workers (docs/testing.md, "Two workers")."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
-import conftest
+import worker_groups
 
 
 def test_groups_keep_their_module_or_shared_start_up() -> None:
-    assert conftest.xdist_group_of("tests/slurm/test_relax_jobs.py::test_x") == "slurm"
-    assert conftest.xdist_group_of("tests/cli/test_wheel_install.py::test_y") == "slurm"
-    assert conftest.xdist_group_of("tests/driver/test_omni_e2e.py::test_z") == "tests/driver/test_omni_e2e.py"
+    assert worker_groups.xdist_group_of("tests/slurm/test_relax_jobs.py::test_x") == "slurm"
+    assert worker_groups.xdist_group_of("tests/cli/test_wheel_install.py::test_y") == "slurm"
+    assert worker_groups.xdist_group_of("tests/driver/test_omni_e2e.py::test_z") == "tests/driver/test_omni_e2e.py"
 
 
 def test_two_workers_take_the_groups_in_the_longest_first_order_not_by_their_number_of_tests() -> None:
@@ -18,7 +18,7 @@ def test_two_workers_take_the_groups_in_the_longest_first_order_not_by_their_num
     # long one-test groups out last.
     config = SimpleNamespace(option=SimpleNamespace(loadscopereorder=True),
                              getoption=lambda name, default=None: "loadgroup" if name == "dist" else default)
-    conftest.pytest_configure(config)
+    worker_groups.keep_group_order(config)
     assert config.option.loadscopereorder is False
 
 
@@ -26,6 +26,6 @@ def test_the_longest_groups_are_named_once_and_exist() -> None:
     from pathlib import Path
 
     repo = Path(__file__).resolve().parents[1]
-    assert len(set(conftest.LONGEST_FIRST)) == len(conftest.LONGEST_FIRST)
-    for group in conftest.LONGEST_FIRST:
-        assert group in conftest.SHARED_GROUPS.values() or (repo / group).is_file(), group
+    assert len(set(worker_groups.LONGEST_FIRST)) == len(worker_groups.LONGEST_FIRST)
+    for group in worker_groups.LONGEST_FIRST:
+        assert group in worker_groups.SHARED_GROUPS.values() or (repo / group).is_file(), group

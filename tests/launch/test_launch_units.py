@@ -14,6 +14,7 @@ import pytest
 from relax_hpc.auth import JobSecret
 from relax_hpc.driver.jobdir import JobDirBusyError, JobDirLock
 from relax_hpc.launch import incluster
+from relax_hpc.ops.ports import PORT_SLOT_ENV
 from relax_hpc.launch.container import container_prefix, env_file_text
 from relax_hpc.launch.incluster import ray_start_command, write_cluster_json
 from relax_hpc.launch.jobs import (
@@ -87,11 +88,18 @@ def test_node_advertises_the_resources_of_colocated_components(monkeypatch: pyte
     monkeypatch.setattr(incluster, "_busy_ports", lambda ip, ports: [])
     monkeypatch.setattr(incluster, "claim_private_dir", lambda path: None)
     monkeypatch.setattr(incluster, "_run_until_stopped", lambda cmd, temp_dir: started.append(cmd) or 0)
+    # The node launcher exports the engines' port slot (and RAY_AUTH_MODE) into its own
+    # environment; here that is the test process's, restored after the test. Left behind, it once
+    # made a later local run on this worker plan its SGLang ports in job 7's block, where a
+    # running Slurm job's Ray worker answered (2026-11-29).
+    monkeypatch.setenv(PORT_SLOT_ENV, "")
+    monkeypatch.setenv("RAY_AUTH_MODE", os.environ.get("RAY_AUTH_MODE", "disabled"))
     args = ["node", "--job-id", "7", "--first-slot", "0", "--component", "trainer", "--resource", "4",
             "--num-cpus", "16", "--num-gpus", "4", "--head"]
     assert incluster.main(args) == 0 and incluster.main([*args, "--also-resource=rollout"]) == 0
     assert '--resources={"trainer": 4.0}' in started[0]
     assert '--resources={"rollout": 4.0, "trainer": 4.0}' in started[1]
+    assert os.environ[PORT_SLOT_ENV] == "7:0"  # what the node's Ray workers inherit
 
 
 def test_ray_temp_dir_is_made_private_and_a_foreign_one_refused(tmp_path: Path) -> None:

@@ -1,0 +1,42 @@
+"""How the suite is split between pytest-xdist workers (`--dist loadgroup`; docs/testing.md,
+"Two workers"), for tests/conftest.py, in a module of its own so that tests can import it (a
+test's `import conftest` may find another directory's conftest)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+# Tests that share one session start-up run in one worker: the local Slurm (tests/slurm) and the
+# venv with the relax-hpc wheel (`wheel_venv`, used by tests/slurm and tests/cli/test_wheel_install).
+SHARED_GROUPS = {"tests/slurm/": "slurm", "tests/cli/test_wheel_install.py": "slurm"}
+
+
+def xdist_group_of(nodeid: str) -> str:
+    """The worker group of a test: its shared start-up's group, else its module, so a module's
+    fixtures (a Ray cluster, SGLang servers, one run read by several tests) start once."""
+    path = nodeid.split("::", 1)[0]
+    for prefix, group in SHARED_GROUPS.items():
+        if path.startswith(prefix):
+            return group
+    return path
+
+
+# The groups that take longest (docs/testing.md, measured), handed out first so that two workers
+# end together instead of one waiting on a long group handed out last. Those that need .venv-sglang
+# or .venv-megatron come after a few that need neither: under tools/test-all those environments
+# are still being built when the tests start.
+LONGEST_FIRST = ("slurm", "tests/driver/test_omni_e2e.py", "tests/driver/test_train_e2e.py",
+                 "tests/driver/test_fsdp2_e2e.py", "tests/backends/test_megatron_backend.py",
+                 "tests/driver/test_sglang_e2e.py", "tests/engines/test_sglang_fleet.py",
+                 "tests/launch/test_faults_rerun.py", "tests/launch/test_faults_global.py",
+                 "tests/launch/test_faults_three_kills.py", "tests/launch/test_faults_in_place.py",
+                 "tests/driver/test_algorithms_e2e.py", "tests/engines/test_sglang_media.py",
+                 "tests/rewards/test_reward_workers.py", "tests/engines/test_sglang_engine.py",
+                 "tests/launch/test_faults_disk_full.py")
+
+
+def keep_group_order(config: Any) -> None:
+    """xdist's default re-sorts the groups by their number of tests, most first, which put the
+    longest groups (one to five tests each) last: one worker ran them alone at the end of the run.
+    The order tests/conftest.py gives the items (LONGEST_FIRST) is the one wanted."""
+    config.option.loadscopereorder = False
