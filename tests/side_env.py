@@ -89,12 +89,16 @@ class SideEnv:
         if code != "0":
             tail = "\n".join(log.read_text(errors="replace").splitlines()[-20:])
             pytest.fail(f"building the {self.name} environment failed (exit {code}); "
-                        f"fix what its log says and run `{self.build_command(REPO / self.default_dir)}`. "
+                        f"fix what its log says and run `{self.build_command(self.env_dir())}`. "
                         f"The end of {log}:\n{tail}", pytrace=False)
 
+    def env_dir(self) -> Path:
+        """Where this environment is: $variable, else default_dir in the repo."""
+        return Path(os.environ.get(self.variable) or REPO / self.default_dir).absolute()
+
     def find(self, env_dir: Path | None = None) -> FoundEnv:
-        """The venv at `env_dir` (default: $variable, else default_dir in the repo)."""
-        env_dir = (env_dir or Path(os.environ.get(self.variable) or REPO / self.default_dir)).absolute()
+        """The venv at `env_dir` (default: `self.env_dir()`)."""
+        env_dir = (env_dir or self.env_dir()).absolute()
         python = env_dir / "bin" / "python"
         build = f"build it with `{self.build_command(env_dir)}` from {REPO} ({self.size})"
         if not python.exists():
