@@ -67,6 +67,7 @@ from relax_hpc.ops.heap import settle_heap
 from relax_hpc.ops.metrics import FanOut, JsonlSink, MetricsSink, TensorBoardSink
 from relax_hpc.ops.plot import plot_reward_curve
 from relax_hpc.ops.progress import make_progress
+from relax_hpc.ops.ray_node_env import apply_ray_node_env
 from relax_hpc.ops.run_status import RunStatus
 from relax_hpc.ops.trackers import ClearMLSink, WandbSink, require_trackers
 from relax_hpc.roles.actor import ActorConfig
@@ -325,6 +326,7 @@ def start_ray(address: str | None) -> None:
     names = (SECRET_ENV, "RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH")  # never RAY_AUTH_TOKEN's value
     env = {name: os.environ[name] for name in names if name in os.environ}
     env["TOKENIZERS_PARALLELISM"] = "false"
+    apply_ray_node_env(os.environ)  # the local node's raylet inherits this process's environment
     if address:
         ray.init(address=address, runtime_env={"env_vars": env}, log_to_driver=False)
     else:

@@ -29,6 +29,7 @@ from pathlib import Path
 
 from relax_hpc.auth import SECRET_ENV
 from relax_hpc.ops.ports import PORT_SLOT_ENV, RayPorts, ray_ports, ray_temp_dir
+from relax_hpc.ops.ray_node_env import apply_ray_node_env
 
 __all__ = ["claim_private_dir", "main", "node_address", "ray_start_command", "write_cluster_json"]
 
@@ -57,6 +58,9 @@ def ray_start_command(ray: str, ports: RayPorts, temp_dir: str, ip: str, *, head
     """The ``ray start --block`` command line of one node (pure)."""
     cmd = [
         ray, "start", "--block", "--disable-usage-stats", f"--temp-dir={temp_dir}",
+        # Every driver of the job connects with log_to_driver=False: nothing reads what a log
+        # monitor would publish, and it costs each node about a CPU-second to start.
+        "--include-log-monitor=false",
         f"--node-ip-address={ip}", f"--node-manager-port={ports.node_manager}",
         f"--object-manager-port={ports.object_manager}",
         f"--dashboard-agent-listen-port={ports.dashboard_agent_listen}",
@@ -121,6 +125,7 @@ def _cmd_node(args: argparse.Namespace) -> int:
     print(f"relax-hpc node: {args.component} slot {slot} on {node} ({ip}): {' '.join(cmd)}", flush=True)
     os.environ.setdefault("RAY_AUTH_MODE", "token")  # the job script sets it, and the token's path
     os.environ[PORT_SLOT_ENV] = f"{args.job_id}:{slot}"  # Ray's workers: the engines' planned ports
+    apply_ray_node_env(os.environ)
     return _run_until_stopped(cmd, temp_dir)
 
 

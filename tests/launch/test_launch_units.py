@@ -15,6 +15,7 @@ from relax_hpc.auth import JobSecret
 from relax_hpc.driver.jobdir import JobDirBusyError, JobDirLock
 from relax_hpc.launch import incluster
 from relax_hpc.ops.ports import PORT_SLOT_ENV
+from relax_hpc.ops.ray_node_env import RAY_NODE_ENV, apply_ray_node_env
 from relax_hpc.launch.container import container_prefix, env_file_text
 from relax_hpc.launch.incluster import ray_start_command, write_cluster_json
 from relax_hpc.launch.jobs import (
@@ -80,6 +81,8 @@ def test_ray_start_command_head_and_worker() -> None:
     worker = ray_start_command("ray", ray_ports(7, 1), "/tmp/relax-7-1", "10.0.0.2",
                                head_address="10.0.0.1:1", num_cpus=2, num_gpus=0, resources={"rollout": 1.0})
     assert "--address=10.0.0.1:1" in worker and "--head" not in worker
+    # No log monitor: every driver of the job connects with log_to_driver=False.
+    assert "--include-log-monitor=false" in head and "--include-log-monitor=false" in worker
 
 
 def test_node_advertises_the_resources_of_colocated_components(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -94,12 +97,22 @@ def test_node_advertises_the_resources_of_colocated_components(monkeypatch: pyte
     # running Slurm job's Ray worker answered (2026-11-29).
     monkeypatch.setenv(PORT_SLOT_ENV, "")
     monkeypatch.setenv("RAY_AUTH_MODE", os.environ.get("RAY_AUTH_MODE", "disabled"))
+    monkeypatch.delenv("RAY_prestart_worker_first_driver", raising=False)
     args = ["node", "--job-id", "7", "--first-slot", "0", "--component", "trainer", "--resource", "4",
             "--num-cpus", "16", "--num-gpus", "4", "--head"]
     assert incluster.main(args) == 0 and incluster.main([*args, "--also-resource=rollout"]) == 0
     assert '--resources={"trainer": 4.0}' in started[0]
     assert '--resources={"rollout": 4.0, "trainer": 4.0}' in started[1]
     assert os.environ[PORT_SLOT_ENV] == "7:0"  # what the node's Ray workers inherit
+    assert os.environ["RAY_prestart_worker_first_driver"] == "0"  # and its raylet: no idle workers
+
+
+def test_the_ray_node_settings_leave_a_users_own_value() -> None:
+    environ = {"RAY_prestart_worker_first_driver": "1"}
+    apply_ray_node_env(environ)
+    assert environ == {"RAY_prestart_worker_first_driver": "1"}
+    apply_ray_node_env(empty := {})
+    assert empty == RAY_NODE_ENV
 
 
 def test_ray_temp_dir_is_made_private_and_a_foreign_one_refused(tmp_path: Path) -> None:
