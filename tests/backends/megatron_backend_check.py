@@ -6,6 +6,9 @@
 Spawns ``--ranks`` processes joined by a gloo group, as trainer ranks are, builds the backend
 through ``make_backend("megatron", ...)`` and runs one scenario; rank 0 prints one JSON line of
 numbers (tests/backends/test_megatron_backend.py judges them); exits non-zero when a rank fails.
+``SCENARIO`` may name several, comma-separated (``match,save``): the same ranks run them one
+after the other, each on a backend built afresh (a Megatron rank takes about 10 s of imports on
+2 cores, so the tests share launches), and the JSON line maps each scenario to its numbers.
 
 - ``match``: ``compute_log_probs`` vs HF's per-token log-probs on the same samples; then one
   optimizer step (GRPO, no clipping) on them: the gradients, exported to HF names through the
@@ -17,7 +20,7 @@ numbers (tests/backends/test_megatron_backend.py judges them); exits non-zero wh
   ``--save-next`` that step is checkpointed as step s + 1, and ``--out`` also holds, under
   ``next``, what a ``resume`` from it must find: the weights and moments after it and the stats
   of the step on batch s + 2. One such run checks one reshard and prepares the reverse one.
-- ``replay`` (``--model`` a tiny MoE): a bfloat16 native engine samples with its routing
+- ``replay`` (``--moe-model``, a tiny MoE): a bfloat16 native engine samples with its routing
   recorded; the float32 backend, built with routing replay, recomputes the log-probs of the
   rows (through the queue's row format) with the routes and without, then trains one step on
   them; rank 0 reports both disagreements with the engine and the step's stats.
@@ -84,6 +87,7 @@ def scenario(name: str, args: argparse.Namespace, rank: int) -> dict[str, Any]:
 
     if name == "replay":
         return replay_scenario(args)
+    torch.manual_seed(0)  # each scenario of a launch starts as a launch of its own would
     backend = make("megatron", args.model, args.tp, args.pp, ep=args.ep)
     result: dict[str, Any] = {"routes": backend.routes, "reads_rows": backend.reads_rows}
     if name == "match":
@@ -145,8 +149,9 @@ def engine_samples(model: str) -> list[Any]:
 def replay_scenario(args: argparse.Namespace) -> dict[str, Any]:
     import dataclasses
 
-    backend = make("megatron", args.model, args.tp, args.pp, routing_replay=True)
-    routed = engine_samples(args.model)
+    torch.manual_seed(0)
+    backend = make("megatron", args.moe_model, args.tp, args.pp, routing_replay=True)
+    routed = engine_samples(args.moe_model)
     free = [dataclasses.replace(s, routed_experts=None) for s in routed]
     engine = [torch.tensor(s.rollout_log_probs) for s in routed]
 
@@ -210,9 +215,9 @@ def run_rank(rank: int, args: argparse.Namespace, port: int, results: Any) -> No
     import megatron_cpu_stubs
 
     megatron_cpu_stubs.install()  # in this env a .pth file does it at start; harmless twice
-    result = scenario(args.scenario, args, rank)
+    results_by_name = {name: scenario(name, args, rank) for name in args.scenarios}
     if rank == 0:
-        torch.save(result, args.result_file)
+        torch.save(results_by_name, args.result_file)
         results.put(True)
     if dist.is_initialized():
         dist.barrier()
@@ -220,9 +225,11 @@ def run_rank(rank: int, args: argparse.Namespace, port: int, results: Any) -> No
 
 
 def main(argv: Iterator[str] | None = None) -> None:
+    names = ("match", "save", "resume", "replay")
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("scenario", choices=["match", "save", "resume", "replay"])
+    parser.add_argument("scenario", help=f"one of {', '.join(names)}, or several comma-separated")
     parser.add_argument("--model", required=True)
+    parser.add_argument("--moe-model", help="the tiny MoE of the replay scenario")
     parser.add_argument("--ranks", type=int, default=1)
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
@@ -231,21 +238,29 @@ def main(argv: Iterator[str] | None = None) -> None:
     parser.add_argument("--out")
     parser.add_argument("--save-next", action="store_true")
     args = parser.parse_args(None if argv is None else list(argv))
+    args.scenarios = args.scenario.split(",")
+    unknown = sorted(set(args.scenarios) - set(names))
+    if unknown or len(set(args.scenarios)) != len(args.scenarios) or {"save", "resume"} <= set(args.scenarios):
+        parser.error(f"scenario {args.scenario!r}: each of {', '.join(names)} at most once, not both save and resume")
+    if "replay" in args.scenarios and not args.moe_model:
+        parser.error("the replay scenario needs --moe-model")
     import tempfile
 
-    args.result_file = os.path.join(tempfile.mkdtemp(prefix="megatron-check-"), "result.pt")
-    from megatron_ranks import run_ranks
+    with tempfile.TemporaryDirectory(prefix="megatron-check-") as scratch:
+        args.result_file = os.path.join(scratch, "result.pt")
+        from megatron_ranks import run_ranks
 
-    run_ranks("megatron_backend_check", args.ranks, run_rank, lambda rank, port, results: (rank, args, port, results))
+        run_ranks("megatron_backend_check", args.ranks, run_rank, lambda rank, port, results: (rank, args, port, results))
+        results = torch.load(args.result_file, weights_only=False)
     # Compared here, without a process group: the torch backend would join the ranks' group.
-    result = torch.load(args.result_file, weights_only=False)
-    if args.scenario == "match":
-        result.update(compare_logprobs(args.model, result.pop("logprobs")))
-        result.update(compare_grads(args.model, result.pop("grads"), result.pop("stats")))
-    elif args.scenario in ("save", "resume"):
-        torch.save({"tensors": result.pop("tensors"), "stats": result["stats"], "next": result.pop("next", None)},
-                   args.out)
-    print(json.dumps(result))
+    for name, result in results.items():
+        if name == "match":
+            result.update(compare_logprobs(args.model, result.pop("logprobs")))
+            result.update(compare_grads(args.model, result.pop("grads"), result.pop("stats")))
+        elif name in ("save", "resume"):
+            torch.save({"tensors": result.pop("tensors"), "stats": result["stats"], "next": result.pop("next", None)},
+                       args.out)
+    print(json.dumps(results[args.scenario] if len(results) == 1 else results))
 
 
 if __name__ == "__main__":

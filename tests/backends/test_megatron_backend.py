@@ -40,11 +40,47 @@ def _check(python: Path, *args: str) -> dict[str, Any]:
     return run_json_script(python, CHECK_SCRIPT, *args, timeout_s=TIMEOUT_S)
 
 
-@pytest.mark.parametrize("layout", [("--tp", "2"), ("--pp", "2")], ids=["tp2", "pp2"])
+@pytest.fixture(scope="module")
+def reshard_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("reshard")
+
+
+@pytest.fixture(scope="module")
+def tp2_launch(megatron_python: Path, tiny_model_dir: Path, reshard_dir: Path) -> dict[str, Any]:
+    """Two TP=2 ranks run the match scenario, then the reshard chain's first link: a step,
+    saved as step 1 (one launch for both: each rank's imports cost about 10 s on 2 cores)."""
+    ckpt = reshard_dir / "checkpoints"
+    result = _check(megatron_python, "match,save", "--model", str(tiny_model_dir), "--ranks", "2", "--tp", "2",
+                    "--ckpt", str(ckpt), "--out", str(reshard_dir / "tp2-saved.pt"))
+    return {**result, "listing": sorted(p.name for p in ckpt.iterdir())}
+
+
+@pytest.fixture(scope="module")
+def tp1_launch(megatron_python: Path, tiny_model_dir: Path, reshard_dir: Path, tp2_launch: dict[str, Any],
+               tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One TP=1 rank runs the chain's second link (resume step 1, train, save step 2), then the
+    routing-replay scenario on a tiny MoE."""
+    import dataclasses
+
+    from relax_hpc.models.tiny_moe import TinyMoeSize, write_tiny_moe_model
+
+    moe = write_tiny_moe_model(tmp_path_factory.mktemp("moe") / "tiny-moe", seed=0,
+                               size=dataclasses.replace(TinyMoeSize(), initializer_range=0.1))
+    ckpt = reshard_dir / "checkpoints"
+    result = _check(megatron_python, "resume,replay", "--model", str(tiny_model_dir), "--moe-model", str(moe),
+                    "--ranks", "1", "--tp", "1", "--ckpt", str(ckpt), "--out", str(reshard_dir / "tp1-resumed.pt"),
+                    "--save-next")
+    return {**result, "listing": sorted(p.name for p in ckpt.iterdir())}
+
+
+@pytest.mark.parametrize("layout", ["tp2", "pp2"])
 def test_log_probs_equal_hf_and_gradients_equal_the_torch_backends(
-    megatron_python: Path, tiny_model_dir: Path, layout: tuple[str, str]
+    megatron_python: Path, tiny_model_dir: Path, layout: str, request: pytest.FixtureRequest
 ) -> None:
-    result = _check(megatron_python, "match", "--model", str(tiny_model_dir), "--ranks", "2", *layout)
+    if layout == "tp2":
+        result = request.getfixturevalue("tp2_launch")["match"]
+    else:
+        result = _check(megatron_python, "match", "--model", str(tiny_model_dir), "--ranks", "2", "--pp", "2")
     assert result["reads_rows"] is True  # rank 0 reads; its peer gets the rows from it
     assert result["tokens"] == 11
     assert result["logprob_max_abs_diff"] < LOGPROB_TOL, result
@@ -59,19 +95,12 @@ def test_log_probs_equal_hf_and_gradients_equal_the_torch_backends(
     assert abs(ours["loss/policy"]) > 1e-3  # a loss worth comparing
 
 
-def test_routing_replay_through_the_backend_agrees_better_with_the_engine(
-        megatron_python: Path, tmp_path: Path) -> None:
+def test_routing_replay_through_the_backend_agrees_better_with_the_engine(tp1_launch: dict[str, Any]) -> None:
     # The whole R3 path: a bfloat16 native engine records its routing, the rows carry it through
     # the queue's row format, and the float32 MegatronBackend (built with routing replay) replays
     # it in compute_log_probs and in a training step. TP=1: megatron-core refuses MoE with TP > 1
     # unless sequence parallelism is on, which cannot be built on CPU (docs/backends.md).
-    import dataclasses
-
-    from relax_hpc.models.tiny_moe import TinyMoeSize, write_tiny_moe_model
-
-    moe = write_tiny_moe_model(tmp_path / "tiny-moe", seed=0, size=dataclasses.replace(TinyMoeSize(),
-                                                                                       initializer_range=0.1))
-    result = _check(megatron_python, "replay", "--model", str(moe))
+    result = tp1_launch["replay"]
     assert result["tokens"] > 40
     assert result["replay_mean"] < result["free_mean"], result
     assert result["replay_max"] < result["free_max"], result
@@ -81,27 +110,20 @@ def test_routing_replay_through_the_backend_agrees_better_with_the_engine(
 
 
 @pytest.fixture(scope="module")
-def reshard_chain(megatron_python: Path, tiny_model_dir: Path,
-                  tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """Three launches check both reshard directions: TP=2 saves step 1; TP=1 resumes it, takes
-    the next step and saves it as step 2; TP=2 resumes step 2. Each resume is compared with what
-    the run before it held and did next."""
-    tmp = tmp_path_factory.mktemp("reshard")
-    ckpt, model = tmp / "checkpoints", str(tiny_model_dir)
-    out = {name: tmp / f"{name}.pt" for name in ("tp2-saved", "tp1-resumed", "tp2-resumed")}
-    _check(megatron_python, "save", "--model", model, "--ranks", "2", "--tp", "2",
-           "--ckpt", str(ckpt), "--out", str(out["tp2-saved"]))
-    after_save = sorted(p.name for p in ckpt.iterdir())
-    tp1 = _check(megatron_python, "resume", "--model", model, "--ranks", "1", "--tp", "1",
-                 "--ckpt", str(ckpt), "--out", str(out["tp1-resumed"]), "--save-next")
-    after_tp1 = sorted(p.name for p in ckpt.iterdir())
-    tp2 = _check(megatron_python, "resume", "--model", model, "--ranks", "2", "--tp", "2",
+def reshard_chain(megatron_python: Path, tiny_model_dir: Path, reshard_dir: Path, tp2_launch: dict[str, Any],
+                  tp1_launch: dict[str, Any]) -> dict[str, Any]:
+    """Three launches check both reshard directions: TP=2 saves step 1 (`tp2_launch`); TP=1
+    resumes it, takes the next step and saves it as step 2 (`tp1_launch`); TP=2 resumes step 2
+    (here). Each resume is compared with what the run before it held and did next."""
+    ckpt = reshard_dir / "checkpoints"
+    out = {name: reshard_dir / f"{name}.pt" for name in ("tp2-saved", "tp1-resumed", "tp2-resumed")}
+    tp2 = _check(megatron_python, "resume", "--model", str(tiny_model_dir), "--ranks", "2", "--tp", "2",
                  "--ckpt", str(ckpt), "--out", str(out["tp2-resumed"]))
     loaded = {name: torch.load(path, weights_only=False) for name, path in out.items()}
     return {
-        "tp2-to-tp1": {"listing": after_save, "resumed_step": tp1["resumed_step"], "ckpt": ckpt / "step_1",
-                       "saved": loaded["tp2-saved"], "resumed": loaded["tp1-resumed"]},
-        "tp1-to-tp2": {"listing": after_tp1, "resumed_step": tp2["resumed_step"], "ckpt": ckpt / "step_2",
+        "tp2-to-tp1": {"listing": tp2_launch["listing"], "resumed_step": tp1_launch["resume"]["resumed_step"],
+                       "ckpt": ckpt / "step_1", "saved": loaded["tp2-saved"], "resumed": loaded["tp1-resumed"]},
+        "tp1-to-tp2": {"listing": tp1_launch["listing"], "resumed_step": tp2["resumed_step"], "ckpt": ckpt / "step_2",
                        "saved": loaded["tp1-resumed"]["next"], "resumed": loaded["tp2-resumed"]},
     }
 
