@@ -31,8 +31,7 @@ LONGEST_FIRST = ("slurm", "tests/driver/test_omni_e2e.py", "tests/driver/test_tr
                  "tests/launch/test_faults_rerun.py", "tests/launch/test_faults_global.py",
                  "tests/launch/test_faults_three_kills.py", "tests/launch/test_faults_in_place.py",
                  "tests/driver/test_algorithms_e2e.py", "tests/engines/test_sglang_media.py",
-                 "tests/rewards/test_reward_workers.py", "tests/engines/test_sglang_engine.py",
-                 "tests/launch/test_faults_disk_full.py")
+                 "tests/rewards/test_reward_workers.py", "tests/launch/test_faults_disk_full.py")
 
 
 def keep_group_order(config: Any) -> None:
