@@ -2,8 +2,9 @@
 broadcast. Call order, checkpoints, stop requests, errors, and the staleness bound.
 
 The first tests drive `run_loop` with recording role doubles (fast, exact order of calls); the
-last two run real workers: in process with a broadcast that fails, and on Ray with
-max_staleness 1, where every archived sample must respect the bound.
+last ones run real workers: in process with a broadcast that fails, and on Ray with
+max_staleness 1 and the Advantages role as an actor, where every archived sample must respect
+the bound.
 """
 
 from __future__ import annotations
@@ -241,21 +242,30 @@ def test_in_process_run_with_a_broken_broadcast_fails_with_the_channel_error(
         roles.shutdown()
 
 
-@pytest.mark.slow
-def test_ray_async_run_keeps_every_sample_within_max_staleness(tiny_model_dir: Path, tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def ray_async_run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
+    """One async run on Ray with max_staleness 1 and the Advantages role, read by two tests (one
+    Ray start instead of two)."""
     from relax_hpc.driver.run import run_job
-    from relax_hpc.ops.archive import read_archive
     from relax_hpc.spec import parse_spec
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    job = tmp_path / "job"
+    job = tmp_path_factory.mktemp("ray-async") / "job"
     text = tiny_spec_text(tiny_model_dir, job, steps=8, save_interval=8,
                           extra="[metrics]\ntrajectory_archive = true\n")
     text = text.replace('[job]\nname = "e2e"', '[job]\nname = "e2e"\nmode = "async"')
     text = text.replace('name = "grpo"', 'name = "grpo"\nmax_staleness = 1\ntis_cap = 2.0')
+    text = text.replace("micro_batch_size = 256", "micro_batch_size = 256\nadvantages_role = true")
     spec = parse_spec(text)
-    assert spec.job.mode == "async" and spec.algorithm.max_staleness == 1
-    report = run_job(spec, in_process=False, progress=False)
+    assert spec.job.mode == "async" and spec.algorithm.max_staleness == 1 and spec.train.advantages_role
+    return job, run_job(spec, in_process=False, progress=False)
+
+
+@pytest.mark.slow
+def test_ray_async_run_keeps_every_sample_within_max_staleness(ray_async_run: tuple[Path, Any]) -> None:
+    from relax_hpc.ops.archive import read_archive
+
+    job, report = ray_async_run
     assert report.result.end_step == 8
     archive = read_archive(job)
     assert sorted(archive) == list(range(8))
@@ -264,3 +274,12 @@ def test_ray_async_run_keeps_every_sample_within_max_staleness(tiny_model_dir: P
     # and waits for the broadcast of the weights trained on it, which may still be on the wire.
     assert all(0 <= lag <= 1 for lags in staleness.values() for lag in lags), staleness
     assert staleness[0] == [0]  # nothing but version 0 exists before the first training step
+
+
+@pytest.mark.slow
+def test_the_advantages_role_runs_as_a_ray_actor_in_async_mode(ray_async_run: tuple[Path, Any]) -> None:
+    # The trainer asks for `advantages`, which only the role writes: eight steps trained means
+    # the role served every step. (tests/driver/test_advantages_e2e.py: the same computation as
+    # without the role.)
+    _, report = ray_async_run
+    assert report.result.end_step == 8 and report.result.samples_trained == 8 * 256
