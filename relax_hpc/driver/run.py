@@ -326,10 +326,10 @@ def start_ray(address: str | None) -> None:
     names = (SECRET_ENV, "RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH")  # never RAY_AUTH_TOKEN's value
     env = {name: os.environ[name] for name in names if name in os.environ}
     env["TOKENIZERS_PARALLELISM"] = "false"
-    apply_ray_node_env(os.environ)  # the local node's raylet inherits this process's environment
     if address:
         ray.init(address=address, runtime_env={"env_vars": env}, log_to_driver=False)
     else:
+        apply_ray_node_env(os.environ)  # the local node's raylet inherits this process's environment
         ray.init(num_cpus=os.cpu_count() or 1, include_dashboard=False, log_to_driver=False,
                  runtime_env={"env_vars": env})
 

@@ -13,6 +13,7 @@ one-server tests read the weights the servers started with, so they come before 
 
     RELAX_TEST_SGLANG=1 .venv/bin/python -m pytest tests/engines/test_sglang_fleet.py -q
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -37,6 +38,7 @@ from hf_reference import hf_greedy
 from side_env import SGLANG
 
 from relax_hpc.engines.base import Generation, SamplingParams
+from relax_hpc.engines.http_client import EngineHttpError
 from relax_hpc.engines.router import EngineRouter, LocalEngineClient
 from relax_hpc.engines.sglang import SGLangEngine
 from relax_hpc.engines.sglang_fleet import (
@@ -46,7 +48,6 @@ from relax_hpc.engines.sglang_fleet import (
     tied_names,
 )
 from relax_hpc.engines.sglang_server import SGLangServer, SGLangServerError
-from relax_hpc.engines.http_client import EngineHttpError
 from relax_hpc.engines.sglang_weights import DistributedWeightPush, TensorWeightPush, buckets
 from relax_hpc.models.hf import load_causal_lm, load_tokenizer
 from relax_hpc.ops.ports import (
@@ -336,9 +337,11 @@ def test_a_server_of_another_sglang_version_is_refused(server: SGLangServer, tin
 # --- the raw server: plain HTTP, no SGLangEngine ------------------------------------------------
 
 
-def _request(url: str, body: dict[str, Any] | None = None, timeout: float = 60) -> tuple[int, Any]:
+def _request(url: str, body: dict[str, Any] | None = None, timeout: float = 60,
+             token: str | None = TOKEN) -> tuple[int, Any]:
+    """POST `body` (GET without one) with the bearer `token` (None: no Authorization header)."""
     data = None if body is None else json.dumps(body).encode()
-    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {TOKEN}"}
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {token}"} if token else {})}
     request = urllib.request.Request(url, data=data, headers=headers)
     try:
         with urllib.request.urlopen(request, timeout=timeout) as reply:
@@ -483,14 +486,7 @@ def _assert_runs(engine: ManagedSGLangEngine | SGLangEngine, model: torch.nn.Mod
 
 
 def _post(url: str, token: str | None) -> int:
-    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {token}"} if token else {})}
-    request = urllib.request.Request(url, data=b'{"input_ids": [1], "sampling_params": {"max_new_tokens": 1}}',
-                                     headers=headers)
-    try:
-        with urllib.request.urlopen(request, timeout=120) as reply:
-            return int(reply.status)
-    except urllib.error.HTTPError as e:
-        return int(e.code)
+    return _request(url, {"input_ids": [1], "sampling_params": {"max_new_tokens": 1}}, timeout=120, token=token)[0]
 
 
 @pytest.mark.slow

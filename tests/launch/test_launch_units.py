@@ -14,8 +14,6 @@ import pytest
 from relax_hpc.auth import JobSecret
 from relax_hpc.driver.jobdir import JobDirBusyError, JobDirLock
 from relax_hpc.launch import incluster
-from relax_hpc.ops.ports import PORT_SLOT_ENV
-from relax_hpc.ops.ray_node_env import RAY_NODE_ENV, apply_ray_node_env
 from relax_hpc.launch.container import container_prefix, env_file_text
 from relax_hpc.launch.incluster import ray_start_command, write_cluster_json
 from relax_hpc.launch.jobs import (
@@ -30,10 +28,12 @@ from relax_hpc.launch.slurm_client import FakeSlurmClient, JobComponent
 from relax_hpc.ops.ports import (
     PORT_HIGH,
     PORT_LOW,
+    PORT_SLOT_ENV,
     SLOTS_PER_JOB,
     ray_ports,
     ray_temp_dir,
 )
+from relax_hpc.ops.ray_node_env import RAY_NODE_ENV, apply_ray_node_env
 from relax_hpc.spec import (
     ContainerSpec,
     JobSpec,
