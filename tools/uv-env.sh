@@ -22,14 +22,22 @@
 #              without libsndfile, /opt/pypi-more the manylinux one that bundles it. So a local
 #              file:// index is passed as the directories its pages link to (--find-links), whose
 #              files uv, like pip, weighs together with the index's.
-#   bytecode   --compile-bytecode, as pip does: with PYTHONDONTWRITEBYTECODE=1 an env without .pyc
-#              files would compile torch, transformers, ... at every interpreter start.
+#   bytecode   compiled at install (--compile-bytecode, as pip does) only where PYTHONDONTWRITEBYTECODE
+#              is set: then no interpreter writes .pyc files, and every start would compile torch,
+#              transformers, ... again. Otherwise each module is compiled on its first import and
+#              written beside it, as Python does by default: the project imports about a tenth of
+#              what it installs, and compiling everything cost about 260 CPU-seconds of the test
+#              command's three builds (docs/testing.md). tools/test-all and tools/run-tests unset
+#              the variable for this reason. An env built without it and run later with it set
+#              loads what earlier runs compiled and compiles the rest in memory at each start:
+#              remove the env and build it again with the variable set to compile everything.
 #
 # Use: uv_setup NAME PYTHON (NAME prefixes messages; PYTHON runs pip for the bootstrap and for
 # `pip config list`), then uv_pip_install VENV_PYTHON ARGS... (the arguments of `uv pip install`).
 relax_uv_version=0.13.8
 relax_uv_home="${RELAX_UV_HOME:-${XDG_CACHE_HOME:-$HOME/.cache}/relax-hpc}"
 export UV_CACHE_DIR="${UV_CACHE_DIR:-$relax_uv_home/uv}"
+if [ -n "${PYTHONDONTWRITEBYTECODE:-}" ]; then uv_bytecode=install; else uv_bytecode=import; fi
 
 uv_setup() {
   local name="$1" boot_python="$2"
@@ -55,7 +63,10 @@ uv_setup() {
   "$uv" --version >/dev/null
   # pip's configuration, as uv options (NUL-separated; ENV:NAME=VALUE for a variable to export).
   local item
-  uv_args=(--index-strategy unsafe-best-match --compile-bytecode)
+  uv_args=(--index-strategy unsafe-best-match)
+  if [ "$uv_bytecode" = install ]; then
+    uv_args+=(--compile-bytecode)
+  fi
   while IFS= read -r -d '' item; do
     case "$item" in
       ENV:*) item="${item#ENV:}"; export "${item%%=*}=${item#*=}" ;;
