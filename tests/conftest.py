@@ -10,10 +10,14 @@ import pytest
 import torch
 
 from relax_hpc.models.tiny import write_tiny_model
+from relax_hpc.ops.ray_node_env import apply_ray_node_env
 
 # Ray enables token auth when ~/.ray/auth_token exists; the tests start their own local clusters
 # without one, also when pytest is run directly rather than through tools/run-tests.
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+# The clusters the tests start themselves run with the settings of a job's own nodes: no idle
+# worker prestarted per CPU (relax_hpc/ops/ray_node_env.py; docs/testing.md).
+apply_ray_node_env(os.environ)
 
 # Every listener of a job requires the job secret (docs/security.md, "Authentication"); roles
 # started by a test, and the Ray workers they run in, find it through this variable.
