@@ -17,13 +17,13 @@ from typing import TYPE_CHECKING, Iterable, Iterator, Protocol
 import torch
 
 from relax_hpc.backends.batch import TrainBatch
-from relax_hpc.ckpt import CheckpointManager, ResumeState
 from relax_hpc.data.sample import Sample
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # annotations only: importing this module must not load torch's DCP (drivers, forward roles)
     from relax_hpc.algos import LossConfig
     from relax_hpc.backends.parallel import Strategy
     from relax_hpc.backends.torch_backend import OptimConfig
+    from relax_hpc.ckpt import CheckpointManager, ResumeState
     from relax_hpc.spec.schema import MegatronSpec
 
 BACKENDS: tuple[str, ...] = ("torch", "megatron")

@@ -15,10 +15,9 @@ ranks of the step, not each micro-batch's own (see `relax_hpc.algos.aggregation`
 from __future__ import annotations
 
 import copy
-import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -34,11 +33,13 @@ from relax_hpc.algos.aggregation import loss_denominator
 from relax_hpc.algos.losses import STEP_SUM_STATS
 from relax_hpc.backends.batch import TrainBatch, pack_samples
 from relax_hpc.backends.parallel import STRATEGIES, Strategy, full_weights, shard_model
-from relax_hpc.ckpt import CheckpointManager, ResumeState
 from relax_hpc.data.sample import Sample
 from relax_hpc.media.processor import media_processor_for
 from relax_hpc.models.hf import is_multimodal, load_policy_model, load_tokenizer
 from relax_hpc.spec.schema import TrainSpec
+
+if TYPE_CHECKING:  # annotations only: DCP loads when a checkpoint is saved or loaded, not with the backend
+    from relax_hpc.ckpt import CheckpointManager, ResumeState
 
 T = TypeVar("T")
 

@@ -19,7 +19,6 @@ writes ``latest`` and prunes). See docs/checkpoints.md.
 
 from __future__ import annotations
 
-import errno
 import io
 import logging
 import os
@@ -38,6 +37,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.optim import Optimizer
 
 from relax_hpc.ckpt.collective import Collective, default_collective
+from relax_hpc.ckpt.errors import DISK_FULL_ERRNOS, STORAGE_ERRNOS, CheckpointDiskFullError, CheckpointSaveError
 from relax_hpc.ckpt.fs import (
     atomic_write_bytes,
     atomic_write_text,
@@ -81,23 +81,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
-# Failures of the storage a save writes to. They say nothing about the trainer, whose model and
-# optimizer a save only reads, so a later save on the same filesystem may well succeed.
-STORAGE_ERRNOS = (*_DISK_FULL, errno.EIO, errno.EROFS, errno.ESTALE)
-
-
-class CheckpointSaveError(RuntimeError):
-    """A save failed on its storage; its temporary directory has been removed and the complete
-    checkpoints (and ``latest``) are untouched. ``filesystem``: the mount point holding the root."""
-
-    def __init__(self, message: str, filesystem: str = "") -> None:
-        super().__init__(message)
-        self.filesystem = filesystem  # pickled with the exception (Ray hands it to the driver)
-
-
-class CheckpointDiskFullError(CheckpointSaveError):
-    """A save ran out of disk space (or quota); its temporary directory has been removed."""
 
 
 class CheckpointManager:
@@ -424,7 +407,7 @@ def disk_full_cause(exc: BaseException) -> str | None:
     Follows causes and DCP's per-rank failures; failing an OSError there, looks for the
     error's text, which is how other ranks' errors arrive (as strings).
     """
-    return _os_error_cause(exc, _DISK_FULL)
+    return _os_error_cause(exc, DISK_FULL_ERRNOS)
 
 
 def storage_error_cause(exc: BaseException) -> str | None:

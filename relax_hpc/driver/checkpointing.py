@@ -18,12 +18,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from relax_hpc.ckpt import ResumeState
-from relax_hpc.ckpt.manager import (
-    STORAGE_ERRNOS,
-    CheckpointDiskFullError,
-    CheckpointSaveError,
-)
+from relax_hpc.ckpt.errors import STORAGE_ERRNOS, CheckpointDiskFullError, CheckpointSaveError
+from relax_hpc.ckpt.resume_state import ResumeState
 from relax_hpc.roles.handles import Roles
 
 log = logging.getLogger(__name__)

@@ -30,7 +30,7 @@ from relax_hpc.backends.base import TrainBackend, make_backend
 from relax_hpc.backends.batch import pack_rows
 from relax_hpc.backends.parallel import Strategy, rank_device, ray_gpu_ids
 from relax_hpc.backends.torch_backend import OptimConfig
-from relax_hpc.ckpt import CheckpointManager, ResumeState
+from relax_hpc.ckpt.resume_state import ResumeState
 from relax_hpc.data.rows import (
     ARCHIVE_FIELDS,
     MEDIA_FIELDS,
@@ -172,6 +172,8 @@ class ActorWorker(WeightSenderEndpoint, Heartbeats):
             self.role_fields = (*self.role_fields, *MEDIA_FIELDS)
         self.offload_between_steps = cfg.offload_between_steps
         self._offloaded = False  # the optimizer state is off the device until the next rows arrive
+        from relax_hpc.ckpt.manager import CheckpointManager  # torch's DCP: in the rank, not in the driver that imports this module
+
         self.checkpoints = CheckpointManager(Path(cfg.checkpoint_dir), keep_last=cfg.keep_last)
         self._queue: TransferQueue | None = None
         self.archive: TrajectoryArchive | None = (
