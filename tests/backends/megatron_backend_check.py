@@ -9,6 +9,8 @@ numbers (tests/backends/test_megatron_backend.py judges them); exits non-zero wh
 ``SCENARIO`` may name several, comma-separated (``match,save``): the same ranks run them one
 after the other, each on a backend built afresh (a Megatron rank takes about 10 s of imports on
 2 cores, so the tests share launches), and the JSON line maps each scenario to its numbers.
+A scenario may name its own layout after ``@`` (``match,save,match@pp2``: the same two ranks
+then run the match scenario again as two pipeline stages, Megatron's groups rebuilt for it).
 
 - ``match``: ``compute_log_probs`` vs HF's per-token log-probs on the same samples; then one
   optimizer step (GRPO, no clipping) on them: the gradients, exported to HF names through the
@@ -82,13 +84,25 @@ def hf_named(backend: Any, swap: str | None = None) -> dict[str, torch.Tensor]:
             p.data = data
 
 
+def split_scenario(scenario: str, args: argparse.Namespace) -> tuple[str, int, int]:
+    """``match`` -> (match, --tp, --pp); ``match@pp2`` -> (match, 1, 2); ``match@tp2`` -> (match, 2, 1)."""
+    name, _, layout = scenario.partition("@")
+    if not layout:
+        return name, args.tp, args.pp
+    kind, size = layout[:2], layout[2:]
+    if kind not in ("tp", "pp") or not size.isdigit():
+        raise ValueError(f"scenario {scenario!r}: the layout after @ is tpN or ppN")
+    return (name, int(size), 1) if kind == "tp" else (name, 1, int(size))
+
+
 def scenario(name: str, args: argparse.Namespace, rank: int) -> dict[str, Any]:
     from relax_hpc.ckpt import CheckpointManager, ResumeState
 
+    name, tp, pp = split_scenario(name, args)
     if name == "replay":
         return replay_scenario(args)
     torch.manual_seed(0)  # each scenario of a launch starts as a launch of its own would
-    backend = make("megatron", args.model, args.tp, args.pp, ep=args.ep)
+    backend = make("megatron", args.model, tp, pp, ep=args.ep)  # a second one rebuilds Megatron's groups
     result: dict[str, Any] = {"routes": backend.routes, "reads_rows": backend.reads_rows}
     if name == "match":
         result["logprobs"] = backend.compute_log_probs(samples())
@@ -239,8 +253,9 @@ def main(argv: Iterator[str] | None = None) -> None:
     parser.add_argument("--save-next", action="store_true")
     args = parser.parse_args(None if argv is None else list(argv))
     args.scenarios = args.scenario.split(",")
-    unknown = sorted(set(args.scenarios) - set(names))
-    if unknown or len(set(args.scenarios)) != len(args.scenarios) or {"save", "resume"} <= set(args.scenarios):
+    plain = [split_scenario(s, args)[0] for s in args.scenarios]
+    unknown = sorted(set(plain) - set(names))
+    if unknown or len(set(args.scenarios)) != len(args.scenarios) or {"save", "resume"} <= set(plain):
         parser.error(f"scenario {args.scenario!r}: each of {', '.join(names)} at most once, not both save and resume")
     if "replay" in args.scenarios and not args.moe_model:
         parser.error("the replay scenario needs --moe-model")
@@ -253,7 +268,8 @@ def main(argv: Iterator[str] | None = None) -> None:
         run_ranks("megatron_backend_check", args.ranks, run_rank, lambda rank, port, results: (rank, args, port, results))
         results = torch.load(args.result_file, weights_only=False)
     # Compared here, without a process group: the torch backend would join the ranks' group.
-    for name, result in results.items():
+    for scenario_name, result in results.items():
+        name = split_scenario(scenario_name, args)[0]
         if name == "match":
             result.update(compare_logprobs(args.model, result.pop("logprobs")))
             result.update(compare_grads(args.model, result.pop("grads"), result.pop("stats")))

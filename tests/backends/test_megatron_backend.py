@@ -47,11 +47,12 @@ def reshard_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def tp2_launch(megatron_python: Path, tiny_model_dir: Path, reshard_dir: Path) -> dict[str, Any]:
-    """Two TP=2 ranks run the match scenario, then the reshard chain's first link: a step,
-    saved as step 1 (one launch for both: each rank's imports cost about 10 s on 2 cores)."""
+    """Two TP=2 ranks run the match scenario, then the reshard chain's first link (a step, saved
+    as step 1), then the match scenario again as two pipeline stages (one launch for all three:
+    each rank's imports cost about 10 s on 2 cores)."""
     ckpt = reshard_dir / "checkpoints"
-    result = _check(megatron_python, "match,save", "--model", str(tiny_model_dir), "--ranks", "2", "--tp", "2",
-                    "--ckpt", str(ckpt), "--out", str(reshard_dir / "tp2-saved.pt"))
+    result = _check(megatron_python, "match,save,match@pp2", "--model", str(tiny_model_dir), "--ranks", "2",
+                    "--tp", "2", "--ckpt", str(ckpt), "--out", str(reshard_dir / "tp2-saved.pt"))
     return {**result, "listing": sorted(p.name for p in ckpt.iterdir())}
 
 
@@ -74,13 +75,9 @@ def tp1_launch(megatron_python: Path, tiny_model_dir: Path, reshard_dir: Path, t
 
 
 @pytest.mark.parametrize("layout", ["tp2", "pp2"])
-def test_log_probs_equal_hf_and_gradients_equal_the_torch_backends(
-    megatron_python: Path, tiny_model_dir: Path, layout: str, request: pytest.FixtureRequest
-) -> None:
-    if layout == "tp2":
-        result = request.getfixturevalue("tp2_launch")["match"]
-    else:
-        result = _check(megatron_python, "match", "--model", str(tiny_model_dir), "--ranks", "2", "--pp", "2")
+def test_log_probs_equal_hf_and_gradients_equal_the_torch_backends(layout: str, request: pytest.FixtureRequest) -> None:
+    launch = request.getfixturevalue("tp2_launch")  # its ranks run both layouts
+    result = launch["match"] if layout == "tp2" else launch["match@pp2"]
     assert result["reads_rows"] is True  # rank 0 reads; its peer gets the rows from it
     assert result["tokens"] == 11
     assert result["logprob_max_abs_diff"] < LOGPROB_TOL, result
