@@ -25,12 +25,13 @@
 #   bytecode   compiled at install (--compile-bytecode, as pip does) only where PYTHONDONTWRITEBYTECODE
 #              is set: then no interpreter writes .pyc files, and every start would compile torch,
 #              transformers, ... again. Otherwise each module is compiled on its first import and
-#              written beside it, as Python does by default: the project imports about a tenth of
-#              what it installs, and compiling everything cost about 260 CPU-seconds of the test
-#              command's three builds (docs/testing.md). tools/test-all and tools/run-tests unset
-#              the variable for this reason. An env built without it and run later with it set
-#              loads what earlier runs compiled and compiles the rest in memory at each start:
-#              remove the env and build it again with the variable set to compile everything.
+#              written beside it, as Python does by default: the tests import about a third of
+#              what the three environments install, and compiling everything cost about 260
+#              CPU-seconds of the test command's builds (docs/testing.md). tools/test-all and
+#              tools/run-tests unset the variable for this reason. An env built without it and run
+#              later with it set loads what earlier runs compiled and compiles the rest in memory
+#              at each start: remove the env and build it again with the variable set to compile
+#              everything.
 #
 # Use: uv_setup NAME PYTHON (NAME prefixes messages; PYTHON runs pip for the bootstrap and for
 # `pip config list`), then uv_pip_install VENV_PYTHON ARGS... (the arguments of `uv pip install`).
