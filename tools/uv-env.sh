@@ -38,7 +38,6 @@
 relax_uv_version=0.13.8
 relax_uv_home="${RELAX_UV_HOME:-${XDG_CACHE_HOME:-$HOME/.cache}/relax-hpc}"
 export UV_CACHE_DIR="${UV_CACHE_DIR:-$relax_uv_home/uv}"
-if [ -n "${PYTHONDONTWRITEBYTECODE:-}" ]; then uv_bytecode=install; else uv_bytecode=import; fi
 
 uv_setup() {
   local name="$1" boot_python="$2"
@@ -65,7 +64,7 @@ uv_setup() {
   # pip's configuration, as uv options (NUL-separated; ENV:NAME=VALUE for a variable to export).
   local item
   uv_args=(--index-strategy unsafe-best-match)
-  if [ "$uv_bytecode" = install ]; then
+  if [ -n "${PYTHONDONTWRITEBYTECODE:-}" ]; then
     uv_args+=(--compile-bytecode)
   fi
   while IFS= read -r -d '' item; do

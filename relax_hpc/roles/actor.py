@@ -172,7 +172,7 @@ class ActorWorker(WeightSenderEndpoint, Heartbeats):
             self.role_fields = (*self.role_fields, *MEDIA_FIELDS)
         self.offload_between_steps = cfg.offload_between_steps
         self._offloaded = False  # the optimizer state is off the device until the next rows arrive
-        from relax_hpc.ckpt.manager import CheckpointManager  # torch's DCP: in the rank, not in the driver that imports this module
+        from relax_hpc.ckpt.manager import CheckpointManager  # torch's DCP: in the rank, not the driver
 
         self.checkpoints = CheckpointManager(Path(cfg.checkpoint_dir), keep_last=cfg.keep_last)
         self._queue: TransferQueue | None = None

@@ -100,7 +100,7 @@ def scenario(name: str, args: argparse.Namespace, rank: int) -> dict[str, Any]:
 
     name, tp, pp = split_scenario(name, args)
     if name == "replay":
-        return replay_scenario(args)
+        return replay_scenario(args, tp, pp)
     torch.manual_seed(0)  # each scenario of a launch starts as a launch of its own would
     backend = make("megatron", args.model, tp, pp, ep=args.ep)  # a second one rebuilds Megatron's groups
     result: dict[str, Any] = {"routes": backend.routes, "reads_rows": backend.reads_rows}
@@ -160,11 +160,11 @@ def engine_samples(model: str) -> list[Any]:
     return [row_to_sample(row) for row in rows]
 
 
-def replay_scenario(args: argparse.Namespace) -> dict[str, Any]:
+def replay_scenario(args: argparse.Namespace, tp: int, pp: int) -> dict[str, Any]:
     import dataclasses
 
     torch.manual_seed(0)
-    backend = make("megatron", args.moe_model, args.tp, args.pp, routing_replay=True)
+    backend = make("megatron", args.moe_model, tp, pp, routing_replay=True)
     routed = engine_samples(args.moe_model)
     free = [dataclasses.replace(s, routed_experts=None) for s in routed]
     engine = [torch.tensor(s.rollout_log_probs) for s in routed]
@@ -253,11 +253,14 @@ def main(argv: Iterator[str] | None = None) -> None:
     parser.add_argument("--save-next", action="store_true")
     args = parser.parse_args(None if argv is None else list(argv))
     args.scenarios = args.scenario.split(",")
-    plain = [split_scenario(s, args)[0] for s in args.scenarios]
+    try:
+        plain = [split_scenario(s, args)[0] for s in args.scenarios]
+    except ValueError as error:
+        parser.error(str(error))
     unknown = sorted(set(plain) - set(names))
     if unknown or len(set(args.scenarios)) != len(args.scenarios) or {"save", "resume"} <= set(plain):
         parser.error(f"scenario {args.scenario!r}: each of {', '.join(names)} at most once, not both save and resume")
-    if "replay" in args.scenarios and not args.moe_model:
+    if "replay" in plain and not args.moe_model:
         parser.error("the replay scenario needs --moe-model")
     import tempfile
 
