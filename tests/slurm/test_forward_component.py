@@ -1,15 +1,19 @@
 """The three-component job on the local dev Slurm: trainer, rollout and forward, one node each.
 
 jobspecs/tiny_slurm_fwd.toml runs ActorFwd and Reference on a third hetjob component. One short
-variant of it is submitted with `relax-hpc submit` (the module's `resumed_job`), requeued with
-`scontrol requeue`, then sent the pre-emption signal; its two tests check that it resumes both
-times and trains every sample exactly once, and that its last attempt completes as one Ray
-cluster of three nodes with both forward roles on the forward component's node (their heartbeat
-files name the Slurm node they beat from: the dev cluster's nodes share one host, so the host
-name cannot tell them apart). (A second job that only ran to completion proved nothing the last
-attempt of this one does not; docs/testing.md.)
+variant of it is submitted with `relax-hpc submit` (the module's `preempted_job`) and sent the
+pre-emption signal; its two tests check that it checkpoints, requeues itself, resumes and trains
+every sample exactly once, and that its last attempt completes as one Ray cluster of three nodes
+with both forward roles on the forward component's node (their heartbeat files name the Slurm
+node they beat from: the dev cluster's nodes share one host, so the host name cannot tell them
+apart).
 
-Needs tools/dev-slurm with 3 nodes (see conftest.py); run with RELAX_TEST_SLURM=1. About 2.5
+A kill by `scontrol requeue` (resumed from the last periodic checkpoint) is the two-component
+module's (test_relax_jobs.py): its next attempt starts as this job's does, each component's Ray
+node again, so a third attempt here proved nothing more and cost about 90 s (docs/testing.md).
+(A second job that only ran to completion proved nothing the last attempt of this one does not.)
+
+Needs tools/dev-slurm with 3 nodes (see conftest.py); run with RELAX_TEST_SLURM=1. About 2
 minutes on 2 cores.
 """
 
@@ -79,38 +83,35 @@ def check_exactly_once(job_dir: Path, samples: int) -> None:
     assert done.stdout.strip().splitlines()[-1] == f"exactly-once: {samples} samples, 0 duplicated, 0 lost"
 
 
-STEPS, INTERVAL = 40, 10
+STEPS, INTERVAL = 30, 10
 
 
 @dataclass(frozen=True)
-class ResumedJob:
+class PreemptedJob:
     job_dir: Path
     states: list[str]
-    at_requeue: int  # the step seen when `scontrol requeue` was sent (attempt 0)
-    at_signal: int  # the step seen when the pre-emption signal was sent (attempt 1)
+    at_signal: int  # the step seen when the pre-emption signal was sent (attempt 0)
     nodes: dict[str, str]  # component -> node in the last attempt (squeue's view)
 
 
 @pytest.fixture(scope="module")
-def resumed_job(three_nodes: DevSlurm, tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> ResumedJob:
-    """One job, stopped twice: `scontrol requeue` in attempt 0, the pre-emption signal in attempt 1;
-    attempt 2 runs to the end."""
+def preempted_job(three_nodes: DevSlurm, tmp_path_factory: pytest.TempPathFactory,
+                  tiny_model_dir: Path) -> PreemptedJob:
+    """One job, sent the pre-emption signal in attempt 0 past its first periodic checkpoint;
+    attempt 1 runs to the end."""
     tmp_path = tmp_path_factory.mktemp("fwd")
-    spec = write_fwd_spec(tmp_path, "f_resume", tiny_model_dir, steps=STEPS, save_interval=INTERVAL)
-    job_dir = tmp_path / "f_resume"
+    spec = write_fwd_spec(tmp_path, "f_preempt", tiny_model_dir, steps=STEPS, save_interval=INTERVAL)
+    job_dir = tmp_path / "f_preempt"
     job_id = submit(three_nodes, spec)
 
-    at_requeue = wait_for_step(job_dir, INTERVAL + 2, timeout=240)
-    three_nodes.slurm("scontrol", "requeue", job_id)  # killed: resumes from step_10, redoes the rest
-    # An attempt starts only after the one before is gone, so a step past the next checkpoint
-    # seen after its driver log exists is that attempt's.
-    _wait_for_attempt(job_dir, 1)
-    at_signal = wait_for_step(job_dir, 2 * INTERVAL + 3, timeout=240)
+    at_signal = wait_for_step(job_dir, INTERVAL + 3, timeout=240)
     three_nodes.slurm("scancel", "--signal=USR1", "--batch", job_id)  # checkpoint now, then requeue
-    _wait_for_attempt(job_dir, 2)
-    wait_for_step(job_dir, at_signal + 1, timeout=240)  # attempt 2 trains: its nodes, read while squeue knows the job
+    _wait_for_attempt(job_dir, 1)
+    # An attempt starts only after the one before is gone, so a step past the signalled one seen
+    # after its driver log exists is that attempt's: its nodes, read while squeue knows the job.
+    wait_for_step(job_dir, at_signal + 1, timeout=240)
     nodes = component_nodes(three_nodes, job_dir)
-    return ResumedJob(job_dir, three_nodes.wait_job_done(job_id, timeout=420), at_requeue, at_signal, nodes)
+    return PreemptedJob(job_dir, three_nodes.wait_job_done(job_id, timeout=420), at_signal, nodes)
 
 
 def _wait_for_attempt(job_dir: Path, attempt: int) -> None:
@@ -120,36 +121,35 @@ def _wait_for_attempt(job_dir: Path, attempt: int) -> None:
         time.sleep(0.5)
 
 
-def test_the_three_component_job_resumes_after_a_requeue_and_a_preemption_and_trains_every_sample_once(
-        resumed_job: ResumedJob) -> None:
-    job_dir = resumed_job.job_dir
-    logs = "".join(logs_of(job_dir, n) for n in range(3))
-    assert resumed_job.states == ["COMPLETED"] * 3, logs
-    first = (job_dir / "logs" / "restart-1" / "driver.log").read_text()
-    resumed = re.search(r"stopped early at step (\d+) \(from (\d+)\)", first)
-    assert resumed, first
-    assert 0 < int(resumed[2]) <= resumed_job.at_requeue  # from the newest periodic checkpoint
-    assert int(resumed[1]) >= resumed_job.at_signal  # the signal checkpointed the step it was on
-    batch = (job_dir / "logs" / "restart-1" / "batch.log").read_text()
+def test_the_three_component_job_resumes_after_a_preemption_and_trains_every_sample_once(
+        preempted_job: PreemptedJob) -> None:
+    job_dir = preempted_job.job_dir
+    logs = "".join(logs_of(job_dir, n) for n in range(2))
+    assert preempted_job.states == ["COMPLETED"] * 3, logs  # its three components
+    first = (job_dir / "logs" / "restart-0" / "driver.log").read_text()
+    stopped = re.search(r"stopped early at step (\d+) \(from 0\)", first)
+    assert stopped, first
+    assert int(stopped[1]) >= preempted_job.at_signal  # the signal checkpointed the step it was on
+    batch = (job_dir / "logs" / "restart-0" / "batch.log").read_text()
     assert "got SIGUSR1" in batch and "requeueing job" in batch, batch
-    assert not (job_dir / "logs" / "restart-3").exists(), logs  # two stops, two requeues
+    assert not (job_dir / "logs" / "restart-2").exists(), logs  # one stop, one requeue
 
     done = summary(job_dir)
     assert done["end_step"] == STEPS and done["stopped_early"] is False
-    assert done["start_step"] == int(resumed[1])  # attempt 2 redid nothing
-    assert done["samples_trained"] == STEPS * PROMPTS * SAMPLES  # counted across both resumes
-    assert f"finished step {STEPS} (from {resumed[1]})" in (job_dir / "logs" / "restart-2" / "driver.log").read_text()
+    assert done["start_step"] == int(stopped[1])  # attempt 1 redid nothing
+    assert done["samples_trained"] == STEPS * PROMPTS * SAMPLES  # counted across the resume
+    assert f"finished step {STEPS} (from {stopped[1]})" in (job_dir / "logs" / "restart-1" / "driver.log").read_text()
     check_exactly_once(job_dir, STEPS * PROMPTS * SAMPLES)
 
 
 def test_the_forward_roles_run_on_their_own_node_and_the_three_component_job_completes(
-        resumed_job: ResumedJob) -> None:
+        preempted_job: PreemptedJob) -> None:
     """The last attempt: one Ray cluster of three nodes, each role on its component's node."""
-    job_dir, nodes = resumed_job.job_dir, resumed_job.nodes
-    assert resumed_job.states == ["COMPLETED"] * 3, logs_of(job_dir, 2)
-    batch = (job_dir / "logs" / "restart-2" / "batch.log").read_text()
+    job_dir, nodes = preempted_job.job_dir, preempted_job.nodes
+    assert preempted_job.states == ["COMPLETED"] * 3, logs_of(job_dir, 1)
+    batch = (job_dir / "logs" / "restart-1" / "batch.log").read_text()
     assert "3 Ray nodes joined" in batch, batch  # trainer, rollout and forward formed one cluster
-    ray_forward = (job_dir / "logs" / "restart-2" / "ray-forward-0.log").read_text()
+    ray_forward = (job_dir / "logs" / "restart-1" / "ray-forward-0.log").read_text()
     assert f"relax-hpc node: forward slot 2 on {nodes['forward']}" in ray_forward, ray_forward
 
     # Each role beat from its component's node: placed by the Ray resource of that component.
