@@ -67,6 +67,13 @@ class LeanDecoder:
         self.length = 0
         return self._forward(input_ids, positions)
 
+    def select_rows(self, index: torch.Tensor) -> None:
+        """Make row r of the batch a copy of row `index[r]` (after `prefill`: one prefill of each
+        distinct prompt serves all of its rows)."""
+        self.keys = self.keys.index_select(1, index)
+        self.values = self.values.index_select(1, index)
+        self.key_valid = self.key_valid.index_select(0, index)
+
     def step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Decode one token per row (`tokens` (batch,), `positions` (batch, 1)); returns the logits."""
         self.key_valid[:, self.length] = True

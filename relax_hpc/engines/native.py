@@ -1,7 +1,9 @@
 """The native rollout engine: batched sampling with a KV cache on a Hugging Face model in torch.
 
 It is the embedded default (CPU or one local GPU). Prompts are left-padded into one batch, the
-prompt is prefilled once, then one token per step is decoded against the cache. Finished rows
+prompt is prefilled once, then one token per step is decoded against the cache. A prompt that
+comes several times in one call (a GRPO group: n samples of one prompt, with the same media) is
+prefilled once, and its cache and first logits are copied to each of its rows before sampling. Finished rows
 keep decoding padding (their outputs are discarded) so the batch stays rectangular. Llama-family
 models (Qwen3, Qwen2, Llama) decode through `LeanDecoder` (engines/lean_decoder.py), others
 through the HF forward with a `DynamicCache`.
@@ -31,14 +33,17 @@ class NativeEngine:
 
     def __init__(
         self, model_path: str | Path, dtype: str = "float32", device: str = "cpu", lean: bool = True,
-        record_routing: bool = False,
+        record_routing: bool = False, share_prefill: bool = True,
     ) -> None:
         """`lean`: decode with `LeanDecoder` where the architecture allows (the same arithmetic
         without the HF forward's per-token overhead); False: always the HF forward.
         `record_routing`: return each generation's `routed_experts` (routing replay; a
-        mixture-of-experts model only). Off, no hook is installed."""
+        mixture-of-experts model only). Off, no hook is installed.
+        `share_prefill`: prefill a prompt that comes several times in a call once (see the module
+        docstring); False prefills every row (benchmarks/bench_prefill.py compares the two)."""
         self.model = load_policy_model(model_path, dtype=dtype, device=device).eval()
         self.lean = lean
+        self.share_prefill = share_prefill
         # A multimodal model: media prefill through the model's own encoders, M-RoPE positions.
         self.media_processor = media_processor_for(model_path)
         # Checked here, so a dense model with routing replay on fails at start-up.
@@ -196,10 +201,14 @@ class NativeEngine:
         from transformers import DynamicCache
 
         batch = len(prompts)
-        width = max(len(p) for p in prompts)
-        input_ids = torch.full((batch, width), self.pad_id, dtype=torch.long)
-        attention = torch.zeros((batch, width), dtype=torch.long)
-        for i, p in enumerate(prompts):
+        # Each distinct prompt (tokens and media) is prefilled once; `rows` maps every row of the
+        # batch to its prompt's row in the prefill.
+        distinct, rows = distinct_prompts(prompts, media) if self.share_prefill else (list(range(batch)), [])
+        firsts = [prompts[i] for i in distinct]
+        width = max(len(p) for p in firsts)
+        input_ids = torch.full((len(firsts), width), self.pad_id, dtype=torch.long)
+        attention = torch.zeros((len(firsts), width), dtype=torch.long)
+        for i, p in enumerate(firsts):
             input_ids[i, width - len(p):] = torch.tensor(p)
             attention[i, width - len(p):] = 1
         input_ids, attention = input_ids.to(self.device), attention.to(self.device)
@@ -208,7 +217,8 @@ class NativeEngine:
         if self.media_processor is not None:
             from relax_hpc.media.positions import rows_forward_kwargs
 
-            extra = rows_forward_kwargs(self.model, self.media_processor, input_ids, attention, media)
+            firsts_media = None if media is None else [media[i] for i in distinct]
+            extra = rows_forward_kwargs(self.model, self.media_processor, input_ids, attention, firsts_media)
             positions = extra["position_ids"]  # (3, B, L): M-RoPE
         # The recorder hooks the HF routers, which only the HF forward runs.
         use_lean = self.lean and recorder is None and not extra and LeanDecoder.supports(self.model)
@@ -222,11 +232,21 @@ class NativeEngine:
                 **kwargs,
             )
             logits = out.logits[:, -1, :]
+        if recorder is not None:
+            routes.append(recorder.take(len(firsts), width))
+        if len(firsts) < batch:  # every row gets its prompt's cache, positions and first logits
+            index = torch.tensor(rows, device=self.device)
+            logits, attention = logits.index_select(0, index), attention.index_select(0, index)
+            positions = positions.index_select(-2, index)
+            if lean is not None:
+                lean.select_rows(index)
+            else:
+                out.past_key_values.reorder_cache(index)
+            if recorder is not None:
+                routes[-1] = routes[-1].index_select(0, index.cpu())
         markup = self.media_processor.mask_markup if self.media_processor is not None else None
         if markup is not None:
             logits = markup(logits)
-        if recorder is not None:
-            routes.append(recorder.take(batch, width))
         tokens: list[list[int]] = [[] for _ in range(batch)]
         logprobs: list[list[float]] = [[] for _ in range(batch)]
         finish = ["length"] * batch
@@ -270,6 +290,22 @@ class NativeEngine:
         window = max(16, 4 * max(len(s) for s in stop))
         tail = self.tokenizer.decode(token_ids[-window:], skip_special_tokens=False)
         return any(s in tail for s in stop)
+
+
+def distinct_prompts(prompts: Sequence[list[int]], media: Sequence[PromptMedia | None] | None = None,
+                     ) -> tuple[list[int], list[int]]:
+    """The index of each distinct prompt's first row (same tokens and same media, by content), in
+    order, and for every row the position of its prompt among them (pure)."""
+    first: dict[tuple[tuple[int, ...], PromptMedia | None], int] = {}
+    distinct: list[int] = []
+    rows: list[int] = []
+    for i, prompt in enumerate(prompts):
+        key = (tuple(prompt), None if media is None else media[i])
+        if key not in first:
+            first[key] = len(distinct)
+            distinct.append(i)
+        rows.append(first[key])
+    return distinct, rows
 
 
 def _nbytes(tensors: list[torch.Tensor]) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -13,7 +14,8 @@ from relax_hpc.backends.torch_backend import OptimConfig, TorchBackend
 from relax_hpc.data.sample import Sample
 from relax_hpc.engines.base import Generation, SamplingParams
 from relax_hpc.engines.lean_decoder import LeanDecoder
-from relax_hpc.engines.native import NativeEngine
+from relax_hpc.engines.native import NativeEngine, distinct_prompts
+from relax_hpc.media.items import MediaItem, PromptMedia
 
 # Prompts of 1, 4, 6 and 23 tokens: the batch is left-padded up to 23.
 PROMPT_TEXTS = ("7", "1+2=", "12+34=", "<|im_start|>user:5+4=<|im_end|><|im_start|>assistant:")
@@ -222,3 +224,44 @@ def test_a_model_outside_the_llama_family_takes_the_hf_forward(tiny_model_dir: P
     engine.model.config.model_type = "gpt2"  # what the lean decoder does not know
     assert not LeanDecoder.supports(engine.model)
     assert len(engine.generate([[5, 6]], SamplingParams(max_new_tokens=3), seed=1)[0].token_ids) >= 1
+
+
+def test_distinct_prompts_by_tokens_and_media() -> None:
+    red, blue = (MediaItem("image", np.full((4, 4, 3), v, np.uint8)) for v in (200, 10))
+    red_again = MediaItem("image", np.full((4, 4, 3), 200, np.uint8))  # another object, same pixels
+    prompts = [[1, 2], [3], [1, 2], [1, 2], [3], [1, 2]]
+    media = [PromptMedia((red,)), None, PromptMedia((red_again,)), PromptMedia((blue,)), None, None]
+    assert distinct_prompts(prompts) == ([0, 1], [0, 1, 0, 0, 1, 0])
+    # Same tokens with other media (or none) are other prompts; equal pixels are the same medium.
+    assert distinct_prompts(prompts, media) == ([0, 1, 3, 5], [0, 1, 0, 2, 1, 3])
+
+
+@pytest.mark.parametrize("lean", [True, False])
+def test_a_repeated_prompt_is_prefilled_once_and_each_row_samples_on_its_own(
+        tiny_model_dir: Path, prompts: list[list[int]], lean: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = NativeEngine(tiny_model_dir, lean=lean)
+    prefill_rows: list[int] = []
+    if lean:
+        real_prefill = LeanDecoder.prefill
+
+        def prefill(self: LeanDecoder, input_ids: torch.Tensor, *args: object) -> torch.Tensor:
+            prefill_rows.append(input_ids.shape[0])
+            return real_prefill(self, input_ids, *args)
+
+        monkeypatch.setattr(LeanDecoder, "prefill", prefill)
+    else:
+        engine.model.model.register_forward_hook(lambda _m, _a, kw, _o: prefill_rows.append(kw["input_ids"].shape[0])
+                                                 if kw["input_ids"].shape[1] > 1 else None, with_kwargs=True)
+    group = 16
+    batch = [p for p in prompts for _ in range(group)]  # 4 prompts x 16 samples, as a GRPO step sends them
+    gens = engine.generate(batch, SamplingParams(max_new_tokens=8, temperature=1.0, stop_token_ids=()), seed=3)
+    assert prefill_rows == [len(prompts)]
+    assert [g.prompt_ids for g in gens] == batch
+    for k in range(len(prompts)):  # each row drew its own tokens from its prompt's distribution
+        assert len({tuple(g.token_ids) for g in gens[k * group:(k + 1) * group]}) > group // 2
+    backend = TorchBackend(tiny_model_dir, OptimConfig(micro_batch_size=64), LossConfig())
+    assert _max_logprob_diff(gens, backend.compute_log_probs(_as_samples(gens))) < LOGPROB_TOL
+    # Greedy, every row of a prompt is that prompt's one greedy answer.
+    greedy = engine.generate(batch, SamplingParams(max_new_tokens=8, top_k=1), seed=0)
+    alone = engine.generate(prompts, SamplingParams(max_new_tokens=8, top_k=1), seed=0)
+    assert [g.token_ids for g in greedy] == [a.token_ids for a in alone for _ in range(group)]

@@ -124,7 +124,7 @@ def test_decode_sglang_routes() -> None:
 
 def test_native_engine_records_the_routing_of_every_fed_token(moe_dir: Path) -> None:
     engine = NativeEngine(moe_dir, record_routing=True)
-    prompts = [[4, 5, 13, 10, 16], [7, 8]]
+    prompts = [[4, 5, 13, 10, 16], [7, 8], [4, 5, 13, 10, 16]]  # the first twice: one prefill for both rows
     gens = engine.generate(prompts, SamplingParams(max_new_tokens=6, temperature=1.0), seed=0)
     model = load_causal_lm(moe_dir)
     for g in gens:

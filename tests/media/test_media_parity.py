@@ -105,6 +105,7 @@ def _samples(prompts: list[tuple[list[int], PromptMedia]], gens: list[Generation
 @pytest.fixture(scope="module")
 def rollout(rig: Rig) -> tuple[list[tuple[list[int], PromptMedia]], list[Sample]]:
     prompts = _mixed_prompts(rig)
+    prompts.insert(1, prompts[0])  # the image prompt twice, as in a GRPO group: prefilled once for both rows
     # One generate call: the engine left-pads prompts of different lengths and media into one batch.
     gens = rig.engine.generate([p for p, _ in prompts], SAMPLING, seed=1, media=[m for _, m in prompts])
     return prompts, _samples(prompts, gens)
