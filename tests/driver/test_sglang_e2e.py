@@ -1,11 +1,14 @@
-"""`relax-hpc run` of jobspecs/tiny_sglang.toml: the tiny task with two SGLang 0.5.23 servers as
-the rollout engines, on CPU, through Ray as a user runs it.
+"""`relax-hpc run` of jobspecs/tiny_sglang.toml: the tiny task with an SGLang 0.5.23 server as the
+rollout engine, on CPU, through Ray as a user runs it.
 
 Checks that the reward rises as with the native engine (tests/driver/test_train_e2e.py), that
-the servers received every weight version (each step's samples carry the version SGLang reports,
-and at two checkpoints the servers' log-probs equal HF's for the checkpoint's weights), and that
-no server outlives the run. Needs .venv-sglang (tools/setup-sglang-cpu); 143 s alone on 2 cores
-(2026-11-28, the servers' start-up included; 153 s before they slept when idle, docs/engines.md):
+the server received every weight version (each step's samples carry the version SGLang reports,
+and at two checkpoints the server's log-probs equal HF's for the checkpoint's weights), and that
+no server outlives the run. The spec ships two engines; this run has one: a second server's
+start-up was a quarter of the test's CPU time and put it over the per-test budget beside the
+other worker, and two SGLang servers behind the router, taking one distributed update each and
+answering every prompt once while one is killed, are tests/engines/test_sglang_fleet.py's.
+Needs .venv-sglang (tools/setup-sglang-cpu); about 2 minutes alone on 2 cores:
 
     RELAX_TEST_SGLANG=1 .venv/bin/python -m pytest tests/driver/test_sglang_e2e.py -q
 """
@@ -48,6 +51,7 @@ def _spec(model_dir: Path, job_dir: Path, python: Path) -> str:
         r"(?m)^lr = 5e-4$": f"lr = {LEARN_LR}",
         r"(?m)^save_interval = \d+$": f"save_interval = {CHECKED_VERSIONS[0]}",
         r"(?m)^keep_last = \d+$": "keep_last = 3",
+        r"(?m)^num_engines = 2$": "num_engines = 1",
     }
     for pattern, new in replacements.items():
         text, count = re.subn(pattern, new, text)
@@ -92,8 +96,8 @@ def test_tiny_sglang_trains_and_the_engines_run_every_version(tiny_model_dir: Pa
     assert first < 0.05
     assert last > 3 * first and last > 0.08, (first, last)
     engines = json.loads((job / "summary.json").read_text())["rollout_engines"]
-    assert [(e["id"], e["alive"]) for e in engines] == [("engine-0", True), ("engine-1", True)]
-    assert all(e["samples"] > 0 for e in engines), engines
+    assert [(e["id"], e["alive"]) for e in engines] == [("engine-0", True)]
+    assert engines[0]["samples"] == STEPS * 8 * 32, engines  # the spec's 8 prompts x 32 samples a step
 
     # Strictly on-policy: step s runs on version s, which SGLang reports only once it has loaded it.
     archive = read_archive(job)
