@@ -239,9 +239,14 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     job_id, _ = _job(args)
     client = make_client()
     if args.checkpoint:
-        # The batch script traps USR1: checkpoint, then (without requeue) end.
+        # The batch script traps USR1: the driver checkpoints and stops, then the job requeues.
         client.cancel(job_id, signal="USR1", batch_only=True)
         print(f"asked job {job_id} to checkpoint and requeue (USR1 to its batch script)")
+    elif args.stop:
+        # USR2: the same checkpoint, then the job ends without a requeue.
+        client.cancel(job_id, signal="USR2", batch_only=True)
+        print(f"asked job {job_id} to checkpoint and end (USR2 to its batch script); "
+              "submit the spec again to resume from that checkpoint")
     else:
         client.cancel(job_id)
         print(f"cancelled job {job_id}")
@@ -309,10 +314,15 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     p.add_argument("-f", "--follow", action="store_true")
     p.set_defaults(func=cmd_logs)
 
-    p = sub.add_parser("cancel", help="cancel a job (or --checkpoint: checkpoint and requeue it)")
+    p = sub.add_parser("cancel", help="cancel a job (or --checkpoint: checkpoint and requeue it; --stop: "
+                                      "checkpoint and end it)")
     p.add_argument("job", help="Slurm job id or job directory")
-    p.add_argument("--checkpoint", action="store_true",
-                   help="send USR1 to the batch script instead: checkpoint, then requeue")
+    how = p.add_mutually_exclusive_group()
+    how.add_argument("--checkpoint", action="store_true",
+                     help="send USR1 to the batch script instead: checkpoint the step in progress, then requeue")
+    how.add_argument("--stop", action="store_true",
+                     help="send USR2 to the batch script instead: checkpoint the step in progress, then end the "
+                          "job without a requeue (submitting the spec again resumes from that checkpoint)")
     p.set_defaults(func=cmd_cancel)
 
     p = sub.add_parser("grow", help="add rollout engines to a running job, as a separate Slurm job "

@@ -38,6 +38,11 @@ def test_submit_status_cancel(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
     assert "trainer  1000" in out and "rollout  1001" in out and "PENDING" in out
     assert main(["cancel", str(tmp_path / "job"), "--checkpoint"]) == 0
     assert fake.actions[-1] == ("cancel", "1000", "USR1", "batch")
+    assert main(["cancel", str(tmp_path / "job"), "--stop"]) == 0
+    assert fake.actions[-1] == ("cancel", "1000", "USR2", "batch")
+    assert "checkpoint and end" in capsys.readouterr().out
+    with pytest.raises(SystemExit):  # one or the other
+        main(["cancel", str(tmp_path / "job"), "--stop", "--checkpoint"])
 
 
 def test_submit_refuses_a_spec_the_partition_cannot_hold(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

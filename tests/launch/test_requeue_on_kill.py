@@ -115,3 +115,12 @@ def test_a_clean_exit_requeues_only_after_a_stop_signal(tmp_path: Path) -> None:
     assert _finish(tmp_path, script, 0)[::2] == (0, [])
     code, log, calls = _finish(tmp_path, script, 0, signalled="USR1")
     assert (code, calls) == (0, ["requeue 42"]) and "the next attempt resumes" in log, log
+
+
+def test_a_stop_request_ends_the_job_after_the_checkpoint_without_a_requeue(tmp_path: Path) -> None:
+    script = render_sbatch(_spec(), "/j", "/j/s.toml")
+    assert "trap 'on_signal USR2' USR2" in script  # `relax-hpc cancel --stop`
+    code, log, calls = _finish(tmp_path, script, 0, signalled="USR2")
+    assert (code, calls) == (0, []) and "stopped on request; not requeueing" in log, log
+    code, log, calls = _finish(tmp_path, script, 137, signalled="USR2")  # killed while stopping: not a kill to redo
+    assert (code, calls) == (137, []), log
