@@ -52,19 +52,23 @@ def test_reward_rises_and_every_parameter_changes(tiny_model_dir: Path, tmp_path
     assert list((tmp_path / "job" / "tensorboard").glob("events.out.tfevents.*"))
 
 
-def _two_trainer_processes(spec_text: str) -> str:
-    return spec_text.replace("micro_batch_size = 256", "micro_batch_size = 64\nnum_processes = 2")
+def _two_sharded_trainer_processes(spec_text: str) -> str:
+    return spec_text.replace("micro_batch_size = 256", 'micro_batch_size = 64\nnum_processes = 2\nstrategy = "fsdp2"')
 
 
 def test_two_trainer_processes_checkpoint_on_sigterm_and_the_same_command_resumes(
         tiny_model_dir: Path, tmp_path: Path) -> None:
-    # One run for two behaviours (each needed a Ray start of its own before): a signal makes the
-    # driver checkpoint and stop, and the same command resumes; and two trainer processes train
-    # data parallel over gloo and save each checkpoint collectively. A single trainer's resume is
-    # the Slurm requeue tests' and the fault suite's (docs/testing.md).
+    # One run for three behaviours (each needed a Ray start of its own before): a signal makes the
+    # driver checkpoint and stop, and the same command resumes; two trainer processes train as
+    # FSDP2 ranks over gloo and save each checkpoint collectively, sharded; and the resumed run
+    # gathers the restored shards and pushes them to the engine before it trains on
+    # (tests/driver/test_fsdp2_e2e.py's learning run has no second run for it). A single trainer's
+    # resume is the Slurm requeue tests' and the fault suite's, two data-parallel (DDP) ranks'
+    # the fault suite's kill-trainer-rank run (docs/testing.md).
     job = tmp_path / "job"
     spec_path = tmp_path / "spec.toml"
-    spec_path.write_text(_two_trainer_processes(tiny_spec_text(tiny_model_dir, job, steps=400, save_interval=1000)))
+    spec_path.write_text(_two_sharded_trainer_processes(
+        tiny_spec_text(tiny_model_dir, job, steps=400, save_interval=1000)))
     cmd = [sys.executable, "-m", "relax_hpc.cli.main", "run", str(spec_path), "--no-progress"]
     proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
@@ -82,7 +86,7 @@ def test_two_trainer_processes_checkpoint_on_sigterm_and_the_same_command_resume
     # save_interval is 1000: the checkpoint at stopped_at exists only because of the signal.
     assert (job / "checkpoints" / f"step_{stopped_at}").is_dir()
 
-    spec_path.write_text(_two_trainer_processes(
+    spec_path.write_text(_two_sharded_trainer_processes(
         tiny_spec_text(tiny_model_dir, job, steps=stopped_at + 2, save_interval=1000)))
     again = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stderr
