@@ -76,6 +76,46 @@ def forward_kwargs(
     return kwargs
 
 
+def shared_prefix_positions(
+    model: torch.nn.Module,
+    processor: MediaProcessor,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    rows: Sequence[PromptMedia | None],
+) -> torch.Tensor | None:
+    """`mrope_positions`' (3, B, L) positions of a right-padded batch, computed once per group of
+    rows that share everything up to their last media markup token (the samples of a GRPO group:
+    one prompt, its media, then text); None for a batch with padding on the left.
+
+    After a row's last medium every token is text, whose position goes up by one on each axis, so
+    a row's positions are those of its group's longest row, cut at its own length; the padding
+    gets what the family's `get_rope_index` gives padding (read from one more padded column).
+    """
+    lengths = attention_mask.sum(-1)
+    width = input_ids.shape[1]
+    if not bool((attention_mask == (torch.arange(width)[None, :] < lengths[:, None])).all()):
+        return None
+    markup = torch.isin(input_ids, torch.tensor(processor.markup_ids or [-1]))
+    groups: dict[tuple[tuple[int, ...], PromptMedia | None], list[int]] = {}
+    for b in range(input_ids.shape[0]):
+        marks = markup[b, : int(lengths[b])].nonzero()
+        end = int(marks[-1]) + 1 if len(marks) else 0
+        groups.setdefault((tuple(input_ids[b, :end].tolist()), rows[b]), []).append(b)
+    longest = [max(members, key=lambda b: int(lengths[b])) for members in groups.values()]
+    pad = torch.zeros((len(longest), 1), dtype=input_ids.dtype)
+    rep_ids = torch.cat([input_ids[longest], pad], 1)
+    rep_mask = torch.cat([attention_mask[longest], pad.to(attention_mask.dtype)], 1)
+    rep_positions, _ = mrope_positions(model, processor, rep_ids, rep_mask,
+                                       processor.batch_media([rows[b] for b in longest]))
+    out = torch.empty((3, *input_ids.shape), dtype=torch.long)
+    for r, members in enumerate(groups.values()):
+        for b in members:
+            n = int(lengths[b])
+            out[:, b, :n] = rep_positions[:, r, :n]
+            out[:, b, n:] = rep_positions[:, r, width:]  # the padding column's value
+    return out
+
+
 def rows_forward_kwargs(
     model: torch.nn.Module,
     processor: MediaProcessor,
@@ -84,7 +124,17 @@ def rows_forward_kwargs(
     rows: Sequence[PromptMedia | None] | None,
 ) -> dict[str, Any]:
     """`forward_kwargs` for a batch whose rows carry `rows` (None: no row has media), built on the
-    CPU and moved to `input_ids`' device: what the engine, the trainer and the forward roles pass."""
+    CPU and moved to `input_ids`' device: what the engine, the trainer and the forward roles pass.
+    A right-padded batch's positions are computed once per group of rows sharing their media
+    prefix (`shared_prefix_positions`)."""
     rows = rows if rows is not None else (None,) * input_ids.shape[0]
-    kwargs = forward_kwargs(model, processor, input_ids.cpu(), attention_mask.cpu(), processor.batch_media(rows))
+    ids, mask = input_ids.cpu(), attention_mask.cpu()
+    media = processor.batch_media(rows)
+    positions = shared_prefix_positions(model, processor, ids, mask, rows)
+    if positions is None:
+        kwargs = forward_kwargs(model, processor, ids, mask, media)
+    else:
+        kwargs = {"position_ids": positions, **media.kwargs()}
+        if processor.family.rope == "vl":
+            kwargs["mm_token_type_ids"] = processor.mm_token_type_ids(ids)
     return {k: v.to(input_ids.device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}

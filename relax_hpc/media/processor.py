@@ -11,7 +11,10 @@ engine, the trainer and an SGLang server produce the same pixels.
 
 Audio features are computed one clip at a time and then padded, so a clip's features never
 depend on the other clips of its batch (Whisper's framing at the clip's end would otherwise
-change with the batch's padding).
+change with the batch's padding). Images and videos are likewise turned into patches one item at
+a time, and every item's features or patches are kept by its content digest: the samples of a
+GRPO group carry the same media, and each micro-batch of the trainer, the engine's prefill and
+the forward roles ask for them again (`PIXEL_CACHE_BYTES` bounds what is kept).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from relax_hpc.models.hf import transformers_name
 
 MARKUP_FLOOR = -1e30  # the logit of a media markup token: never sampled, probability exactly 0
 MIN_AUDIO_SAMPLES = 400  # one Whisper FFT window (25 ms at 16 kHz); shorter clips cannot be framed
+PIXEL_CACHE_BYTES = 256 * 2**20  # images' and videos' patches a processor keeps between calls (then it starts over)
 
 
 def media_processor_for(model_dir: str | Path) -> MediaProcessor | None:
@@ -114,6 +118,8 @@ class MediaProcessor:
         self.image_processor = self._image_processor() if family.kinds & {"image", "video"} else None
         self.feature_extractor = self._feature_extractor() if "audio" in family.kinds else None
         self._features: dict[str, tuple[np.ndarray, int]] = {}  # digest -> (features, frames)
+        self._patches: dict[str, np.ndarray] = {}  # digest -> an image's or a video's patches
+        self._patch_bytes = 0
 
     # -- loading the pieces ----------------------------------------------------------------
     def _image_processor(self) -> Any:
@@ -265,6 +271,23 @@ class MediaProcessor:
         x = x.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)
         return x.reshape(gt * gh * gw, c * temporal * patch * patch)
 
+    def _item_patches(self, item: MediaItem) -> np.ndarray:
+        """An image's (through the image processor) or a video's patches, kept by digest."""
+        cached = self._patches.get(item.digest)
+        if cached is not None:
+            return cached
+        if item.kind == "image":
+            result = self.image_processor(images=[item.data], return_tensors="np")
+            patches = np.asarray(result["pixel_values"], dtype=np.float32)
+        else:
+            patches = self._pixels(item.data)
+        if self._patch_bytes + patches.nbytes > PIXEL_CACHE_BYTES:
+            self._patches.clear()
+            self._patch_bytes = 0
+        self._patches[item.digest] = patches
+        self._patch_bytes += patches.nbytes
+        return patches
+
     def batch_media(self, rows: Sequence[PromptMedia | None]) -> BatchMedia:
         """The media tensors of a batch whose rows carry `rows` (None: a text-only row)."""
         images = [i for m in rows if m for i in m.of("image")]
@@ -273,11 +296,10 @@ class MediaProcessor:
         out: dict[str, torch.Tensor] = {}
         if images:
             self._check_grid(images)
-            result = self.image_processor(images=[i.data for i in images], return_tensors="pt")
-            out["pixel_values"] = result["pixel_values"].to(torch.float32)
-            out["image_grid_thw"] = result["image_grid_thw"].to(torch.long)
+            out["pixel_values"] = torch.from_numpy(np.concatenate([self._item_patches(i) for i in images]))
+            out["image_grid_thw"] = torch.tensor([self._grid(i) for i in images], dtype=torch.long)
         if videos:
-            out["pixel_values_videos"] = torch.from_numpy(np.concatenate([self._pixels(v.data) for v in videos]))
+            out["pixel_values_videos"] = torch.from_numpy(np.concatenate([self._item_patches(v) for v in videos]))
             out["video_grid_thw"] = torch.tensor([self._grid(v) for v in videos], dtype=torch.long)
             if self.family.video_seconds_key:
                 temporal = int(self.image_processor.temporal_patch_size)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from relax_hpc.media.items import MediaError, MediaItem, PromptMedia
-from relax_hpc.media.positions import mrope_positions
+from relax_hpc.media.positions import mrope_positions, rope_owner, rows_forward_kwargs, shared_prefix_positions
 from relax_hpc.media.processor import MARKUP_FLOOR, MediaProcessor
 from relax_hpc.models.hf import load_policy_model, load_tokenizer
 from relax_hpc.models.tiny import write_tiny_model
@@ -276,3 +276,72 @@ def test_mask_markup_floors_exactly_the_markup(arch: str, processors: dict[str, 
     assert (masked[..., markup] == MARKUP_FLOOR).all()
     assert torch.equal(masked[..., ~markup], logits[..., ~markup])
     assert torch.softmax(masked, -1)[..., markup].sum() == 0 and torch.isfinite(masked).all()
+
+
+@pytest.mark.parametrize("arch", TINY_MM_ARCHS)
+def test_a_batch_of_repeated_media_equals_hf_and_each_item_is_processed_once(
+        arch: str, model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    processor = MediaProcessor(model_dirs[arch])  # its own cache
+    assert processor.image_processor is not None
+    a, b = _image(32, 48, seed=5), _image(16, 16, seed=6)
+    a_again = MediaItem("image", a.data.copy())  # another object, the same pixels
+    rows: list[PromptMedia | None] = [PromptMedia((a,)), PromptMedia((b,)), None, PromptMedia((a_again,))]
+    if "video" in processor.family.kinds:
+        v = _video(3)
+        rows += [PromptMedia((v,)), PromptMedia((v,))]
+    calls: list[int] = []
+    real = processor.image_processor.__class__.__call__
+
+    def counting(self: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append(len(kwargs["images"]))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(processor.image_processor.__class__, "__call__", counting)
+    tensors = processor.batch_media(rows).tensors
+    assert calls == [1, 1]  # a and b, once each
+    hf = real(processor.image_processor, images=[a.data, b.data, a.data], return_tensors="pt")
+    assert torch.equal(tensors["pixel_values"], hf["pixel_values"].to(torch.float32))
+    assert torch.equal(tensors["image_grid_thw"], hf["image_grid_thw"].to(torch.long))
+    if "video" in processor.family.kinds:
+        own = np.concatenate([processor._pixels(v.data)] * 2)
+        assert np.array_equal(tensors["pixel_values_videos"].numpy(), own)
+    again = processor.batch_media(rows).tensors  # the next micro-batch: nothing processed again
+    assert calls == [1, 1] and all(torch.equal(again[k], tensors[k]) for k in tensors)
+
+
+@pytest.mark.parametrize("arch", TINY_MM_ARCHS)
+def test_positions_shared_by_a_groups_rows_equal_the_models_own(
+        arch: str, processors: dict[str, MediaProcessor], model_dirs: dict[str, Path]) -> None:
+    """The trainer's batch: each prompt (with its media) several times, each with its own response
+    (text) of its own length, right-padded. Computed once per group, the positions equal what the
+    model's get_rope_index gives the whole batch, padding included."""
+    processor, model = processors[arch], load_policy_model(model_dirs[arch]).eval()
+    rows = []
+    for ids, media in _mixed(arch, model_dirs[arch], processor):
+        for n in (3, 1, 5):  # a group's responses
+            rows.append((ids + [11 + n + k for k in range(n)], media))
+    width = max(len(ids) for ids, _ in rows) + 2
+    input_ids = torch.zeros((len(rows), width), dtype=torch.long)
+    mask = torch.zeros_like(input_ids)
+    for i, (ids, _) in enumerate(rows):
+        input_ids[i, : len(ids)] = torch.tensor(ids)
+        mask[i, : len(ids)] = 1
+    media_rows = [m for _, m in rows]
+    want, _ = mrope_positions(model, processor, input_ids, mask, processor.batch_media(media_rows))
+    owner = rope_owner(model)
+    real, batch_rows = owner.get_rope_index, []
+
+    def counting(ids: torch.Tensor, **kwargs: Any) -> Any:
+        batch_rows.append(ids.shape[0])
+        return real(ids, **kwargs)
+
+    owner.get_rope_index = counting
+    try:
+        got = shared_prefix_positions(model, processor, input_ids, mask, media_rows)
+    finally:
+        del owner.get_rope_index
+    assert batch_rows == [len(rows) // 3]  # one row of each group
+    assert got is not None and torch.equal(got, want)
+    assert torch.equal(rows_forward_kwargs(model, processor, input_ids, mask, media_rows)["position_ids"], want)
+    # Left padding (the engine's prefill) is not grouped: the model computes it whole.
+    assert shared_prefix_positions(model, processor, input_ids.flip(1), mask.flip(1), media_rows) is None
