@@ -3,10 +3,10 @@
 It is the embedded default (CPU or one local GPU). Prompts are left-padded into one batch, the
 prompt is prefilled once, then one token per step is decoded against the cache. A prompt that
 comes several times in one call (a GRPO group: n samples of one prompt, with the same media) is
-prefilled once, and its cache and first logits are copied to each of its rows before sampling. Finished rows
-keep decoding padding (their outputs are discarded) so the batch stays rectangular. Llama-family
-models (Qwen3, Qwen2, Llama) decode through `LeanDecoder` (engines/lean_decoder.py), others
-through the HF forward with a `DynamicCache`.
+prefilled once, and its cache and first logits are copied to each of its rows before sampling.
+Finished rows keep decoding padding (their outputs are discarded) so the batch stays
+rectangular. Llama-family models (Qwen3, Qwen2, Llama) decode through `LeanDecoder`
+(engines/lean_decoder.py), others through the HF forward with a `DynamicCache`.
 """
 
 from __future__ import annotations
