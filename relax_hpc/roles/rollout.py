@@ -55,6 +55,7 @@ from relax_hpc.spec.schema import (
 )
 from relax_hpc.transfer.connect import connect_queue
 from relax_hpc.transfer.memory import InMemoryTransferQueue
+from relax_hpc.transfer.queue import staleness_allows
 from relax_hpc.weights.base import required_weight_version
 from relax_hpc.weights.endpoints import WeightInbox, WeightReceiverEndpoint
 
@@ -403,6 +404,11 @@ class RolloutWorker(WeightReceiverEndpoint, Heartbeats):
             for step in range(start_step, total_steps):
                 self._producing = step
                 t_wait = time.perf_counter()
+                in_flight = shipper.in_flight_step
+                if in_flight is not None and not staleness_allows(step, in_flight, max_staleness):
+                    # The step before is not on the queue yet, so the queue would not count it as
+                    # uncleared (max_staleness 0): wait until it is, then for the trainer to clear it.
+                    shipper.wait()
                 while not self._stop.is_set():
                     if (failed := shipper.failure()) is not None:
                         raise failed

@@ -31,16 +31,25 @@ class StepShipper:
         self._timeout_s = timeout_s
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
         self._in_flight: concurrent.futures.Future | None = None
+        self._in_flight_step: int | None = None
 
     def ship(self, step: int, build_rows: Callable[[], Sequence[Row]]) -> None:
         """Wait until the step before is on the queue (raising its error), then build this
         step's rows with `build_rows` and put them and complete its partition, in the background."""
         self.wait()
         self._in_flight = self._pool.submit(self._put, step, build_rows)
+        self._in_flight_step = step
+
+    @property
+    def in_flight_step(self) -> int | None:
+        """The step handed over and not yet known to be on the queue (its partition may not exist
+        yet, so the queue's staleness rule cannot count it); None when there is none."""
+        return self._in_flight_step
 
     def wait(self) -> None:
         """Block until the step in flight, if any, is on the queue; raise what its put raised."""
         in_flight, self._in_flight = self._in_flight, None
+        self._in_flight_step = None
         if in_flight is not None:
             in_flight.result()
 

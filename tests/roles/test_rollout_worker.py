@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ import torch
 from relax_hpc.data.sample import Sample
 from relax_hpc.engines.base import SamplingParams
 from relax_hpc.roles.rollout import RolloutConfig, RolloutWorker
+from relax_hpc.roles.shipping import StepShipper
 from relax_hpc.spec import parse_spec
 from relax_hpc.transfer import InMemoryTransferQueue, partition_name
 
@@ -113,6 +115,38 @@ def test_producer_follows_the_staleness_rule_and_swaps_weights_at_a_batch_bounda
     worker.stop_producer()
     assert worker.producer_error() is None
     assert torch.is_tensor(batch0.rows[0]["tokens"])
+
+
+def test_a_step_still_being_put_counts_as_uncleared(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Step 0's rows go to the queue on the shipper's thread; until its partition exists the queue
+    cannot count it, so at max_staleness 0 the producer itself waits for it: step 1 neither
+    starts nor takes the weights meant for it before step 0 is on the queue and cleared."""
+    holding, release = threading.Event(), threading.Event()
+    real_put = StepShipper._put
+
+    def held_put(self: StepShipper, step: int, build_rows: Callable[[], Any]) -> None:
+        if step == 0:
+            holding.set()
+            assert release.wait(60)
+        real_put(self, step, build_rows)
+
+    monkeypatch.setattr(StepShipper, "_put", held_put)
+    queue = InMemoryTransferQueue()
+    worker = _worker(model_dir, prompts=2)
+    worker.start_producer(queue, start_step=0, total_steps=2, max_staleness=0)
+    assert holding.wait(60)  # step 0 handed over: the producer has turned to step 1
+    worker.update_weights(_same_weights(worker), 1)  # what the trainer would send after step 0
+    assert worker.awaited_weight_version() is None and worker.weight_version() == 0
+    assert queue.partitions() == []  # step 0 is not on the queue yet
+    release.set()
+    consumer = queue.open_session("test")
+    assert len(consumer.get(partition_name(0), "actor", ["tokens"], 16, timeout=30)) == 16
+    assert worker.weight_version() == 0  # step 0 is on the queue, not cleared
+    queue.clear(partition_name(0))
+    batch1 = consumer.get(partition_name(1), "actor", ["tokens", "weight_version"], 16, timeout=30)
+    assert {int(v) for v in batch1.column("weight_version")} == {1}
+    worker.stop_producer()
+    assert worker.producer_error() is None
 
 
 def _wait_until(condition: Callable[[], bool], what: str, deadline_s: float = 60.0) -> None:

@@ -111,3 +111,16 @@ def test_rows_are_built_on_the_shipper_thread() -> None:
     shipper.ship(0, lambda: seen.append(threading.current_thread().name) or rows(1))
     shipper.close()
     assert len(seen) == 1 and seen[0].startswith("ship-test")
+
+
+def test_the_step_in_flight_is_named_until_it_is_on_the_queue() -> None:
+    queue = RecordingQueue(hold_step=0)
+    shipper = StepShipper(queue, timeout_s=10)
+    assert shipper.in_flight_step is None
+    shipper.ship(0, lambda: rows(2))
+    assert queue.holding.wait(10)
+    assert shipper.in_flight_step == 0 and queue.calls == []  # handed over, its partition not there yet
+    queue.release.set()
+    shipper.wait()
+    assert shipper.in_flight_step is None and queue.calls[-1] == ("complete", partition_name(0), 2)
+    shipper.close()
