@@ -67,9 +67,12 @@ def forward_kwargs(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     media: BatchMedia,
+    positions: torch.Tensor | None = None,
 ) -> dict[str, Any]:
-    """Everything but input_ids / attention_mask that a multimodal forward() needs."""
-    positions, _ = mrope_positions(model, processor, input_ids, attention_mask, media)
+    """Everything but input_ids / attention_mask that a multimodal forward() needs; `positions`,
+    when given, are the batch's (3, B, L) M-RoPE positions already computed."""
+    if positions is None:
+        positions, _ = mrope_positions(model, processor, input_ids, attention_mask, media)
     kwargs: dict[str, Any] = {"position_ids": positions, **media.kwargs()}
     if processor.family.rope == "vl":
         kwargs["mm_token_type_ids"] = processor.mm_token_type_ids(input_ids)
@@ -129,12 +132,6 @@ def rows_forward_kwargs(
     prefix (`shared_prefix_positions`)."""
     rows = rows if rows is not None else (None,) * input_ids.shape[0]
     ids, mask = input_ids.cpu(), attention_mask.cpu()
-    media = processor.batch_media(rows)
     positions = shared_prefix_positions(model, processor, ids, mask, rows)
-    if positions is None:
-        kwargs = forward_kwargs(model, processor, ids, mask, media)
-    else:
-        kwargs = {"position_ids": positions, **media.kwargs()}
-        if processor.family.rope == "vl":
-            kwargs["mm_token_type_ids"] = processor.mm_token_type_ids(ids)
+    kwargs = forward_kwargs(model, processor, ids, mask, processor.batch_media(rows), positions)
     return {k: v.to(input_ids.device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
