@@ -19,6 +19,8 @@ import string
 import struct
 import sys
 import threading
+import time
+import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
@@ -113,6 +115,9 @@ class WandbSink:
 # ClearML's reporter runs in a forked subprocess by default; forking the driver (threads, Ray)
 # is unsafe, and closing waits ~10 s on it. Offline there is no server to configure.
 CLEARML_CONF = "sdk { development { report_use_subprocess: false } }\n"
+# How long `ClearMLSink.close` waits for ClearML's writer thread to put the last scalars into the
+# session folder (it takes milliseconds on a quiet machine).
+CLEARML_CLOSE_WAIT_S = 60.0
 
 
 class ClearMLSink:
@@ -144,14 +149,34 @@ class ClearMLSink:
                 auto_resource_monitoring=False, output_uri=False)
         self.session = Path(self._task.get_offline_mode_folder())
         self._logger: Any = self._task.get_logger()
+        self._reported = 0  # scalars handed to ClearML: what the closed session must hold
 
     def log(self, step: int, scalars: dict[str, float]) -> None:
         for name, value in scalars.items():
             title, _, series = name.partition("/")
             self._logger.report_scalar(title, series or title, float(value), iteration=step)
+            self._reported += 1
 
     def close(self) -> None:
+        """Close the task, then make sure the session holds every scalar reported.
+
+        ClearML writes the events from a thread of its own and zips the session folder when the
+        task closes; on a loaded machine the last write once landed after the zip (and after
+        close returned), so the zip, which is what gets imported, lacked them. Close waits for the
+        folder to hold them all, then zips it again (write, then rename) if the zip missed some.
+        """
         self._task.close()
+        folder = self.session / "metrics.jsonl"
+        deadline = time.monotonic() + CLEARML_CLOSE_WAIT_S
+        while (written := _count_scalars(_read_if_there(folder))) < self._reported:
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"ClearML wrote {written} of the {self._reported} scalars reported into {folder} within "
+                    f"{CLEARML_CLOSE_WAIT_S:g} s of closing its task; the offline session lacks the rest")
+            time.sleep(0.1)
+        archive = self.session.with_suffix(".zip")
+        if _count_scalars(_zip_member(archive, "metrics.jsonl")) < self._reported:
+            _zip_folder(self.session, archive)
 
 
 # The .wandb file: W&B's transaction log in the LevelDB log format (a 7-byte file header, then
@@ -205,17 +230,49 @@ def read_wandb_history(directory: Path) -> dict[int, dict[str, float]]:
     return history
 
 
+def _clearml_scalars(text: str) -> Iterator[dict[str, Any]]:
+    """The scalar events of an offline session's metrics.jsonl (a JSON list of events a line)."""
+    for line in text.splitlines():
+        for event in json.loads(line) if line.strip() else []:
+            if event.get("type") == "training_stats_scalar":
+                yield event
+
+
+def _count_scalars(text: str) -> int:
+    return sum(1 for _ in _clearml_scalars(text))
+
+
+def _read_if_there(path: Path) -> str:
+    return path.read_text(encoding="utf-8") if path.is_file() else ""
+
+
+def _zip_member(archive: Path, name: str) -> str:
+    """`name` inside the zip `archive`, "" when either is missing."""
+    try:
+        with zipfile.ZipFile(archive) as zf:
+            return zf.read(name).decode("utf-8")
+    except (OSError, KeyError, zipfile.BadZipFile):
+        return ""
+
+
+def _zip_folder(folder: Path, archive: Path) -> None:
+    """Zip every file under `folder`, named relative to it (as ClearML zips a session)."""
+    tmp = archive.with_name(archive.name + ".tmp")
+    with zipfile.ZipFile(tmp, "w", allowZip64=True, compression=zipfile.ZIP_DEFLATED) as zf:
+        for path in sorted(folder.rglob("*")):
+            if path.is_file():
+                zf.write(path, arcname=path.relative_to(folder).as_posix())
+    os.replace(tmp, archive)
+
+
 def read_clearml_scalars(directory: Path) -> dict[int, dict[str, float]]:
     """{step: {name: value}} from every offline session under `directory/clearml/offline/`
     ("title/series", or the title alone where both are the same), oldest session first."""
     history: dict[int, dict[str, float]] = {}
     sessions = sorted((directory / "clearml" / "offline").glob("*/metrics.jsonl"), key=lambda p: p.stat().st_mtime)
     for path in sessions:
-        for line in path.read_text(encoding="utf-8").splitlines():
-            for event in json.loads(line) if line.strip() else []:
-                if event.get("type") != "training_stats_scalar":
-                    continue
-                title, series = event["metric"], event["variant"]
-                name = title if series == title else f"{title}/{series}"
-                history.setdefault(int(event["iter"]), {})[name] = float(event["value"])
+        for event in _clearml_scalars(path.read_text(encoding="utf-8")):
+            title, series = event["metric"], event["variant"]
+            name = title if series == title else f"{title}/{series}"
+            history.setdefault(int(event["iter"]), {})[name] = float(event["value"])
     return history

@@ -92,6 +92,52 @@ def test_clearml_offline_session_reads_back_every_step(job: Path) -> None:
     assert (task["project_name"], task["name"]) == ("relax-test", "tiny")
 
 
+def _zipped_steps(archive: Path) -> set[int]:
+    with zipfile.ZipFile(archive) as zf:
+        text = zf.read("metrics.jsonl").decode() if "metrics.jsonl" in zf.namelist() else ""
+    return {int(e["iter"]) for line in text.splitlines() for e in json.loads(line)}
+
+
+@needs_clearml
+def test_clearml_scalars_written_after_its_zip_still_reach_the_zip(job: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # What a loaded machine did once (2026-12-01): ClearML's writer put the scalars into the
+    # session folder after the task had closed and zipped it. Here each of its writes goes to a
+    # file outside the session and lands in the session's metrics.jsonl 1.5 s later.
+    import threading
+
+    from clearml.backend_interface.metrics.interface import Metrics
+
+    write = Metrics._do_write_events
+    landings: list[threading.Timer] = []
+
+    def write_late(self: Any, *args: Any, **kwargs: Any) -> Any:
+        session_file = self._offline_log_filename
+        held = session_file.parent.parent / f"held-{len(landings)}.jsonl"
+        self._offline_log_filename = held
+        try:
+            result = write(self, *args, **kwargs)
+        finally:
+            self._offline_log_filename = session_file
+
+        def land() -> None:
+            with open(session_file, "a", encoding="utf-8") as out:
+                out.write(held.read_text(encoding="utf-8"))
+
+        landings.append(threading.Timer(1.5, land))
+        landings[-1].start()
+        return result
+
+    monkeypatch.setattr(Metrics, "_do_write_events", write_late)
+    sink = ClearMLSink("relax-test", "tiny", job)
+    for step in (1, 2, 3):
+        sink.log(step, scalars(step))
+    sink.close()
+
+    assert landings, "ClearML wrote no events through Metrics._do_write_events: the test no longer delays them"
+    assert read_clearml_scalars(job) == {step: scalars(step) for step in (1, 2, 3)}
+    assert _zipped_steps(sink.session.with_suffix(".zip")) == {1, 2, 3}
+
+
 @needs_clearml
 def test_clearml_leaves_the_drivers_signal_handlers_in_place(job: Path) -> None:
     def handler(signum: int, frame: Any) -> None:
