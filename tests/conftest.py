@@ -95,7 +95,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 # -- groups for a run in two pytest-xdist workers (`--dist loadgroup`; docs/testing.md) ----------
 
-from worker_groups import LONGEST_FIRST, keep_group_order, xdist_group_of  # noqa: E402
+from worker_groups import hand_out_rank, keep_group_order, xdist_group_of  # noqa: E402
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -118,5 +118,4 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         item.add_marker(pytest.mark.xdist_group(xdist_group_of(item.nodeid)))
     if hasattr(config, "workerinput"):  # an xdist worker (its collection orders the hand-out); a plain run keeps file order
-        rank = {group: i for i, group in enumerate(LONGEST_FIRST)}
-        items.sort(key=lambda item: rank.get(xdist_group_of(item.nodeid), len(rank)))
+        items.sort(key=lambda item: hand_out_rank(xdist_group_of(item.nodeid)))

@@ -22,10 +22,18 @@ def test_two_workers_take_the_groups_in_the_longest_first_order_not_by_their_num
     assert config.option.loadscopereorder is False
 
 
-def test_the_longest_groups_are_named_once_and_exist() -> None:
+def test_the_longest_and_the_waiting_groups_are_named_once_and_exist() -> None:
     from pathlib import Path
 
     repo = Path(__file__).resolve().parents[1]
-    assert len(set(worker_groups.LONGEST_FIRST)) == len(worker_groups.LONGEST_FIRST)
-    for group in worker_groups.LONGEST_FIRST:
+    named = (*worker_groups.LONGEST_FIRST, *worker_groups.MOSTLY_WAITING)
+    assert len(set(named)) == len(named)
+    for group in named:
         assert group in worker_groups.SHARED_GROUPS.values() or (repo / group).is_file(), group
+
+
+def test_the_waiting_groups_come_after_the_longest_and_before_the_rest() -> None:
+    longest, waiting = worker_groups.LONGEST_FIRST, worker_groups.MOSTLY_WAITING
+    groups = ["tests/spec/test_spec_hostile.py", waiting[-1], longest[-1], waiting[0], longest[0]]
+    assert sorted(groups, key=worker_groups.hand_out_rank) == [
+        longest[0], longest[-1], waiting[0], waiting[-1], "tests/spec/test_spec_hostile.py"]

@@ -34,6 +34,25 @@ LONGEST_FIRST = ("slurm", "tests/driver/test_omni_e2e.py", "tests/driver/test_tr
                  "tests/rewards/test_reward_workers.py", "tests/launch/test_faults_disk_full.py")
 
 
+# Groups that mostly wait (ZMQ and HTTP timeouts, gloo rendezvous, nested pytest sessions): on
+# 2026-12-01 the machine was 15-50% busy while one ran. In file order they came last on both
+# workers, and the run's last minute left the cores idle; handed out right after the longest,
+# they wait while the other worker still has CPU-bound groups to run.
+MOSTLY_WAITING = ("tests/transfer/test_transfer_queue_contract.py", "tests/transfer/test_transfer_auth.py",
+                  "tests/transfer/test_transfer_zmq.py", "tests/transfer/test_transfer_shm.py",
+                  "tests/transfer/test_transfer_limits.py", "tests/weights/test_store_auth.py",
+                  "tests/weights/test_weights_gloo.py", "tests/test_time_budget.py",
+                  "tests/engines/test_remote_engine.py", "tests/engines/test_http_auth.py",
+                  "tests/driver/test_restarts.py", "tests/agents/test_proxy.py")
+
+
+def hand_out_rank(group: str) -> int:
+    """Where a group comes in the order the workers take them: LONGEST_FIRST, then MOSTLY_WAITING,
+    then every other group (in file order: the sort that uses this is stable)."""
+    order = (*LONGEST_FIRST, *MOSTLY_WAITING)
+    return order.index(group) if group in order else len(order)
+
+
 def keep_group_order(config: Any) -> None:
     """xdist's default re-sorts the groups by their number of tests, most first, which put the
     longest groups (one to five tests each) last: one worker ran them alone at the end of the run.
