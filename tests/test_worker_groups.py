@@ -32,8 +32,10 @@ def test_the_longest_and_the_waiting_groups_are_named_once_and_exist() -> None:
         assert group in worker_groups.SHARED_GROUPS.values() or (repo / group).is_file(), group
 
 
-def test_the_waiting_groups_come_after_the_longest_and_before_the_rest() -> None:
-    longest, waiting = worker_groups.LONGEST_FIRST, worker_groups.MOSTLY_WAITING
-    groups = ["tests/spec/test_spec_hostile.py", waiting[-1], longest[-1], waiting[0], longest[0]]
+def test_the_waiting_groups_go_out_between_the_first_of_the_longest_and_the_rest() -> None:
+    longest, waiting, after = worker_groups.LONGEST_FIRST, worker_groups.MOSTLY_WAITING, worker_groups.WAITING_AFTER
+    groups = ["tests/spec/test_spec_hostile.py", waiting[-1], longest[-1], longest[after], waiting[0],
+              longest[after - 1], longest[0]]
     assert sorted(groups, key=worker_groups.hand_out_rank) == [
-        longest[0], longest[-1], waiting[0], waiting[-1], "tests/spec/test_spec_hostile.py"]
+        longest[0], longest[after - 1], waiting[0], waiting[-1], longest[after], longest[-1],
+        "tests/spec/test_spec_hostile.py"]

@@ -35,21 +35,25 @@ LONGEST_FIRST = ("slurm", "tests/driver/test_omni_e2e.py", "tests/driver/test_tr
 
 
 # Groups that mostly wait (ZMQ and HTTP timeouts, gloo rendezvous, nested pytest sessions): on
-# 2026-12-01 the machine was 15-50% busy while one ran. In file order they came last on both
-# workers, and the run's last minute left the cores idle; handed out right after the longest,
-# they wait while the other worker still has CPU-bound groups to run.
+# 2026-12-01 the machine was 10-50% busy while one of them ran beside another. In file order they
+# came last on both workers, and so did they right after the longest groups: both workers waited
+# at once. Handed out after the first two of the longest, they run on the worker that finished
+# the omni pair while the other still runs the Slurm group's jobs.
 MOSTLY_WAITING = ("tests/transfer/test_transfer_queue_contract.py", "tests/transfer/test_transfer_auth.py",
                   "tests/transfer/test_transfer_zmq.py", "tests/transfer/test_transfer_shm.py",
                   "tests/transfer/test_transfer_limits.py", "tests/weights/test_store_auth.py",
                   "tests/weights/test_weights_gloo.py", "tests/test_time_budget.py",
                   "tests/engines/test_remote_engine.py", "tests/engines/test_http_auth.py",
+                  "tests/engines/test_http_server_limits.py", "tests/engines/test_elastic.py",
                   "tests/driver/test_restarts.py", "tests/agents/test_proxy.py")
+WAITING_AFTER = 2  # how many of LONGEST_FIRST go out before MOSTLY_WAITING
 
 
 def hand_out_rank(group: str) -> int:
-    """Where a group comes in the order the workers take them: LONGEST_FIRST, then MOSTLY_WAITING,
-    then every other group (in file order: the sort that uses this is stable)."""
-    order = (*LONGEST_FIRST, *MOSTLY_WAITING)
+    """Where a group comes in the order the workers take them: the first WAITING_AFTER of
+    LONGEST_FIRST, MOSTLY_WAITING, the rest of LONGEST_FIRST, then every other group (in file
+    order: the sort that uses this is stable)."""
+    order = (*LONGEST_FIRST[:WAITING_AFTER], *MOSTLY_WAITING, *LONGEST_FIRST[WAITING_AFTER:])
     return order.index(group) if group in order else len(order)
 
 
