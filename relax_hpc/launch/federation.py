@@ -49,6 +49,7 @@ __all__ = [
     "ElasticApi",
     "FederationError",
     "GrowRequest",
+    "JobUnavailable",
     "OperationBusy",
     "federation_dir",
     "federation_lines",
@@ -77,6 +78,11 @@ class FederationError(ValueError):
 
 class OperationBusy(FederationError):
     """409: another elastic operation of the job is in progress."""
+
+
+class JobUnavailable(FederationError):
+    """503: the job's REST server answers but its rollout role does not (the job is being requeued
+    or is stopping). A state that passes: ask again once the job runs."""
 
 
 def federation_dir(job_dir: Path) -> Path:
@@ -331,7 +337,8 @@ class ElasticApi:
     """The elastic routes of one job's REST API, with the errors a user can act on.
 
     ``rest`` raises ConnectionError (RestUnavailable) when the server does not answer; every
-    HTTP error becomes a FederationError, except 409 when ``busy_wait_s`` allows a retry."""
+    HTTP error becomes a FederationError (503, a job between two attempts: JobUnavailable),
+    except 409 when ``busy_wait_s`` allows a retry."""
 
     def __init__(self, rest: RestLike, url: str, job: str = "JOB") -> None:
         self.rest, self.url, self.job = rest, url, job
@@ -349,6 +356,8 @@ class ElasticApi:
         if status == 401:
             raise FederationError(f"the REST API at {self.url} refused the job's token (401): JOBDIR/.secret is "
                                   "not the running job's secret (was the directory resubmitted?)")
+        if status == 503:
+            raise JobUnavailable(f"{what} was not answered by {self.url}: {_error_text(status, body)}")
         if status >= 400:
             raise FederationError(f"{what} was refused by {self.url}: {_error_text(status, body)}")
         return body

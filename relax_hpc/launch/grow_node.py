@@ -46,6 +46,7 @@ from relax_hpc.engines.disk_weights import FEDERATION_WEIGHTS
 from relax_hpc.launch.federation import (
     ElasticApi,
     FederationError,
+    JobUnavailable,
     OperationBusy,
     federation_dir,
     prepare_federation_dir,
@@ -318,7 +319,8 @@ class GrowNode:
 
     def register(self, urls: Sequence[str]) -> None:
         """Scale the main job out by ``urls``; returns once the operation is done (or a signal came).
-        RegistrationFailed when the job refuses them; a silent API only means: try again later."""
+        RegistrationFailed when the job refuses them; a silent API, or one answering 503
+        (the main job is being requeued), only means: try again at the next look."""
         body = {"engine_urls": list(urls), "job": self.grow_job_id}
         try:
             api = self.api_for()
@@ -337,7 +339,7 @@ class GrowNode:
                     return  # the next look decides (leave, or register again)
                 self._sleep(min(self.poll_s, 2.0))
                 op = api.operation(str(op.get("id")))
-        except ConnectionError as e:
+        except (ConnectionError, JobUnavailable) as e:  # not answering, or answering 503 while it is requeued
             log(f"registration interrupted ({str(e).splitlines()[0]}); trying again at the next look")
             return
         except ValueError as e:  # FederationError (400: the job refuses them), JobSecretError

@@ -18,7 +18,9 @@ MAIN_ENGINE = {"id": "engine-0", "address": "in-job", "state": "active", "weight
 
 class FakeElastic:
     """Engines and operations in memory. Set `busy` to answer 409 with that operation, `outcome`
-    for the state every new operation ends in, `refuse` to answer 400 with that message."""
+    for the state every new operation ends in, `refuse` to answer 400 with that message,
+    `unanswered_lookups` to answer that many next operation lookups 503, as the REST API does
+    while the rollout role is gone (the job is being requeued)."""
 
     def __init__(self) -> None:
         self.engines: list[dict[str, Any]] = [dict(MAIN_ENGINE)]
@@ -27,12 +29,17 @@ class FakeElastic:
         self.busy: dict[str, Any] | None = None
         self.refuse: str | None = None
         self.outcome = "done"
+        self.unanswered_lookups = 0
         self._ids = itertools.count(1)
 
     def elastic(self, action: str, body: dict[str, Any]) -> ElasticReply:
         self.calls.append((action, dict(body)))
         if action == "engines":
             return ElasticReply(200, {"engines": [dict(e) for e in self.engines], "operation": None})
+        if action == "operation" and self.unanswered_lookups > 0:
+            self.unanswered_lookups -= 1
+            return error_reply(503, "the rollout role did not answer: RoleDiedError: rollout died; retry once "
+                                    "the job is running again")
         if action == "operation":
             op = self.operations.get(str(body.get("id")))
             return ElasticReply(200, {"operation": op}) if op else error_reply(404, f"no operation {body.get('id')!r}")

@@ -188,6 +188,24 @@ def test_a_requeued_main_job_gets_the_engines_registered_again() -> None:
     assert control.posted("scale_out") == [{"engine_urls": list(MINE), "job": "2000"}] * 2
 
 
+def test_a_main_job_requeued_while_it_registers_the_engines_gets_them_registered_again() -> None:
+    # The CI failure of 2026-12-02: the requeue killed the rollout role between the POST and the
+    # operation's look, the REST API answered 503, and the node took that for a refusal and stopped.
+    control = FakeElastic()
+    control.outcome, control.unanswered_lookups = "running", 1
+    servers = FakeServers(MINE)
+
+    def requeued() -> None:
+        control.restart()
+        control.outcome = "done"
+
+    # looks: absent -> register (POST, then 503) ; requeued, absent -> register ; serving ; gone -> leave
+    node = node_with(control, [None, None, requeued, None, None, gone(control), None], servers=servers)
+    assert node.run() == 0
+    assert control.posted("scale_out") == [{"engine_urls": list(MINE), "job": "2000"}] * 2
+    assert servers.stopped == list(MINE)  # stopped at the end, not at the 503
+
+
 def test_a_rolled_back_registration_stops_the_servers_and_fails() -> None:
     control = FakeElastic()
     control.outcome = "rolled_back"
