@@ -189,7 +189,7 @@ def test_a_requeued_main_job_gets_the_engines_registered_again() -> None:
 
 
 def test_a_main_job_requeued_while_it_registers_the_engines_gets_them_registered_again() -> None:
-    # The CI failure of 2026-12-02: the requeue killed the rollout role between the POST and the
+    # A clean-clone run's failure (2026-12-02): the requeue killed the rollout role between the POST and the
     # operation's look, the REST API answered 503, and the node took that for a refusal and stopped.
     control = FakeElastic()
     control.outcome, control.unanswered_lookups = "running", 1
