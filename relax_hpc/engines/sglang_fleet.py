@@ -164,8 +164,11 @@ class ManagedSGLangEngine:
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         named = list(named_tensors)
         if self.launch.max_restarts > self.restarts:
-            # A copy on the host: the caller reuses its buffers, and a restart must push this version.
-            self._latest = [(n, t.detach().to("cpu", copy=True)) for n, t in named]
+            # A restart must push this version. The rollout role's inbox keeps these tensors
+            # unchanged until it installs the next version (WeightInbox.install), in host memory
+            # for SGLang engines: they are kept as they are, not copied; only tensors on a GPU
+            # are copied to the host.
+            self._latest = [(n, t.detach() if t.device.type == "cpu" else t.detach().to("cpu")) for n, t in named]
             self._latest_version = version
         self._survive(lambda: self._update(named, version), redo=False)  # a restart pushes _latest
 

@@ -280,6 +280,14 @@ class RolloutWorker(WeightReceiverEndpoint, Heartbeats):
     def weight_inbox(self) -> WeightInbox:
         return self._inbox
 
+    def weight_home(self) -> str | None:
+        """Received versions stay on the wire's device only for the one engine that computes with
+        them in place (a native engine in this process binds the buffer). SGLang servers, engine
+        actors and several engines each load a version into memory of their own, so this role keeps
+        its two buffers in host memory, off the GPUs those engines fill."""
+        binds = self.cfg.engine == "native" and self._host_options is None and self.cfg.num_engines == 1
+        return None if binds else "cpu"
+
     def awaited_weight_version(self) -> int | None:
         """The version the producer is waiting for at its batch boundary; None when not waiting."""
         return self._inbox.awaited

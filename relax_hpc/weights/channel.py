@@ -22,6 +22,12 @@ sealed with a key derived from the secret, so a client without it can neither re
 `broadcast_async` runs the broadcast on a background thread so it overlaps the next training
 step; the tensors handed over must not change until its handle's `wait()` returns (a snapshot
 is a copy, so that holds). See docs/weights.md for the measured figures.
+
+Whole-model buffers live in each side's `home`, which is not necessarily the wire's device: the
+sender's snapshot is in host memory by default (a trainer GPU has no room for another copy of
+the model), and so are the buffers of a receiver whose engines are servers with weights of their
+own. Those buckets go through two bucket-sized staging buffers on the wire's device
+(`_broadcast_staged`), so the GPU holds two buckets of the model, never all of it.
 """
 
 from __future__ import annotations
@@ -95,6 +101,38 @@ def _broadcast_buckets(group: BroadcastGroup, flat: FlatWeights) -> None:
         in_flight.popleft().wait()
 
 
+def _broadcast_staged(group: BroadcastGroup, flat: FlatWeights, staging: Sequence[torch.Tensor],
+                      sending: bool) -> None:
+    """`_broadcast_buckets` for a `flat` kept away from the wire's device: each bucket passes
+    through one of the `staging` buffers on that device. The sender copies bucket k into a free
+    staging buffer and broadcasts it; a receiver receives into one and copies it out into `flat`.
+    As many buckets are on the wire at once as there are staging buffers."""
+    in_flight: deque[tuple[PendingOp, int, torch.Tensor]] = deque()
+
+    def land(op: PendingOp, k: int, buf: torch.Tensor) -> None:
+        op.wait()
+        if not sending:
+            flat.bucket(k).copy_(buf)  # into host memory: returns once the bytes are there
+
+    slot = 0
+    for k, bucket in enumerate(flat.buckets):
+        if bucket.nbytes == 0:
+            continue
+        while len(in_flight) >= len(staging):  # the buffer about to be used is free again
+            land(*in_flight.popleft())
+        buf = staging[slot][: bucket.nbytes]
+        if sending:
+            buf.copy_(flat.bucket(k), non_blocking=True)  # the broadcast is queued after it
+        in_flight.append((group.broadcast(buf, 0), k, buf))
+        slot = (slot + 1) % len(staging)
+    while in_flight:
+        land(*in_flight.popleft())
+
+
+def _needs_staging(home: torch.device, wire: torch.device, stage: bool | None) -> bool:
+    return home != wire if stage is None else stage
+
+
 class PendingBroadcast:
     """Handle of a broadcast running on the sender's background thread."""
 
@@ -111,18 +149,25 @@ class PendingBroadcast:
 
 class WeightChannelSender:
     """Rank 0 of the weight channel; hosts the TCPStore at `host:port` (`port=0` picks a free one),
-    listening on `host`'s address only; `secret` is the job's (`relax_hpc.auth.job_secret()`)."""
+    listening on `host`'s address only; `secret` is the job's (`relax_hpc.auth.job_secret()`).
+
+    `home` is where `snapshot` keeps the whole model: host memory ("cpu") unless told otherwise,
+    whatever the wire's `device`. `stage` forces (True) or forbids (False) passing the snapshot's
+    buckets through staging buffers on the wire's device; by default they are staged exactly when
+    the snapshot is not on that device.
+    """
 
     def __init__(
         self, host: str, port: int, num_receivers: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         timeout_s: float = DEFAULT_TIMEOUT_S, device: str = "cpu", *, secret: JobSecret,
         direct_bytes: int = DEFAULT_DIRECT_BYTES, store: dist.Store | None = None,
-        group_factory: GroupFactory | None = None,
+        group_factory: GroupFactory | None = None, home: str = "cpu", stage: bool | None = None,
     ) -> None:
         if num_receivers < 1:
             raise ValueError(f"num_receivers={num_receivers}: the weight channel needs at least one receiver")
         self.num_receivers, self.bucket_bytes, self.direct_bytes = num_receivers, bucket_bytes, direct_bytes
-        self.timeout_s, self.device = timeout_s, torch.device(device)
+        self.timeout_s, self.device, self.home = timeout_s, torch.device(device), torch.device(home)
+        self.staged = _needs_staging(self.home, self.device, stage)
         self.backend = backend_for(self.device)
         raw = store if store is not None else open_store(host, port, 1 + num_receivers, True, timeout_s)
         self.host = host
@@ -153,14 +198,16 @@ class WeightChannelSender:
         return PendingBroadcast(self._pool.submit(self._broadcast, payload, version), version)
 
     def snapshot(self, named_tensors: NamedTensors, reuse: FlatWeights | None = None) -> FlatWeights:
-        """Copy `named_tensors` into a flat buffer laid out in this channel's buckets, on its device.
+        """Copy `named_tensors` into a flat buffer laid out in this channel's buckets, in `home`.
 
         The one copy a sender that keeps training must make anyway; broadcasting the result then
-        copies nothing. Pass the previous snapshot as `reuse` once its broadcast is done.
+        copies nothing but each bucket into staging when `home` is not the wire's device. Pass
+        the previous snapshot as `reuse` once its broadcast is done.
         """
-        flat = FlatWeights.snapshot(named_tensors, self.bucket_bytes, self.direct_bytes, self.device, reuse)
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()  # the copy is done before it is sent
+        flat = FlatWeights.snapshot(named_tensors, self.bucket_bytes, self.direct_bytes, self.home, reuse,
+                                    pin=self.device.type == "cuda")
+        if self.device.type == "cuda" or self.home.type == "cuda":
+            torch.cuda.synchronize()  # the copy is done before it is sent
         return flat
 
     def close(self) -> None:
@@ -191,9 +238,9 @@ class WeightChannelSender:
     def _run(self, weights: list[tuple[str, torch.Tensor]] | FlatWeights, version: int) -> int:
         seq, deadline = self._seq, time.monotonic() + self.timeout_s
         if isinstance(weights, FlatWeights):
-            if weights.device != self.device:
+            if weights.device != self.home:
                 raise ValueError(
-                    f"weight snapshot lives on {weights.device}, the channel sends from {self.device}; "
+                    f"weight snapshot lives on {weights.device}, the channel keeps snapshots on {self.home}; "
                     "take it with this channel's snapshot()"
                 )
             buckets = weights.buckets
@@ -256,8 +303,17 @@ class WeightChannelSender:
         self._send_done(group, header)
 
     def _stream_flat(self, group: BroadcastGroup, header: Header, flat: FlatWeights) -> None:
-        _broadcast_buckets(group, flat)
+        if self.staged:
+            largest = max((b.nbytes for b in flat.buckets), default=0)
+            _broadcast_staged(group, flat, self._staging_buffers(largest), sending=True)
+        else:
+            _broadcast_buckets(group, flat)
         self._send_done(group, header)
+
+    @property
+    def staging_bytes(self) -> int:
+        """The bytes of the bucket-sized staging buffers this sender holds on the wire's device."""
+        return sum(t.numel() for t in self._staging)
 
     def _send_done(self, group: BroadcastGroup, header: Header) -> None:
         done = torch.tensor([header.version, header.seq, len(header.buckets)], dtype=torch.int64, device=self.device)
@@ -282,17 +338,24 @@ class WeightChannelReceiver:
 
     With `pipeline=True` (default) it holds two bucket buffers so the next bucket arrives while
     the current one is applied; `pipeline=False` holds one (memory: one bucket, slower).
+
+    `home` is where `receive_into` keeps the whole model: the wire's `device` by default (an
+    engine that computes with the buffer in place needs it there), "cpu" for a role whose
+    engines hold their own copy (each bucket then lands in a staging buffer on the wire's device
+    and is copied out; `stage` forces or forbids that, as for the sender).
     """
 
     def __init__(
         self, host: str, port: int, rank: int, num_receivers: int, timeout_s: float = DEFAULT_TIMEOUT_S,
         device: str = "cpu", *, secret: JobSecret, pipeline: bool = True, store: dist.Store | None = None,
-        group_factory: GroupFactory | None = None,
+        group_factory: GroupFactory | None = None, home: str | None = None, stage: bool | None = None,
     ) -> None:
         if not 1 <= rank <= num_receivers:
             raise ValueError(f"receiver rank={rank}: allowed are 1..{num_receivers} (rank 0 is the sender)")
         self.rank, self.num_receivers, self.timeout_s = rank, num_receivers, timeout_s
         self.device, self.pipeline = torch.device(device), pipeline
+        self.home = torch.device(home) if home is not None else self.device
+        self.staged = _needs_staging(self.home, self.device, stage)
         self.backend = backend_for(self.device)
         raw = store if store is not None else open_store(host, port, 1 + num_receivers, False, timeout_s)
         self.store: SealedStore = seal_store(raw, secret, "weights")
@@ -326,14 +389,19 @@ class WeightChannelReceiver:
 
         `into` is filled when its layout fits the broadcast's (the same model as last time);
         otherwise a new `FlatWeights` is allocated and `into` is left alone. Returns the buffer
-        holding the complete update and its version. Nothing is copied after the wire; after a
-        failure the buffer's contents are partial and must not be used.
+        holding the complete update and its version. Nothing is copied after the wire but each
+        bucket out of staging when `home` is not the wire's device; after a failure the buffer's
+        contents are partial and must not be used.
         """
         header, group = self._begin()
-        flat = into if into is not None and into.fits(header.buckets, self.device) else FlatWeights(
-            header.buckets, self.device
+        flat = into if into is not None and into.fits(header.buckets, self.home) else FlatWeights(
+            header.buckets, self.home, pin=self.device.type == "cuda"
         )
-        _broadcast_buckets(group, flat)
+        if self.staged:
+            largest = max((b.nbytes for b in header.buckets), default=0)
+            _broadcast_staged(group, flat, self._bucket_buffers(largest), sending=False)
+        else:
+            _broadcast_buckets(group, flat)
         self._check_done(group, header)
         return flat, self._finish(header)
 
@@ -422,6 +490,11 @@ class WeightChannelReceiver:
             and dtype_name(t.dtype) == p.dtype and tuple(t.shape) == p.shape
         )
         return t.detach() if ok and t is not None else None
+
+    @property
+    def staging_bytes(self) -> int:
+        """The bytes of the bucket buffers this receiver holds on the wire's device."""
+        return sum(t.numel() for t in self._buffers)
 
     def _bucket_buffers(self, nbytes: int) -> list[torch.Tensor]:
         count = 2 if self.pipeline else 1

@@ -118,6 +118,11 @@ class WeightReceiverEndpoint(abc.ABC):
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Take a complete update of `version`."""
 
+    def weight_home(self) -> str | None:
+        """Where this role keeps received weights (`WeightChannelReceiver`'s `home`): None for the
+        wire's device, where an engine that computes with the buffer in place needs them."""
+        return None
+
     def join_weight_channel(
         self, host: str, port: int, rank: int, num_receivers: int, timeout_s: float = DEFAULT_TIMEOUT_S,
         device: str = "cpu", pipeline: bool = True,
@@ -125,7 +130,7 @@ class WeightReceiverEndpoint(abc.ABC):
         self.close_weight_channel()
         self._weight_receiver = WeightChannelReceiver(
             host, port, rank, num_receivers, timeout_s, device, secret=job_secret(),
-            pipeline=pipeline,
+            pipeline=pipeline, home=self.weight_home(),
         )
 
     def stage_weights(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
@@ -192,7 +197,7 @@ class WeightInbox:
         self._ready: Weights | FlatWeights | None = None
         self._ready_version = -1
         self._spare: FlatWeights | None = None  # a flat buffer nobody reads: the next receive's target
-        self._bound: FlatWeights | None = None  # the flat buffer the engine runs on
+        self._bound: FlatWeights | None = None  # the flat buffer the engine runs on, or copied last
         self._failure: str | None = None
         self.awaited: int | None = None  # the version a producer is waiting for (diagnostics, tests)
 
@@ -237,7 +242,9 @@ class WeightInbox:
 
         A flat update is given to `bind(flat, version)`; when that returns False (the engine
         cannot use the buffer in place) or for staged copies, `copy(named_tensors, version)`.
-        Call it only where the engine may change weights (its batch boundary).
+        The tensors given either way stay unchanged until the next install: the engine may keep
+        them instead of a copy. Call it only where the engine may change weights (its batch
+        boundary).
         """
         with self._changed:
             ready, self._ready = self._ready, None
@@ -247,11 +254,12 @@ class WeightInbox:
         if not isinstance(ready, FlatWeights):
             copy(list(ready.items()), version)
             return version
-        if bind(ready, version):
-            released, self._bound = self._bound, ready
-        else:
+        # Bound or copied, the buffer is kept until the next install: an engine that copied it
+        # may still read it (an SGLang server restarted in between is given this version again
+        # from these tensors, so no engine keeps a host copy of its own).
+        if not bind(ready, version):
             copy(ready.named(), version)
-            released = ready
+        released, self._bound = self._bound, ready
         if released is not None:
             with self._changed:
                 self._spare = released

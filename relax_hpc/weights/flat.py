@@ -8,6 +8,12 @@ uses in place (`bind_module`: every parameter becomes a view into the buffer, no
 
 Receivers keep two: the engine runs on one while the next version arrives in the other, and the
 two trade places at the engine's batch boundary (`WeightInbox` in endpoints.py).
+
+A buffer lives where its holder needs the whole model, not necessarily on the wire's device: the
+trainer's snapshot and the buffers of a rollout role whose engines are servers of their own
+(SGLang) stay in host memory (pinned when CUDA is there, so the per-bucket copies to and from the
+GPU are direct), and only a bucket or two at a time go through the GPU (`_broadcast_staged` in
+channel.py). A whole-model buffer on a GPU is kept only where an engine computes with it in place.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ def _signature(buckets: Sequence[Bucket]) -> tuple:
 class FlatWeights:
     """Weights held in one uint8 buffer, each bucket at an aligned offset, each parameter a view."""
 
-    def __init__(self, buckets: Sequence[Bucket], device: str | torch.device = "cpu") -> None:
+    def __init__(self, buckets: Sequence[Bucket], device: str | torch.device = "cpu", pin: bool = False) -> None:
         self.buckets = tuple(buckets)
         self.device = torch.device(device)
         self.starts: list[int] = []
@@ -35,22 +41,25 @@ class FlatWeights:
         for b in self.buckets:
             self.starts.append(total)
             total = aligned(total + b.nbytes)
-        self.buffer = torch.empty(total, dtype=torch.uint8, device=self.device)
+        # Pinned host memory only where a GPU copies to or from it (pinning needs CUDA).
+        pinned = pin and self.device.type == "cpu" and torch.cuda.is_available()
+        self.buffer = torch.empty(total, dtype=torch.uint8, device=self.device, pin_memory=pinned)
         self._signature = _signature(self.buckets)
 
     @classmethod
     def snapshot(
         cls, named_tensors: Sequence[tuple[str, torch.Tensor]], bucket_bytes: int, direct_bytes: int,
-        device: str | torch.device = "cpu", reuse: FlatWeights | None = None,
+        device: str | torch.device = "cpu", reuse: FlatWeights | None = None, pin: bool = False,
     ) -> FlatWeights:
         """Copy `named_tensors` into a flat buffer laid out as the channel would bucket them.
 
         `reuse` is filled instead of allocating when its layout and device fit (the usual case:
-        the same model every step); it must not be on the wire or in use meanwhile.
+        the same model every step); it must not be on the wire or in use meanwhile. `pin`: a host
+        buffer that a GPU copies from is allocated in pinned memory.
         """
         named = list(named_tensors)
         buckets = plan_buckets(named, bucket_bytes, direct_bytes)
-        flat = reuse if reuse is not None and reuse.fits(buckets, device) else cls(buckets, device)
+        flat = reuse if reuse is not None and reuse.fits(buckets, device) else cls(buckets, device, pin)
         flat.copy_from(named)
         return flat
 
@@ -58,6 +67,11 @@ class FlatWeights:
         """True when `buckets` (e.g. a received header's) describe this buffer's layout."""
         same_device = device is None or torch.device(device) == self.device
         return same_device and _signature(buckets) == self._signature
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes this buffer holds (alignment included)."""
+        return self.buffer.numel()
 
     def bucket(self, k: int) -> torch.Tensor:
         """Bucket `k`'s bytes: a uint8 view to broadcast from or receive into."""

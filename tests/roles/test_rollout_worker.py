@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from pathlib import Path
@@ -257,3 +258,13 @@ def test_routing_replay_samples_carry_the_engines_routes(tmp_path: Path) -> None
         assert torch.equal(sample_to_row(s)[ROUTED_EXPERTS_FIELD], s.routed_experts)
     plain, _ = RolloutWorker(RolloutConfig(**common)).generate(0)
     assert all(s.routed_experts is None and ROUTED_EXPERTS_FIELD not in sample_to_row(s) for s in plain)
+
+
+def test_received_weights_stay_on_the_device_only_for_one_engine_that_binds_them(model_dir: Path) -> None:
+    # One native engine in the process computes with the inbox's buffer in place; with several
+    # engines (or SGLang servers, engine actors) each loads a copy of its own, so the role keeps
+    # its buffers in host memory, off the GPUs the engines fill.
+    single = _worker(model_dir)
+    assert single.weight_home() is None
+    several = RolloutWorker(dataclasses.replace(single.cfg, num_engines=2))
+    assert several.weight_home() == "cpu"

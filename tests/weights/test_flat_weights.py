@@ -7,7 +7,12 @@ import threading
 
 import pytest
 import torch
+import torch.distributed as dist
 from weights_harness import make_weights
+
+from relax_hpc.auth import JobSecret
+from relax_hpc.weights.channel import WeightChannelReceiver, WeightChannelSender
+from relax_hpc.weights.group import LocalBroadcastHub
 
 from relax_hpc.weights.flat import FlatWeights, bind_module, copy_into_module
 from relax_hpc.weights.layout import ALIGN, plan_buckets
@@ -137,3 +142,81 @@ def test_copy_into_module_casts_in_place_and_names_an_unknown_weight() -> None:
         assert torch.equal(tensor, src.state_dict()[name].half().float()), name
     with pytest.raises(KeyError, match="'lm_head.bias', which the actor_fwd model does not have"):
         copy_into_module(dst, [("lm_head.bias", torch.zeros(3))], "actor_fwd")
+
+
+# --------------------------------------------------------------------------- staged through the wire's device
+def _many_buckets(seed: int) -> list[tuple[str, torch.Tensor]]:
+    """The harness's mix of dtypes and shapes (but its one large tensor, which would be a bucket
+    of its own) plus twelve 4 kB layers: a model of many buckets."""
+    g = torch.Generator().manual_seed(seed)
+    return [*[(n, t) for n, t in make_weights(seed) if n != "embed.weight"], *[(f"extra.{i}", torch.randn(32, 32, generator=g)) for i in range(12)]]
+
+
+def _staged_channel(pipelines: tuple[bool, ...]) -> tuple[WeightChannelSender, list[WeightChannelReceiver]]:
+    """A sender whose snapshot stays in host memory and receivers that keep theirs there too, each
+    bucket passing through staging buffers (forced: on a CPU-only machine host and wire are one
+    device; on a GPU node the same path runs whenever `home` is not the wire's device)."""
+    n, hub, store, secret = len(pipelines), LocalBroadcastHub(1 + len(pipelines), 5.0), dist.HashStore(), JobSecret.generate()
+    sender = WeightChannelSender("", 0, n, bucket_bytes=4096, timeout_s=5.0, secret=secret, store=store,
+                                 direct_bytes=1 << 20, group_factory=lambda _b: hub.group(0), home="cpu", stage=True)
+    receivers = [WeightChannelReceiver("", 0, r, n, timeout_s=5.0, secret=secret, store=store, pipeline=p,
+                                       group_factory=lambda _b, r=r: hub.group(r), home="cpu", stage=True)
+                 for r, p in enumerate(pipelines, start=1)]
+    return sender, receivers
+
+
+def test_a_staged_broadcast_is_exact_and_holds_two_buckets_on_the_wire_device_not_the_model() -> None:
+    sender, receivers = _staged_channel((True, False))
+    buffers: dict[int, FlatWeights | None] = {0: None, 1: None}
+    snapshot = None
+    for version, seed in [(1, 4), (2, 5)]:
+        results: dict[int, object] = {}
+
+        def run(i: int) -> None:
+            results[i] = receivers[i].receive_into(buffers[i])
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in (0, 1)]
+        for t in threads:
+            t.start()
+        snapshot = sender.snapshot(_many_buckets(seed), reuse=snapshot)
+        assert sender.broadcast(snapshot, version) == version
+        for t in threads:
+            t.join(timeout=30)
+        for i in (0, 1):
+            flat, got = results[i]  # type: ignore[misc]
+            assert got == version and flat.device == torch.device("cpu")
+            assert (flat is buffers[i]) == (version == 2)  # the second version refills the first's buffer
+            buffers[i] = flat
+            received = dict(flat.named())
+            for name, t in _many_buckets(seed):
+                assert torch.equal(received[name], t), (i, name)
+    largest = max(b.nbytes for b in snapshot.buckets)
+    assert len(snapshot.buckets) > 4 and snapshot.nbytes > 4 * largest  # the model is many buckets
+    assert sender.staging_bytes == 2 * largest  # two buckets in staging, whatever the model's size
+    assert receivers[0].staging_bytes == 2 * largest and receivers[1].staging_bytes == largest  # pipeline=False: one
+
+
+def test_a_staged_sender_and_a_receiver_on_the_wire_device_speak_the_same_stream() -> None:
+    hub, store, secret = LocalBroadcastHub(2, 5.0), dist.HashStore(), JobSecret.generate()
+    sender = WeightChannelSender("", 0, 1, bucket_bytes=4096, timeout_s=5.0, secret=secret, store=store,
+                                 direct_bytes=16384, group_factory=lambda _b: hub.group(0), stage=True)
+    receiver = WeightChannelReceiver("", 0, 1, 1, timeout_s=5.0, secret=secret, store=store,
+                                     group_factory=lambda _b: hub.group(1))
+    assert sender.staged and not receiver.staged  # by default only a home off the wire's device is staged
+    out: list = []
+    t = threading.Thread(target=lambda: out.append(receiver.receive_into(None)))
+    t.start()
+    sender.broadcast(sender.snapshot(make_weights(6)), 3)
+    t.join(timeout=30)
+    flat, version = out[0]
+    assert version == 3 and all(torch.equal(dict(flat.named())[n], w) for n, w in make_weights(6))
+    assert receiver.staging_bytes == 0  # received straight into its buffer
+
+
+def test_a_snapshot_is_kept_in_host_memory_whatever_the_wire_device() -> None:
+    hub, store, secret = LocalBroadcastHub(2, 5.0), dist.HashStore(), JobSecret.generate()
+    sender = WeightChannelSender("", 0, 1, secret=secret, store=store, group_factory=lambda _b: hub.group(0))
+    assert sender.home == torch.device("cpu") and sender.snapshot(make_weights(1)).device == torch.device("cpu")
+    other = FlatWeights.snapshot(make_weights(1), 4096, 1024, device="meta")
+    with pytest.raises(ValueError, match="keeps snapshots on cpu; take it with this channel's snapshot"):
+        sender.broadcast(other, 1)

@@ -219,15 +219,21 @@ def test_an_update_not_yet_installed_lends_its_buffer_to_the_next_receive() -> N
     assert float(engine.bound.buffer.view(torch.float32)[0]) == 3.0
 
 
-def test_an_engine_that_cannot_bind_gets_a_copy_and_the_buffer_is_reused() -> None:
+def test_an_engine_that_cannot_bind_gets_a_copy_from_a_buffer_kept_until_the_next_install() -> None:
+    # An SGLang engine keeps the tensors it was given (to push them again to a restarted server)
+    # instead of a host copy of its own: they must not change while the next version arrives.
     inbox, receiver, engine = WeightInbox(), FakeReceiver(), Engine(can_bind=False)
     _receive(inbox, receiver)
     assert inbox.install(engine.bind, engine.copy) == 1
     assert engine.bound is None and torch.equal(engine.copied[0][0]["w"], torch.ones(2))
+    installed = receiver.filled[0]
     _receive(inbox, receiver)
-    assert receiver.given[-1] is not None  # the copied-from buffer was handed back
+    assert receiver.given[-1] is None  # not into the buffer the engine was given
+    assert torch.equal(dict(installed.named())["w"], torch.ones(2))
     inbox.install(engine.bind, engine.copy)
     assert [v for _, v in engine.copied] == [1, 2] and torch.equal(engine.copied[1][0]["w"], torch.full((2,), 2.0))
+    _receive(inbox, receiver)  # version 2 installed: version 1's buffer is the spare now
+    assert receiver.given[-1] is installed and len({id(f) for f in receiver.filled}) == 2
 
 
 def test_a_failed_flat_receive_is_dropped_and_reported() -> None:

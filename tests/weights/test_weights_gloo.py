@@ -72,12 +72,15 @@ FLAT_PLAN = [
 ]
 
 
-def test_flat_snapshots_reach_flat_and_bucket_receivers_exactly() -> None:
+@pytest.mark.parametrize("staged", [False, True], ids=["in-place", "staged"])
+def test_flat_snapshots_reach_flat_and_bucket_receivers_exactly(staged: bool) -> None:
     # The wire is the same whichever side holds flat buffers: rank 1 receives into a flat
-    # buffer, rank 2 applies bucket by bucket; the sender broadcasts snapshots.
+    # buffer, rank 2 applies bucket by bucket; the sender broadcasts snapshots. Staged: the
+    # snapshot and rank 1's buffer pass every bucket through staging buffers on the wire's
+    # device (on a GPU node, the path of a host-memory snapshot and of SGLang's rollout role).
     sent, per_rank = run_channel(
         {1: len(FLAT_PLAN), 2: len(FLAT_PLAN)}, n=2, plan=FLAT_PLAN, timeout_s=20.0, flat_sender=True,
-        flat_receivers=(1,),
+        flat_receivers=(1,), staged=staged,
     )
     assert sent == [("sent", 1), ("sent", 2), ("sent", 3)]
     for rank in (1, 2):
@@ -86,6 +89,8 @@ def test_flat_snapshots_reach_flat_and_bucket_receivers_exactly() -> None:
             expected = {name: tensor_bytes(t) for name, t in make_weights(step["seed"])}
             assert got["version"] == step["version"] and got["weights"] == expected, (rank, step)
     assert [got["reused"] for _, got in per_rank[1]] == [False, True, False]
+    for _, got in per_rank[1]:  # staged: two buffers of the largest bucket (the embedding, every time)
+        assert got["staging_bytes"] == (2 * got["largest_bucket"] if staged else 0), got["staging_bytes"]
 
 
 def test_receiver_that_never_receives_or_never_joins_is_named() -> None:
@@ -104,12 +109,15 @@ def test_receiver_that_never_receives_or_never_joins_is_named() -> None:
     not torch.cuda.is_available() or torch.cuda.device_count() < 2,
     reason="NCCL weight channel needs CUDA and 2 GPUs (one per rank); this machine has none",
 )
-@pytest.mark.parametrize("flat", [False, True], ids=["buckets", "flat"])
-def test_nccl_channel_exact_on_cuda(flat: bool) -> None:
+@pytest.mark.parametrize("flat, host_receiver", [(False, False), (True, False), (True, True)],
+                         ids=["buckets", "flat", "flat-host-receiver"])
+def test_nccl_channel_exact_on_cuda(flat: bool, host_receiver: bool) -> None:
+    # A flat sender's snapshot is in pinned host memory, staged bucket by bucket through cuda:0;
+    # the host receiver keeps its buffer in host memory too (the rollout role of SGLang engines).
     plan = PLAN[:2]
     sent, per_rank = run_channel(
         {1: len(plan)}, n=1, plan=plan, timeout_s=60.0, device="cuda:0", receiver_device="cuda:1",
-        flat_sender=flat, flat_receivers=(1,) if flat else (),
+        flat_sender=flat, flat_receivers=(1,) if flat else (), staged=True if host_receiver else None,
     )
     assert sent == [("sent", 1), ("sent", 2)]
     for step, (kind, got) in zip(plan, per_rank[1]):

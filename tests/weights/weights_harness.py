@@ -50,17 +50,19 @@ def free_port() -> int:
 
 def sender_main(
     n: int, plan: list[dict[str, Any]], timeout_s: float, device: str, port_out: Any, results: Any,
-    flat: bool = False,
+    flat: bool = False, staged: bool | None = None,
 ) -> None:
     """Host the channel, then run each planned broadcast: {version, seed, bucket_bytes, direct_bytes}.
 
-    `flat`: send a `snapshot` (refilling the previous one) instead of loose tensors.
+    `flat`: send a `snapshot` (refilling the previous one) instead of loose tensors. `staged`:
+    the channel's `stage` (None: its default, staged when the snapshot is off the wire's device).
     """
     from relax_hpc.auth import job_secret
     from relax_hpc.weights.channel import WeightChannelSender
 
     torch.set_num_threads(1)
-    sender = WeightChannelSender("127.0.0.1", 0, n, timeout_s=timeout_s, device=device, secret=job_secret())
+    sender = WeightChannelSender("127.0.0.1", 0, n, timeout_s=timeout_s, device=device, secret=job_secret(),
+                                 stage=staged)
     port_out.put(sender.port)
     outcomes: list[tuple[str, Any]] = []
     snapshot = None
@@ -81,19 +83,22 @@ def sender_main(
 
 def receiver_main(
     port: int, rank: int, n: int, broadcasts: int, timeout_s: float, device: str, results: Any,
-    flat: bool = False,
+    flat: bool = False, staged: bool | None = None,
 ) -> None:
     """Join as `rank` and take part in `broadcasts` broadcasts (0: join, then idle until killed).
 
-    `flat`: receive into a flat buffer (the previous one when it fits) instead of applying buckets.
+    `flat`: receive into a flat buffer (the previous one when it fits) instead of applying buckets;
+    `staged`: that buffer in host memory, each bucket through staging on the wire's device.
     """
     from relax_hpc.auth import job_secret
     from relax_hpc.weights.channel import WeightChannelReceiver
 
     torch.set_num_threads(1)
     try:
+        home = "cpu" if staged else None
         receiver = WeightChannelReceiver(
-            "127.0.0.1", port, rank, n, timeout_s=timeout_s, device=device, secret=job_secret()
+            "127.0.0.1", port, rank, n, timeout_s=timeout_s, device=device, secret=job_secret(),
+            home=home, stage=staged,
         )
         if broadcasts == 0:
             results.put((rank, "joined", None))
@@ -105,7 +110,9 @@ def receiver_main(
                 previous = buffer
                 buffer, version = receiver.receive_into(previous)
                 weights = {name: tensor_bytes(t.cpu()) for name, t in buffer.named()}
-                payload = {"version": version, "reused": buffer is previous, "weights": weights}
+                payload = {"version": version, "reused": buffer is previous, "weights": weights,
+                           "staging_bytes": receiver.staging_bytes, "buffer_bytes": buffer.nbytes,
+                           "largest_bucket": max(b.nbytes for b in buffer.buckets)}
                 results.put((rank, "version", payload))
                 continue
             got: dict[str, tuple[str, tuple[int, ...], bytes]] = {}
@@ -126,14 +133,15 @@ def receiver_main(
 def run_channel(
     receivers: dict[int, int], n: int, plan: list[dict[str, Any]], timeout_s: float, device: str = "cpu",
     join_s: float = 60.0, receiver_device: str | None = None, flat_sender: bool = False,
-    flat_receivers: tuple[int, ...] = (),
+    flat_receivers: tuple[int, ...] = (), staged: bool | None = None,
 ) -> tuple[list[tuple[str, Any]], dict[int, list[tuple[str, Any]]]]:
     """Start a sender and the given receivers ({rank: broadcasts}); returns (sender results, per-rank results).
 
-    `flat_sender` sends snapshots; the ranks in `flat_receivers` receive into flat buffers.
+    `flat_sender` sends snapshots; the ranks in `flat_receivers` receive into flat buffers;
+    `staged` is given to the sender and to those receivers (see `sender_main`).
     """
     port_q, sender_q, recv_q = CTX.Queue(), CTX.Queue(), CTX.Queue()
-    sender = CTX.Process(target=sender_main, args=(n, plan, timeout_s, device, port_q, sender_q, flat_sender))
+    sender = CTX.Process(target=sender_main, args=(n, plan, timeout_s, device, port_q, sender_q, flat_sender, staged))
     sender.start()
     procs = [sender]
     try:
@@ -141,7 +149,8 @@ def run_channel(
         for rank, count in receivers.items():
             p = CTX.Process(
                 target=receiver_main,
-                args=(port, rank, n, count, timeout_s, receiver_device or device, recv_q, rank in flat_receivers),
+                args=(port, rank, n, count, timeout_s, receiver_device or device, recv_q, rank in flat_receivers,
+                      staged if rank in flat_receivers else None),
             )
             p.start()
             procs.append(p)
