@@ -289,6 +289,16 @@ def install_stop_handlers(stop: StopFlag) -> None:
 ENGINE_STATUS_EVERY_S = 5.0  # how often status.json gets the engines' report (one call to rollout)
 
 
+def memory_report(roles: Roles) -> list[dict[str, Any]]:
+    """Every role's bytes held at the end of the run; best effort: a role that cannot say is
+    left out, named on stderr, and the run's result stands."""
+    try:
+        return roles.memory_report()
+    except Exception as e:  # noqa: BLE001 - a report, never a reason to fail a finished run
+        print(f"memory: the roles could not report the bytes they hold ({type(e).__name__}: {e})", file=sys.stderr)
+        return []
+
+
 def log_status_problem(error: Exception) -> None:
     print(f"status: could not read the engines ({type(error).__name__}: {error})", file=sys.stderr)
 
@@ -455,11 +465,13 @@ def run_authenticated(spec: JobSpec, job_dir: Path, in_process: bool, ray_addres
         save_interval=spec.checkpoint.save_interval, resume=spec.checkpoint.resume,
     )
     engines: list[dict[str, Any]] = []
+    memory: list[dict[str, Any]] = []
     try:
         result = run_with_restarts(loop_cfg, roles, metrics, stop, on_step, healer,
                                    on_restart=lambda: status.set_state("running", "after a global restart"),
                                    on_save_failed=on_save_failed)
         engines = roles.engine_report()
+        memory = memory_report(roles)
     except BaseException as error:
         status.set_state("failed", f"{type(error).__name__}: {error}"[:300])
         raise
@@ -482,10 +494,11 @@ def run_authenticated(spec: JobSpec, job_dir: Path, in_process: bool, ray_addres
     summary = {"summary": report.summary_line(), "start_step": result.start_step,
                "end_step": result.end_step, "samples_trained": result.samples_trained,
                "stopped_early": result.stopped_early, "last_checkpoint": result.last_checkpoint,
-               "rollout_engines": engines, "metrics/sink_failures": metrics.failures(),
+               "rollout_engines": engines, "memory": memory, "metrics/sink_failures": metrics.failures(),
                "ckpt/save_failures": result.save_failures,
                "health": healer.book.summary() if healer else {"in_place": 0, "global": 0, "events": []}}
     atomic_write_text(job_dir / "summary.json", json.dumps(summary, indent=2))
+    status.set_memory(memory)
     status.set_checkpoint(result.last_checkpoint)
     status.set_state("stopped" if result.stopped_early else "finished", stop.reason)
     alerts.ended(report.summary_line(), result.stopped_early, stop.reason)

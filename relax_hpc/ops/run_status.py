@@ -116,6 +116,10 @@ class RunStatus:
         """The router's report (EngineRouter.report): id, address, state, weight_version, ..."""
         self._update(engines=[dict(e) for e in engines])
 
+    def set_memory(self, records: list[dict[str, Any]]) -> None:
+        """Each role's bytes held (relax_hpc/roles/memory.py MemoryRecord.as_dict)."""
+        self._update(memory=[dict(r) for r in records])
+
     def set_restarts(self, in_place: int, global_restarts: int) -> None:
         self._update(restarts={"in_place": int(in_place), "global": int(global_restarts)})
 
@@ -201,12 +205,39 @@ def status_lines(job_dir: str | Path, now: float | None = None) -> list[str]:
         out = [f"run {status.get('job')}  ({job_dir})", f"  state      {state}", _progress_line(status, now)]
     out += _role_lines((status or {}).get("roles") or {}, beats, job_dir, now, live, heartbeat_s, stale_s)
     out += _engine_lines((status or {}).get("engines") or [])
+    out += memory_lines((status or {}).get("memory") or [])
     out.append(_checkpoint_line(job_dir))
     if status is not None:
         restarts = status.get("restarts") or {}
         out.append(f"  restarts   {restarts.get('in_place', 0)} in place, {restarts.get('global', 0)} global")
         out += _event_lines(status.get("events") or [])
     return out
+
+
+def memory_lines(records: list[dict[str, Any]]) -> list[str]:
+    """One line per role: what it holds on its device and in host memory, by category (GiB or
+    MiB), and its share of the whole model's parameters."""
+    out = []
+    for r in records:
+        if not isinstance(r, dict):
+            continue
+        device = {k: v for k, v in (r.get("on_device") or {}).items() if v}
+        host = {k: v for k, v in (r.get("in_host_memory") or {}).items() if v}
+        model = r.get("model_bytes") or 0
+        share = ""
+        if model and "parameters" in device:
+            share = f" ({device['parameters'] / model:.0%} of the model's parameters)"
+        parts = ", ".join(f"{k} {_bytes_text(v)}" for k, v in device.items()) or "nothing"
+        line = f"  memory     {r.get('role')} {r.get('rank')} on {r.get('device')}: {parts}{share}"
+        if host:
+            line += "; host: " + ", ".join(f"{k} {_bytes_text(v)}" for k, v in host.items())
+        out.append(line)
+    return out
+
+
+def _bytes_text(n: Any) -> str:
+    n = float(n)
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def _health_settings(job_dir: Path) -> tuple[float, float]:

@@ -312,6 +312,15 @@ class ActorWorker(WeightSenderEndpoint, Heartbeats):
         self._gather_weights()  # every rank loads, so every rank gathers: the restored weights
         return state
 
+    def memory_record(self) -> dict[str, Any]:
+        """The bytes this rank holds, from its tensors (relax_hpc/roles/memory.py)."""
+        from relax_hpc.roles.memory import trainer_record
+
+        snapshot, staging = self.weight_channel_bytes()
+        gathered = [t for _, t in self._gathered] if self._gathered is not None else []
+        return trainer_record(self.backend, self.rank, {"weight_snapshot": snapshot, "gathered_weights": gathered},
+                              staging).as_dict()
+
     def shutdown(self) -> None:
         self.close_weight_channel()
         if self._queue is not None:

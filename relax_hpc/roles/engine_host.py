@@ -88,6 +88,14 @@ class EngineHost(Heartbeats):
     def weight_version(self) -> int:
         return self.engine.weight_version
 
+    def memory_record(self, index: int = 0) -> dict[str, Any]:
+        """The bytes this engine holds, from its model's tensors (relax_hpc/roles/memory.py)."""
+        from relax_hpc.roles.memory import engine_record
+
+        model = getattr(self.engine, "model", None)
+        return engine_record(model if isinstance(model, torch.nn.Module) else None, index,
+                             str(getattr(self.engine, "device", "cpu"))).as_dict()
+
     def current_weights(self) -> list[tuple[str, torch.Tensor]]:
         """The weights it serves (a joining engine loads them), by the names `load_weights` takes."""
         model = getattr(self.engine, "model", None)

@@ -84,6 +84,8 @@ class Roles(Protocol):
     def restore_cursor(self, state: dict) -> None: ...
     def dataset_summary(self) -> str: ...
     def engine_report(self) -> list[dict[str, Any]]: ...
+    def memory_report(self) -> list[dict[str, Any]]:
+        """Every trainer rank's, rollout's and engine actor's bytes held (relax_hpc/roles/memory.py)."""
     def elastic(self, action: str, body: dict[str, Any]) -> ElasticReply:
         """One elastic REST request, answered by rollout (engines/elastic_api.py)."""
     def shutdown(self, abandon: bool = False) -> None: ...
@@ -142,6 +144,9 @@ class LocalRoles:
 
     def engine_report(self) -> list[dict[str, Any]]:
         return self.rollout.engine_report()
+
+    def memory_report(self) -> list[dict[str, Any]]:
+        return [self.actor.memory_record(), self.rollout.memory_record()]
 
     def elastic(self, action: str, body: dict[str, Any]) -> ElasticReply:
         return self.rollout.elastic(action, body)
@@ -603,6 +608,12 @@ class RayRoles:
 
     def engine_report(self) -> list[dict[str, Any]]:
         return self._rollout_call("reporting its engines", "engine_report")
+
+    def memory_report(self) -> list[dict[str, Any]]:
+        trainer = self._all("reporting the bytes it holds", STATUS_TIMEOUT_S, "memory_record")
+        engines = get_from_roles([(f"rollout engine {i}", e.memory_record.remote(i)) for i, e in enumerate(self._engines)],
+                                 "reporting the bytes it holds", STATUS_TIMEOUT_S)
+        return [*trainer, self._rollout_call("reporting the bytes it holds", "memory_record"), *engines]
 
     def elastic(self, action: str, body: dict[str, Any]) -> ElasticReply:
         return self._rollout_call(f"answering the elastic request {action!r}", "elastic", action, body)

@@ -280,6 +280,17 @@ class RolloutWorker(WeightReceiverEndpoint, Heartbeats):
     def weight_inbox(self) -> WeightInbox:
         return self._inbox
 
+    def memory_record(self) -> dict[str, Any]:
+        """The bytes this role holds, from its tensors (relax_hpc/roles/memory.py): the weights of
+        its engines in this process and the inbox's buffers."""
+        from relax_hpc.roles.memory import rollout_record
+
+        clients = [e.client for e in getattr(self.engine, "engines", [])]
+        modules = [m for m in (getattr(getattr(c, "engine", None), "model", None) for c in clients)
+                   if isinstance(m, torch.nn.Module)]
+        return rollout_record(modules, self._inbox.buffers(), self.cfg.device, self.weight_home() is None,
+                              self.weight_receiver_staging_bytes()).as_dict()
+
     def weight_home(self) -> str | None:
         """Received versions stay on the wire's device only for the one engine that computes with
         them in place (a native engine in this process binds the buffer). SGLang servers, engine

@@ -98,6 +98,12 @@ class WeightSenderEndpoint(abc.ABC):
         self.start_send_weights(version)
         return self.finish_send_weights()
 
+    def weight_channel_bytes(self) -> tuple[list[torch.Tensor], int]:
+        """What this sender holds for the channel: its snapshot (whole model, in `home`) and the
+        bytes of its staging buffers on the wire's device."""
+        snapshot = [self._weight_snapshot.buffer] if self._weight_snapshot is not None else []
+        return snapshot, self._weight_sender.staging_bytes if self._weight_sender is not None else 0
+
     def close_weight_channel(self) -> None:
         sender, self._weight_sender, self._weight_pending = self._weight_sender, None, None
         self._weight_snapshot = None
@@ -164,6 +170,9 @@ class WeightReceiverEndpoint(abc.ABC):
             raise
         self.commit_weights(version)
         return version
+
+    def weight_receiver_staging_bytes(self) -> int:
+        return self._weight_receiver.staging_bytes if self._weight_receiver is not None else 0
 
     def close_weight_channel(self) -> None:
         receiver, self._weight_receiver = self._weight_receiver, None
@@ -264,6 +273,13 @@ class WeightInbox:
             with self._changed:
                 self._spare = released
         return version
+
+    def buffers(self) -> list[torch.Tensor]:
+        """The flat buffers this inbox holds now (installed, waiting, spare, being received)."""
+        with self._changed:
+            held = [self._bound, self._spare, self._staged_flat,
+                    self._ready if isinstance(self._ready, FlatWeights) else None]
+        return [flat.buffer for flat in held if flat is not None]
 
     def release_buffers(self) -> int:
         """Drop the flat buffers kept for the engine (the one it ran on, and the spare) while

@@ -65,8 +65,10 @@ def test_fsdp2_over_two_processes_with_two_engines_trains_the_tiny_spec(tiny_mod
     # As the default strategy's end-to-end test: a random policy answers ~1-2% right.
     assert first < 0.05
     assert last > 3 * first and last > 0.08, (first, last)
-    engines = json.loads((job / "summary.json").read_text())["rollout_engines"]
+    summary = json.loads((job / "summary.json").read_text())
+    engines = summary["rollout_engines"]
     assert [e["id"] for e in engines] == ["engine-0", "engine-1"]
+    _each_rank_holds_its_share(summary["memory"], world=2)
     assert all(e["alive"] and e["samples"] > 0 for e in engines), engines
     assert sum(e["samples"] for e in engines) == STEPS * 8 * 32  # the embedded spec's 8 x 32 per step
 
@@ -79,3 +81,30 @@ def test_fsdp2_over_two_processes_with_two_engines_trains_the_tiny_spec(tiny_mod
     unchanged = [n for (n, p), (_, q) in zip(before.named_parameters(), after.named_parameters())
                  if torch.equal(p, q)]
     assert unchanged == [], f"parameters not trained: {unchanged}"
+
+
+def _each_rank_holds_its_share(records: list[dict], world: int) -> None:
+    """From the roles' memory records: each sharded rank's parameters and AdamW state are at most
+    1/W + 0.1 of the whole model's (parameters plus two float32 moments), nothing a trainer rank
+    keeps on its device is a whole copy of the model (rank 0's gathered copy for the engines is in
+    host memory by design), the rollout role of two engines keeps its buffers in host memory, and
+    each engine actor holds one copy."""
+    trainers = [r for r in records if r["role"] == "trainer"]
+    assert sorted(r["rank"] for r in trainers) == list(range(world)), records
+    for r in trainers:
+        model, held = r["model_bytes"], r["on_device"]
+        assert model > 0 and held["parameters"] > 0 and held["optimizer"] > 0, r
+        assert held["parameters"] + held["optimizer"] <= (1 / world + 0.1) * 3 * model, r
+        copies = {k: held[k] for k in ("parameters", "gradients", "reference", "teacher", "channel_buffers")}
+        assert all(v < model for v in copies.values()), r  # AdamW's two moments of a half are one model's bytes
+    assert trainers[0]["in_host_memory"]["gathered_weights"] >= trainers[0]["model_bytes"]
+    (rollout,) = [r for r in records if r["role"] == "rollout"]  # its two engines are actors of their own
+    assert rollout["on_device"] == {"engine_weights": 0, "channel_buffers": 0}, rollout
+    assert rollout["in_host_memory"]["weight_buffers"] >= rollout_model(records), rollout
+    engines = [r for r in records if r["role"] == "engine"]
+    assert [r["rank"] for r in engines] == [0, 1]
+    assert all(r["on_device"]["engine_weights"] >= r["model_bytes"] > 0 for r in engines), engines
+
+
+def rollout_model(records: list[dict]) -> int:
+    return max(r["model_bytes"] for r in records if r["role"] == "trainer")
