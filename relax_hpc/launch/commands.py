@@ -257,7 +257,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     from relax_hpc.launch.convert import convert_checkpoint
 
     result = convert_checkpoint(Path(args.job_dir), Path(args.out), step=args.step, on_slurm=args.slurm,
-                                partition=args.partition, time_min=args.time_min)
+                                partition=args.partition, time_min=args.time_min, device=args.device)
     print(result)
     return 0
 
@@ -349,4 +349,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     p.add_argument("--slurm", action="store_true", help="run as a Slurm job through submitit")
     p.add_argument("--partition", default=None)
     p.add_argument("--time-min", type=int, default=30)
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="where a megatron backend checkpoint's model is built for the conversion (default cpu; "
+                        "cuda with Transformer Engine for mixture-of-experts models)")
     p.set_defaults(func=cmd_convert)

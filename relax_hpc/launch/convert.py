@@ -1,9 +1,10 @@
 """`relax-hpc convert`: export a job's DCP checkpoint to a Hugging Face model directory.
 
-Runs here (``export_hf`` in this process), or with ``on_slurm`` as a one-node Slurm job through
-submitit: a plain Python callable is exactly what submitit is for (it pickles the call, submits
-it, and brings the result or the traceback back), whereas the training job itself is a
-heterogeneous job that submitit cannot express and that relax_hpc renders itself.
+Runs here (``export_checkpoint`` in this process, for either backend's checkpoint), or with
+``on_slurm`` as a one-node Slurm job through submitit: a plain Python callable is exactly what
+submitit is for (it pickles the call, submits it, and brings the result or the traceback back),
+whereas the training job itself is a heterogeneous job that submitit cannot express and that
+relax_hpc renders itself.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from pathlib import Path
 from relax_hpc.ckpt.layout import LATEST_FILE, parse_latest, step_dir_name
 from relax_hpc.spec import load_spec
 
-__all__ = ["checkpoint_dir_of", "convert_checkpoint"]
+__all__ = ["checkpoint_dir_of", "convert_checkpoint", "export_checkpoint"]
 
 
 def checkpoint_dir_of(job_dir: Path, step: int | None) -> Path:
@@ -33,18 +34,37 @@ def checkpoint_dir_of(job_dir: Path, step: int | None) -> Path:
     return path
 
 
-def _export(checkpoint: str, model_dir: str, out_dir: str) -> str:
-    from relax_hpc.ckpt.export import export_hf
+def export_checkpoint(checkpoint: Path, model_dir: Path, out_dir: Path, *, overwrite: bool = False,
+                      device: str = "cpu") -> Path:
+    """Export a checkpoint of either backend to an HF directory at ``out_dir``; returns it.
 
-    return str(export_hf(Path(checkpoint), Path(model_dir), Path(out_dir)))
+    A torch backend checkpoint goes through ``relax_hpc.ckpt.export.export_hf`` (text, VL and
+    omni models), a megatron backend one through megatron-bridge
+    (``relax_hpc.backends.megatron_export``, built on ``device``); which wrote it is read from its
+    files (``relax_hpc.ckpt.formats``), once it is known to be safe to read.
+    """
+    from relax_hpc.ckpt.export import check_export_paths, export_hf
+    from relax_hpc.ckpt.formats import checkpoint_backend
+
+    check_export_paths(checkpoint, model_dir, out_dir, overwrite=overwrite)
+    if checkpoint_backend(Path(checkpoint)) == "megatron":
+        from relax_hpc.backends.megatron_export import export_megatron_hf
+
+        return export_megatron_hf(Path(checkpoint), Path(model_dir), Path(out_dir), overwrite=overwrite,
+                                  device=device)
+    return export_hf(Path(checkpoint), Path(model_dir), Path(out_dir), overwrite=overwrite)
+
+
+def _export(checkpoint: str, model_dir: str, out_dir: str, device: str = "cpu") -> str:
+    return str(export_checkpoint(Path(checkpoint), Path(model_dir), Path(out_dir), device=device))
 
 
 def convert_checkpoint(job_dir: Path, out_dir: Path, step: int | None = None, on_slurm: bool = False,
-                       partition: str | None = None, time_min: int = 30) -> str:
+                       partition: str | None = None, time_min: int = 30, device: str = "cpu") -> str:
     """Export; the output directory (local) or a line naming the submitted Slurm job."""
     spec = load_spec(job_dir / "spec.toml")
     checkpoint = checkpoint_dir_of(job_dir, step)
-    args = (str(checkpoint), spec.model.path, str(out_dir.resolve()))
+    args = (str(checkpoint), spec.model.path, str(out_dir.resolve()), device)
     if not on_slurm:
         return f"wrote {_export(*args)}"
     import submitit
