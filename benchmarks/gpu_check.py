@@ -7,18 +7,21 @@ Two parts, each printed as it ends and written together as JSON to `--out`:
 1. **Training step on CUDA** (`TorchBackend.train`, GRPO loss) on a Qwen3-shaped model built here
    (`--hidden`, `--layers`), in three precisions from the same weights and the same batch:
    * `fp32`: float32 weights and compute (the reference);
-   * `bf16`: bfloat16 weights, compute and AdamW (what `dtype = "bfloat16"` with `ddp` does);
-   * `fsdp2-mp`: `strategy = "fsdp2"` on one rank: float32 master weights and optimizer state,
-     bfloat16 compute, float32 gradient reduction (FSDP2's `MixedPrecisionPolicy`).
+   * `bf16`: `dtype = "bfloat16"` with `ddp`: float32 master weights and AdamW state, bfloat16
+     compute under autocast;
+   * `fsdp2-mp`: `dtype = "bfloat16"` with `strategy = "fsdp2"` on one rank: float32 master
+     weights and optimizer state, bfloat16 compute, float32 gradient reduction (FSDP2's
+     `MixedPrecisionPolicy`).
    For each: the median step time over `--steps` steps after one warm-up, tokens per second,
    the peak of allocated device memory, the first step's loss, and the share of weight elements
-   that one AdamW step at lr 1e-6 changed (bf16 weights round most such updates away).
+   that one AdamW step at lr 1e-6 changed in the parameters (bf16 weights would round most such
+   updates away).
 2. **Weight channel over NCCL**, a sender and a receiver process on the same GPU, two versions
    exact to the byte (tests/weights/weights_harness.py). NCCL refuses two ranks of one
    communicator on one device on some versions; the error is then recorded as the result.
 
 Needs a CUDA device. The last line is the summary, e.g.
-``gpu check: fsdp2-mp step 0.91x of fp32 time, 1.00 of elements changed at lr 1e-6 (bf16: 0.02)``.
+``gpu check: fsdp2-mp step 0.91x of fp32 time, 1.00 of elements changed at lr 1e-6 (bf16: 1.00)``.
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ LR = 1e-6
 MODES = {  # name: (model dtype, strategy)
     "fp32": ("float32", "ddp"),
     "bf16": ("bfloat16", "ddp"),
-    "fsdp2-mp": ("float32", "fsdp2"),
+    "fsdp2-mp": ("bfloat16", "fsdp2"),
 }
 
 
@@ -66,7 +69,10 @@ def make_samples(batch: int, prompt_len: int, response_len: int) -> list[Sample]
 
 
 def weights_on_cpu(backend: TorchBackend) -> dict[str, torch.Tensor]:
-    return {name: t.detach().float().cpu().clone() for name, t in backend.named_weights()}
+    """The trained parameters themselves (the float32 masters; `named_weights` would round them to
+    the engines' dtype)."""
+    return {name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float().cpu().clone()
+            for name, p in backend.model.named_parameters()}
 
 
 def sync(device: str) -> None:

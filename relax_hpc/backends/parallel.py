@@ -1,30 +1,41 @@
-"""How trainer ranks split the work: which device each rank uses, and FSDP2 sharding.
+"""How trainer ranks split the work: which device each rank uses, FSDP2 sharding, master weights.
 
 `[train] strategy` picks one of two layouts of the trainer's data-parallel ranks:
 
 * `ddp`: every rank holds the whole model and optimizer; gradients are summed with all-reduce
   (`TorchBackend._all_reduce_grads`).
-* `fsdp2`: every decoder layer, then the root module, is wrapped with `fully_shard` on a 1-D
-  device mesh over the ranks, so parameters, gradients and optimizer state are split evenly;
-  a layer's parameters are all-gathered for its forward and backward, and gradients are
-  reduce-scattered (summed, like `ddp`'s all-reduce). On CUDA compute runs in bfloat16 with
-  float32 gradient reduction; on CPU (gloo) there is no mixed precision.
+* `fsdp2`: the model is cut into FSDP2 units (`fsdp_units`: each decoder layer of the language
+  model, each media tower of a VL / omni model, then the root) and each unit is wrapped with
+  `fully_shard` on a 1-D device mesh over the ranks, so parameters, gradients and optimizer
+  state are split evenly; a unit's parameters are all-gathered for its forward and backward,
+  and gradients are reduce-scattered (summed, like `ddp`'s all-reduce).
+
+Master weights: whatever `[model] dtype` says, the trained parameters, their gradients and the
+AdamW state are float32 (`keep_float32_masters`); the dtype is the compute dtype. Sharded,
+FSDP2's `MixedPrecisionPolicy` all-gathers the parameters in it and reduces gradients in
+float32, on CUDA (NCCL) and CPU (gloo) alike; one unsharded process computes under autocast
+(`TorchBackend`). Weights leave the trainer in the dtype they were loaded in (`full_weights`).
 
 Sharded parameters make every forward and backward a collective: all ranks must run as many
-(`TorchBackend` pads the ranks with fewer micro-batches with empty passes).
+(`TorchBackend` pads the ranks with fewer micro-batches with empty passes), and every pass
+must issue the same collectives in the same order on every rank, whatever media its rows
+carry (`shard_model` explains how the towers ensure it).
 """
-
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from typing import get_args
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, get_args
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from relax_hpc.spec.schema import TrainStrategy
+
+if TYPE_CHECKING:  # FSDP loads when a model is sharded, not with this module
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
 Strategy = TrainStrategy
 STRATEGIES: tuple[Strategy, ...] = get_args(TrainStrategy)
@@ -64,55 +75,150 @@ def ray_gpu_ids() -> list[int | str]:
         return []
 
 
-def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The transformer blocks of an HF causal LM (`model.model.layers` for Llama / Qwen families)."""
-    base = getattr(model, getattr(model, "base_model_prefix", "model"), None)
-    layers = getattr(base, "layers", None) or getattr(model, "layers", None)
-    if layers is None:
+_TOWERS = ("visual", "audio_tower")  # the media encoders' attribute names in the Qwen VL / omni models
+
+
+@dataclass(frozen=True)
+class FsdpUnits:
+    """The modules `shard_model` wraps, with their attribute paths from the trained model."""
+
+    layers: list[tuple[str, nn.Module]]  # the language model's decoder layers, in order
+    towers: list[tuple[str, nn.Module]]  # media encoders (vision, audio), each one unit
+
+
+def fsdp_units(model: nn.Module) -> FsdpUnits:
+    """The FSDP2 units of an HF causal LM, VL model or omni thinker (the root takes the rest).
+
+    The decoder layers live at `<base>.layers` for text models and at
+    `<base>.language_model.layers` for the Qwen VL and omni families (`<base>` is the model's
+    `base_model_prefix`, "model"); the towers at `<base>.visual` and `<base>.audio_tower`.
+    `relax_hpc.backends.fsdp_layout` states the same from config.json, for `validate`.
+    """
+    prefix = getattr(model, "base_model_prefix", "model") or "model"
+    base = getattr(model, prefix, None)
+    candidates = [(f"{prefix}.layers", getattr(base, "layers", None)),
+                  (f"{prefix}.language_model.layers", getattr(getattr(base, "language_model", None), "layers", None)),
+                  ("layers", getattr(model, "layers", None))]
+    found = [(path, layers) for path, layers in candidates if isinstance(layers, nn.ModuleList) and len(layers)]
+    if not found:
         raise ValueError(
-            f"[train] strategy = \"fsdp2\" wraps each decoder layer, but {type(model).__name__} has no "
-            "model.layers; use strategy = \"ddp\" for this model"
+            f"[train] strategy = \"fsdp2\" wraps each decoder layer, but {type(model).__name__} has none "
+            f"at {', '.join(path for path, _ in candidates)}; use strategy = \"ddp\" for this model"
         )
-    return list(layers)
+    path, layers = found[0]
+    towers = [(f"{prefix}.{name}", tower) for name in _TOWERS
+              if isinstance(tower := getattr(base, name, None), nn.Module) and any(True for _ in tower.parameters())]
+    return FsdpUnits([(f"{path}.{i}", layer) for i, layer in enumerate(layers)], towers)
 
 
-def shard_model(model: nn.Module, device: torch.device) -> nn.Module:
-    """Wrap each decoder layer, then the root, with FSDP2's `fully_shard` over all ranks (in place).
+def keep_float32_masters(model: nn.Module) -> dict[str, torch.dtype]:
+    """Cast `model`'s floating parameters to float32 in place (the master weights that AdamW
+    steps); returns the dtype each state-dict tensor had, which is what engines were loaded in
+    and what weights must leave in (`full_weights`, `TorchBackend.named_weights`).
+
+    An AdamW step of lr 1e-6 on a bfloat16 weight is below half its ulp and rounds away; kept in
+    float32, it does not. Buffers are left as they are (HF keeps rotary tables in float32).
+    Tied parameters are one object, so they stay tied.
+    """
+    loaded = {name: tensor.dtype for name, tensor in model.state_dict().items()}
+    for param in model.parameters():
+        if param.is_floating_point() and param.dtype != torch.float32:
+            param.data = param.data.float()
+    return loaded
+
+
+def mixed_precision(compute_dtype: torch.dtype, root: bool = False) -> MixedPrecisionPolicy:
+    """FSDP2's policy for float32 masters computing in `compute_dtype`: parameters all-gathered
+    in it, gradients reduce-scattered in float32; the root's output (the logits, whose log-probs
+    make the loss) cast to float32. float32 compute: no casts at all."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if compute_dtype == torch.float32:
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32,
+                                output_dtype=torch.float32 if root else None)
+
+
+def shard_model(model: nn.Module, device: torch.device, compute_dtype: torch.dtype = torch.float32) -> nn.Module:
+    """Wrap each decoder layer, each media tower, then the root with FSDP2's `fully_shard` over
+    all ranks (in place), computing in `compute_dtype` (from the policy's float32 masters, or a
+    frozen model's own dtype).
 
     Gradients are summed over ranks rather than averaged: the loss is already divided by the
     whole step's token (or sequence) count, as with `ddp`.
+
+    Media towers and ranks without media: the model calls a tower only for the images, videos or
+    audio its rows carry, so a rank with a media-free micro-batch (or an empty padding pass)
+    would skip the tower's all-gather and reduce-scatter while another rank waits in them. So
+    every pass gathers every tower on every rank, in a fixed order, from a forward pre-hook of
+    the root (after the root's own all-gather, before any layer's), and the towers keep their
+    parameters unsharded until the pass ends (`reshard_after_forward=False`): the model's calls
+    of a tower (none, one, or one each for images and videos) then issue no collective. In
+    backward, a tower's inputs (pixel values, audio features) never require grad, so FSDP2
+    reduces its gradients in its end-of-backward callback, on every rank, in the same order;
+    `set_reduce_scatter_unused_params` makes a rank whose rows left a tower (or an MoE expert)
+    without gradient reduce zeros for it instead of skipping the reduce-scatter. A pass without
+    backward (log-probs) reshards the towers when the root's forward returns.
+
+    A tower is one unit rather than one per block: it is gathered whole for the pass anyway, and
+    it is small beside the language model (about 0.4-0.6 B parameters against 4-30 B).
     """
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import FSDPModule, fully_shard
 
+    units = fsdp_units(model)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    layer_policy = root_policy = MixedPrecisionPolicy()  # CPU: every tensor in its own dtype
-    if device.type == "cuda":
-        layer_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        # Logits leave the model in float32: the log-probs of the loss are taken from them.
-        root_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
-                                           output_dtype=torch.float32)
-    for layer in decoder_layers(model):
-        fully_shard(layer, mesh=mesh, mp_policy=layer_policy)
-    fully_shard(model, mesh=mesh, mp_policy=root_policy)
+    policy = mixed_precision(compute_dtype)
+    for _, layer in units.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    towers = [tower for _, tower in units.towers]
+    for tower in towers:
+        fully_shard(tower, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
+    fully_shard(model, mesh=mesh, mp_policy=mixed_precision(compute_dtype, root=True))
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
+            module.set_reduce_scatter_unused_params(True, recurse=False)
+    if towers:
+        _gather_towers_every_pass(model, towers)
     return model
 
 
-def full_weights(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """The whole model's state dict with HF names, gathered on CPU. Collective: every rank must
-    call it; rank 0 gets every tensor, the other ranks an empty list."""
+def _gather_towers_every_pass(model: nn.Module, towers: list[nn.Module]) -> None:
+    """The hooks `shard_model` describes: all-gather each tower at the start of every forward of
+    the root, and reshard them at its end when no backward will."""
+
+    def gather(module: nn.Module, args: Any, kwargs: Any) -> None:
+        for tower in towers:
+            tower.unshard()  # type: ignore[operator]  # an FSDPModule; a no-op when already gathered
+
+    def release(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        if not torch.is_grad_enabled():
+            for tower in towers:
+                tower.reshard()  # type: ignore[operator]
+
+    model.register_forward_pre_hook(gather, with_kwargs=True)
+    model.register_forward_hook(release, with_kwargs=True)
+
+
+def full_weights(model: nn.Module, dtypes: Mapping[str, torch.dtype] | None = None) -> list[tuple[str, torch.Tensor]]:
+    """The whole model's state dict with HF names, gathered on CPU, each tensor cast to its dtype
+    in `dtypes` (`keep_float32_masters`' record: what the engines hold). Collective: every rank
+    must call it; rank 0 gets every tensor, the other ranks an empty list."""
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_model_state_dict,
     )
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return [(name, tensor) for name, tensor in get_model_state_dict(model, options=options).items()
-            if isinstance(tensor, torch.Tensor)]
+    state = get_model_state_dict(model, options=options)
+    out = []
+    for name in list(state):
+        tensor = state.pop(name)  # freed once cast: the peak stays the float32 state dict
+        if isinstance(tensor, torch.Tensor):
+            out.append((name, tensor if dtypes is None else tensor.to(dtypes.get(name, tensor.dtype))))
+    return out
 
 
 def is_sharded(model: nn.Module) -> bool:

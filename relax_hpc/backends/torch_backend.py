@@ -10,11 +10,14 @@ Every optimizer step takes the gradient of the loss of its whole batch, however 
 split into micro-batches and ranks: the aggregation's denominator (trained tokens for
 `token_mean`, sequences for `seq_mean_token_mean`) is the count over all micro-batches and all
 ranks of the step, not each micro-batch's own (see `relax_hpc.algos.aggregation`).
+
+The policy trains float32 master weights whatever `[model] dtype` is (AdamW steps of lr 1e-6
+would round away in bfloat16); the dtype is what it computes in (FSDP2's mixed precision when
+sharded, autocast otherwise) and what its weights leave in for the engines (`named_weights`).
 """
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, TypeVar
@@ -32,10 +35,11 @@ from relax_hpc.algos import (
 from relax_hpc.algos.aggregation import loss_denominator
 from relax_hpc.algos.losses import STEP_SUM_STATS
 from relax_hpc.backends.batch import TrainBatch, pack_samples
-from relax_hpc.backends.parallel import STRATEGIES, Strategy, full_weights, shard_model
+from relax_hpc.backends.parallel import STRATEGIES, Strategy, full_weights, keep_float32_masters, shard_model
+from relax_hpc.backends.sharded_load import load_model
 from relax_hpc.data.sample import Sample
 from relax_hpc.media.processor import media_processor_for
-from relax_hpc.models.hf import is_multimodal, load_policy_model, load_tokenizer
+from relax_hpc.models.hf import is_multimodal, load_tokenizer
 from relax_hpc.spec.schema import TrainSpec
 
 if TYPE_CHECKING:  # annotations only: DCP loads when a checkpoint is saved or loaded, not with the backend
@@ -113,7 +117,27 @@ class TorchBackend:
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy={strategy!r}: use one of {', '.join(STRATEGIES)} ([train] strategy)")
         self.device = torch.device(device)
-        self.model = load_policy_model(model_path, dtype=dtype, device=device)
+        self.world_size = dist.get_world_size() if dist.is_initialized() else 1
+        # One CPU process has nothing to shard: fsdp2 then trains the whole model, as ddp does. One
+        # CUDA rank still wraps, computing through FSDP2's mixed precision rather than autocast,
+        # when it runs in a process group (benchmarks/gpu_check.py makes one; the trainer role
+        # makes one only for several ranks).
+        self.sharded = strategy == "fsdp2" and (
+            self.world_size > 1 or (self.device.type == "cuda" and dist.is_initialized()))
+        # Master weights: the policy's parameters, gradients and AdamW state are float32 whatever
+        # `dtype` is; `dtype` is the compute dtype (the reference and teacher, inference only, stay
+        # in it), and the dtype each weight leaves in for the engines (`named_weights`).
+        self.compute_dtype: torch.dtype = getattr(torch, dtype)
+        self.weight_dtypes: dict[str, torch.dtype] = {}
+
+        def keep_masters(model: torch.nn.Module) -> None:  # before sharding: FSDP2 shards them
+            self.weight_dtypes = keep_float32_masters(model)
+
+        # Sharded, every model is built on the meta device and sharded (FSDP2 casts to the compute
+        # dtype as it all-gathers); only this rank's shards are ever materialised on its device,
+        # filled from rank 0's host copy (sharded_load). Else each model loads whole.
+        shard = (lambda model: shard_model(model, self.device, self.compute_dtype)) if self.sharded else None
+        self.model = load_model(model_path, dtype, self.device, shard, prepare=keep_masters)
         self.model.train()
         # A multimodal model: each micro-batch's media tensors and M-RoPE positions are built
         # from its rows' canonical media, exactly as the engine builds them for the prompt.
@@ -128,27 +152,22 @@ class TorchBackend:
         pad = tokenizer.pad_token_id
         self.pad_id = int(pad if pad is not None else tokenizer.eos_token_id)
         self.optim_cfg, self.loss_cfg, self.temperature = optim, loss, temperature
-        # The frozen reference and teacher are whole copies on every rank (inference only).
+        # The frozen reference (the policy as loaded) and teacher are laid out like the policy: whole
+        # on every rank, or sharded the same way, never a whole copy (their forwards are then
+        # collectives too, see `_in_lockstep`).
         self.reference: torch.nn.Module | None = None
         if loss.kl_coef > 0 and keep_reference:  # else a Reference role supplies ref_log_probs
-            self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
+            self.reference = load_model(model_path, dtype, self.device, shard).eval().requires_grad_(False)
         # On-policy distillation: a frozen teacher whose log-probs shape the per-token advantage.
         self.teacher: torch.nn.Module | None = None
         if teacher_path is not None:
             if is_multimodal(teacher_path):
                 raise ValueError("on-policy distillation from a multimodal teacher is not supported yet; "
                                  "use a text-only teacher model")
-            self.teacher = load_policy_model(teacher_path, dtype=dtype, device=device).eval().requires_grad_(False)
+            self.teacher = load_model(teacher_path, dtype, self.device, shard).eval().requires_grad_(False)
         self.opd_coef = opd_coef
-        self.world_size = dist.get_world_size() if dist.is_initialized() else 1
-        # One CPU process has nothing to shard: fsdp2 then trains the whole model, as ddp does. One
-        # CUDA rank still wraps, for FSDP2's mixed precision (float32 master weights and AdamW
-        # state, bfloat16 compute), when it runs in a process group (benchmarks/gpu_check.py makes
-        # one; the trainer role makes one only for several ranks).
-        self.sharded = strategy == "fsdp2" and (
-            self.world_size > 1 or (self.device.type == "cuda" and dist.is_initialized()))
-        if self.sharded:
-            shard_model(self.model, self.device)
+        # Unsharded, autocast computes in it from the float32 parameters (`_compute`).
+        self._autocast = not self.sharded and self.compute_dtype != torch.float32
         # After sharding: FSDP2 replaces the parameters with sharded ones.
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=optim.lr, betas=optim.adam_betas,
@@ -159,7 +178,8 @@ class TorchBackend:
 
     def _logprobs(self, model: torch.nn.Module, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
         extra = self._media_kwargs(model, batch) if model is not self.teacher else {}
-        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, **extra).logits
+        with self._compute():
+            logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, **extra).logits
         if extra:  # the engine never samples media markup (MediaProcessor.mask_markup)
             logits = self.media_processor.mask_markup(logits)
         return token_logprobs_and_entropy(logits[:, :-1], batch.targets, self.temperature)
@@ -189,7 +209,7 @@ class TorchBackend:
         step = self.optim_cfg.micro_batch_size
         for start in self._in_lockstep(range(0, len(samples), step), model):
             if start is None:
-                self._empty_pass(backward=False)
+                self._empty_pass(backward=False, model=model)
                 continue
             chunk = samples[start : start + step]
             batch = pack_samples(chunk, self.pad_id).to(self.device)
@@ -223,7 +243,7 @@ class TorchBackend:
             if old_logp is None and mini > 1:
                 old_logp = self._full_logprobs(self.model, batch)
             ref_logp = None if batch is None else batch.ref_log_probs
-            if ref_logp is None and self.reference is not None and batch is not None:
+            if ref_logp is None and self.reference is not None:  # rowless ranks too: collective when sharded
                 ref_logp = self._full_logprobs(self.reference, batch)
         stats: dict[str, list[float]] = {}
         for k in range(mini):
@@ -241,7 +261,7 @@ class TorchBackend:
         parts = []
         for i in self._in_lockstep(range(0, 0 if batch is None else len(batch), step), model):
             if i is None or batch is None:
-                self._empty_pass(backward=False)
+                self._empty_pass(backward=False, model=model)
             else:
                 parts.append(self._logprobs(model, batch.slice(i, i + step))[0])
         return torch.cat(parts) if parts else None
@@ -298,18 +318,18 @@ class TorchBackend:
             if packed is None:
                 if provisional is None:
                     provisional = self._provisional_count(0.0)
-                self._empty_pass(backward=True)
+                self._empty_pass(backward=True, reference=True)
                 continue
             micro = packed.to(self.device)
+            micro_count = loss_denominator(micro.loss_mask, self.loss_cfg.loss_agg)
+            if provisional is None:  # before the reference's forward, as on a rank without rows
+                provisional = self._provisional_count(micro_count)
             # Fields written by the ActorFwd / Reference roles are used when present; otherwise
             # the trainer computes them itself.
             ref_logp = micro.ref_log_probs
             if ref_logp is None and self.reference is not None:
                 with torch.no_grad():
                     ref_logp = self._logprobs(self.reference, micro)[0]
-            micro_count = loss_denominator(micro.loss_mask, self.loss_cfg.loss_agg)
-            if provisional is None:
-                provisional = self._provisional_count(micro_count)
             stats.add(self._backward_micro(micro, micro.old_log_probs, ref_logp, provisional), micro.loss_mask)
             rows += len(micro)
             count += micro_count
@@ -352,11 +372,11 @@ class TorchBackend:
     def _in_lockstep(self, items: Iterable[T], model: torch.nn.Module) -> Iterator[T | None]:
         """This rank's items, then None until every rank is through its own.
 
-        With sharded parameters every forward and backward of `model` is collective, so every
-        rank must run as many; None asks for an empty pass (`_empty_pass`). The reference and
-        teacher are not sharded: for them, and without sharding, only the items.
+        With sharded parameters every forward and backward of `model` (the policy, and the
+        reference and teacher, sharded like it) is collective, so every rank must run as many;
+        None asks for an empty pass (`_empty_pass`). Without sharding, only the items.
         """
-        if not (self.sharded and model is self.model):
+        if not self.sharded:
             yield from items
             return
         remaining = iter(items)
@@ -367,14 +387,35 @@ class TorchBackend:
                 return
             yield item
 
-    def _empty_pass(self, backward: bool) -> None:
+    def _empty_pass(self, backward: bool, model: torch.nn.Module | None = None, reference: bool = False) -> None:
         """A forward (and backward) of one pad token with a zero loss: the collectives of a pass
-        for a rank with no rows left, adding nothing to any gradient."""
+        for a rank with no rows left, adding nothing to any gradient.
+
+        `model` (default the policy) is the one whose pass it stands for. A training pass
+        (`backward`) also runs the frozen models that a rank with rows runs beside the policy,
+        in the same order, as sharded their forwards are collectives too: the reference first
+        when `reference` (the streamed step computes its log-probs per micro-batch), the OPD
+        teacher after the policy's forward (`_advantages`)."""
         ids = torch.full((1, 1), self.pad_id, dtype=torch.long, device=self.device)
+        frozen_before = self.reference if backward and reference else None
+        frozen_after = self.teacher if backward else None
         with torch.set_grad_enabled(backward):
-            logits = self.model(input_ids=ids).logits
+            with self._compute():
+                if frozen_before is not None:
+                    with torch.no_grad():
+                        frozen_before(input_ids=ids)
+                logits = (model or self.model)(input_ids=ids).logits
+                if frozen_after is not None:
+                    with torch.no_grad():
+                        frozen_after(input_ids=ids)
             if backward:
                 (logits.sum() * 0.0).backward()
+
+    def _compute(self) -> torch.autocast:
+        """Where forwards run: autocast to the compute dtype for an unsharded model with float32
+        masters and a lower [model] dtype (the backward then runs in the forward's dtypes and the
+        gradients land in float32); a no-op otherwise (sharded, FSDP2 casts the parameters)."""
+        return torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=self._autocast)
 
     def _clip_and_step(self) -> float:
         clip = self.optim_cfg.grad_clip
@@ -415,13 +456,15 @@ class TorchBackend:
     # -- weights and checkpoints ---------------------------------------------------------------
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """The weights with HF names: the live tensors, or sharded (fsdp2) full CPU copies
-        gathered collectively: every rank must call it, and only rank 0 gets any."""
+        """The weights with HF names, each in the dtype it was loaded in ([model] dtype: what the
+        engines hold), cast from the float32 masters: the live tensors when the dtypes agree, or
+        sharded (fsdp2) full CPU copies gathered collectively: every rank must call it, and only
+        rank 0 gets any."""
         if self.sharded:
-            yield from full_weights(self.model)
+            yield from full_weights(self.model, self.weight_dtypes)
             return
         for name, tensor in self.model.state_dict().items():
-            yield name, tensor.detach()
+            yield name, tensor.detach().to(self.weight_dtypes.get(name, tensor.dtype))
 
     # -- colocation --------------------------------------------------------------------------
 

@@ -6,6 +6,8 @@ model as its *thinker* (the text-out part that is trained). A published omni che
 full model, its weights named ``thinker.*``; the thinker class loads them with that prefix
 dropped, so the trainer's parameter names lack it, and `checkpoint_weight_prefix` says what to
 put back when weights go to an inference server that loads the full checkpoint.
+`empty_policy_model` builds the same model on the meta device, for sharded loading
+(`relax_hpc.backends.sharded_load`).
 """
 
 from __future__ import annotations
@@ -59,12 +61,11 @@ def load_causal_lm(path: str | Path, dtype: str = "float32", device: str = "cpu"
     """Load a causal LM through `AutoModelForCausalLM.from_pretrained`, local files only."""
     AutoModelForCausalLM = transformers_name("AutoModelForCausalLM")
 
-    if dtype not in _DTYPES:
-        raise ValueError(f"model dtype {dtype!r} is not supported; use one of {', '.join(_DTYPES)}")
+    torch_dtype = _torch_dtype(dtype)
     path = Path(path)
     _require_model_dir(path)
     model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=_DTYPES[dtype], local_files_only=True, attn_implementation="sdpa"
+        path, dtype=torch_dtype, local_files_only=True, attn_implementation="sdpa"
     )
     return model.to(device)
 
@@ -197,13 +198,43 @@ def load_policy_model(path: str | Path, dtype: str = "float32", device: str = "c
     family = _family(path)
     if family is None:
         return load_causal_lm(path, dtype=dtype, device=device)
+    model_class = transformers_name(family.model_class)
+    kwargs: dict[str, Any] = {"dtype": _torch_dtype(dtype), "local_files_only": True, "attn_implementation": "sdpa"}
+    if family.full_omni:  # the thinker's class, with the thinker's part of the full config
+        kwargs["config"] = _policy_config(path, family)
+    return model_class.from_pretrained(path, **kwargs).to(device)
+
+
+def empty_policy_model(path: str | Path, dtype: str = "float32") -> torch.nn.Module:
+    """The model `load_policy_model` gives for `path` (same class, config, parameter names,
+    shapes and dtypes), built on the meta device: no storage and no weights read.
+
+    FSDP2 ranks build this, shard it, and fill only their shards (`relax_hpc.backends.sharded_load`),
+    so no rank holds the whole model on its device. Its buffers are meta tensors too, the
+    non-persistent ones (rotary ``inv_freq``) included: the loader copies them from a loaded model.
+    """
+    path = Path(path)
+    family = _family(path)
+    model_class = transformers_name("AutoModelForCausalLM" if family is None else family.model_class)
+    config = _policy_config(path, family)
+    # Auto classes build from a config with `from_config`, concrete model classes with `_from_config`.
+    build = getattr(model_class, "from_config", None) or model_class._from_config
+    with torch.device("meta"):
+        return build(config, dtype=_torch_dtype(dtype), attn_implementation="sdpa")
+
+
+def _policy_config(path: Path, family: MultimodalFamily | None) -> Any:  # -> transformers.PretrainedConfig
+    config = transformers_name("AutoConfig").from_pretrained(path, local_files_only=True)
+    if family is not None and family.full_omni:
+        config = config.thinker_config
+        config._name_or_path = str(path)  # as from_pretrained records it
+    return config
+
+
+def _torch_dtype(dtype: str) -> torch.dtype:
     if dtype not in _DTYPES:
         raise ValueError(f"model dtype {dtype!r} is not supported; use one of {', '.join(_DTYPES)}")
-    model_class = transformers_name(family.model_class)
-    kwargs: dict[str, Any] = {"dtype": _DTYPES[dtype], "local_files_only": True, "attn_implementation": "sdpa"}
-    if family.full_omni:  # the thinker's class, with the thinker's part of the full config
-        kwargs["config"] = transformers_name("AutoConfig").from_pretrained(path, local_files_only=True).thinker_config
-    return model_class.from_pretrained(path, **kwargs).to(device)
+    return _DTYPES[dtype]
 
 
 def load_tokenizer(path: str | Path):  # -> transformers.PreTrainedTokenizerBase
