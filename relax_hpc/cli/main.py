@@ -14,6 +14,8 @@
     relax-hpc status JOBDIR     a run's state, step, reward, samples/s, roles' health, restarts (--watch)
     relax-hpc grow JOB          add rollout engines to a running job from another Slurm job (render --grow
                                 shows its script); shrink JOB drains engines away (docs/federation.md)
+    relax-hpc rehearse SPEC     run a production spec at its real layout with a tiny model of its architecture:
+                                steps, resume, export, and a table of every change (--device cuda on a GPU node)
     relax-hpc faults SPEC       run SPEC once per fault (killed roles, driver, hung role, corrupt checkpoint,
                                 full disk) and check each run recovered, every sample trained once
 
@@ -36,17 +38,19 @@ from relax_hpc.launch.federation import SlurmGrowSubmitter
 from relax_hpc.launch.slurm_client import SlurmError
 from relax_hpc.models.mm_archs import TINY_MM_ARCHS, is_omni
 from relax_hpc.spec import JobSpec, SpecError, load_spec, spec_to_toml
-from relax_hpc.spec.model_fit import check_model_fit, memory_estimate
+from relax_hpc.spec.model_fit import check_model_fit, memory_report
 
 EXIT_BAD_INPUT = 2
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
+    from relax_hpc.backends.spec_checks import check_backend_support
     from relax_hpc.driver.alerts import check_notify, notify_urls
     from relax_hpc.media.plan import check_media_plan
     from relax_hpc.ops.notify import redact_url
 
     spec = load_spec(args.spec)
+    check_backend_support(spec, args.spec)  # what the trainer would refuse of the model at start
     shape = check_model_fit(spec, args.spec)
     media = check_media_plan(spec, args.spec)
     check_notify(spec)  # ValueError (exit 2): a URL Apprise refuses, a urls_file others can read
@@ -58,22 +62,18 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     if urls:
         print(f"notify: Apprise accepts {', '.join(redact_url(url) for url in urls)}")
     if shape is None:
-        print(f"model {spec.model.path}: no config.json readable here; its sizes are checked against "
-              "the parallel layout when the job runs (validate where the model is to check now)")
+        arch = f" (its kind was checked from [model] arch = {spec.model.arch!r})" if spec.model.arch else ""
+        print(f"model {spec.model.path}: no config.json readable here, so the checks that need it are skipped "
+              f"until the job runs{arch}: its sizes against the parallel layout and its bytes per GPU against "
+              "gpu_memory_gb (validate where the model is to run them now)")
     else:
-        est = memory_estimate(spec, shape)
-        print(f"model: ~{_count(est['parameters_billion'] * 1e9)} parameters; per trainer GPU "
-              f"~{_gib(est['trainer_gib_per_gpu'])} of weights, gradients and Adam state, per engine GPU "
-              f"~{_gib(est['engine_weights_gib_per_gpu'])} of weights (activations and KV cache not counted)")
+        for line in memory_report(spec):
+            print(line)
     return 0
 
 
 def _count(number: float) -> str:
     return f"{number / 1e9:.2f} B" if number >= 1e9 else f"{number / 1e6:.2f} M"
-
-
-def _gib(gib: float) -> str:
-    return f"{gib:.1f} GiB" if gib >= 1 else f"{gib * 1024:.1f} MiB"
 
 
 def _cmd_show(args: argparse.Namespace) -> int:
@@ -300,6 +300,44 @@ def _add_faults_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore
     p.set_defaults(func=_cmd_faults)
 
 
+def _cmd_rehearse(args: argparse.Namespace) -> int:
+    """Exit 0 when the rehearsal passed, 1 when a stage failed (2, via main, on a bad spec)."""
+    from relax_hpc.launch.rehearse import rehearse
+
+    spec = with_embedded_inputs(load_spec(args.spec), args.spec)
+    return rehearse(spec, args.spec, steps=args.steps, device=args.device, arch=args.arch,
+                    out=Path(args.out) if args.out else None, run_timeout_s=args.run_timeout_s)
+
+
+def _add_rehearse_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    from relax_hpc.launch.rehearse import DEFAULT_RUN_TIMEOUT_S
+    from relax_hpc.launch.rehearse_spec import DEFAULT_STEPS, TINY_ARCHS
+
+    p = sub.add_parser(
+        "rehearse", help="run SPEC at its real layout here (tiny model, synthetic data, CPU ranks), print every change",
+        description="Run SPEC through the same code path as `relax-hpc run`, with only what this machine cannot "
+                    "provide replaced: a tiny model of the same architecture, synthetic rows with the same "
+                    "columns when the data is not readable, CPU processes for GPUs at the same layout (as small "
+                    "as still runs the same code path). Prints the changes (key, production, rehearsal, why), "
+                    "runs --steps steps, resumes one more step in a second run, exports to Hugging Face, and "
+                    "ends with 'rehearsal passed: SPEC (N steps, K changes)' or the first failure with its role. "
+                    "docs/rehearsal.md.")
+    p.add_argument("spec", help="the job spec (a file, or an embedded spec's name)")
+    p.add_argument("--steps", type=int, default=DEFAULT_STEPS,
+                   help=f"steps of the first run (default {DEFAULT_STEPS}); the resume run trains one more")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cpu (default): GPUs become CPU processes; cuda: on a GPU node, nothing is mapped, only "
+                        "the model shrinks (the acceptance run before a submit)")
+    p.add_argument("--arch", choices=TINY_ARCHS, default=None,
+                   help="the architecture of the tiny model (default: the model's config.json, else [model] arch)")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="the rehearsal's directory (default runs/rehearse-<job name>); an earlier rehearsal's is "
+                        "replaced")
+    p.add_argument("--run-timeout-s", type=float, default=DEFAULT_RUN_TIMEOUT_S, metavar="S",
+                   help=f"longest one stage may take before it is killed (default {DEFAULT_RUN_TIMEOUT_S:.0f})")
+    p.set_defaults(func=_cmd_rehearse)
+
+
 def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
@@ -389,6 +427,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     slurm_commands.add_parsers(sub)  # render, submit, status, logs, cancel, convert, grow, shrink
     _add_faults_parser(sub)
+    _add_rehearse_parser(sub)
     return parser
 
 

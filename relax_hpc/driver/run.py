@@ -37,6 +37,7 @@ from relax_hpc.agents.config import agentic_from_spec
 from relax_hpc.algos import LossConfig, normalizes_std
 from relax_hpc.auth import SECRET_ENV
 from relax_hpc.backends.base import require_backend
+from relax_hpc.backends.spec_checks import check_backend_support
 from relax_hpc.backends.torch_backend import OptimConfig
 from relax_hpc.ckpt.fs import atomic_write_text
 from relax_hpc.ckpt.permissions import PRIVATE_FILE_MODE
@@ -119,6 +120,7 @@ def check_backends_available(spec: JobSpec) -> None:
     if spec.rollout.engine == "sglang":
         require_sglang_python(sglang_spec_resolved(spec.rollout.sglang).python)
     require_backend(spec.train.backend)
+    check_backend_support(spec, "the job spec")  # what the trainer would refuse of the model at start
     check_model_fit(spec, "the job spec")
     check_media_plan(spec, "the job spec")
     check_notify(spec)  # [notify] URLs Apprise refuses, a urls_file others can read

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from relax_hpc.auth import JobSecret, write_job_secret
+from relax_hpc.backends.spec_checks import check_backend_support
 from relax_hpc.ckpt.fs import atomic_write_text
 from relax_hpc.driver.alerts import check_notify
 from relax_hpc.driver.jobdir import JobDirBusyError, JobDirLock, make_private_dir
@@ -82,6 +83,7 @@ def submit_spec(spec: JobSpec, spec_path: Path, client: SlurmClient, base: Path 
         problems = preflight_problems(spec, client.nodes())
         if problems:
             raise PreflightError(f"{spec_path}: the cluster cannot run this job:\n  " + "\n  ".join(problems))
+    check_backend_support(spec, str(spec_path))  # what the trainer would refuse of the model at start
     check_model_fit(spec, str(spec_path))  # the model's sizes against the parallel layout, where readable
     check_media_plan(spec, str(spec_path))  # media the model, backend and engine cannot take
     check_notify(spec)  # [notify] URLs Apprise refuses, a urls_file others can read

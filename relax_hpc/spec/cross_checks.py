@@ -158,6 +158,18 @@ def _megatron_sizes_divide_processes(spec: Resolved) -> list[SpecProblem]:
     return []
 
 
+def _megatron_context_parallel_unsupported(spec: Resolved) -> list[SpecProblem]:
+    # The backend refuses it wherever it runs (backends/megatron_data.py: MegatronLayout.problems),
+    # with or without Transformer Engine, so whether this machine could import TE does not matter.
+    got = spec.get("train.backend", "train.megatron.context_parallel")
+    if got is None or got[0] != "megatron" or got[1] == 1:
+        return []
+    message = ("is not supported by this version of the megatron backend: context parallelism needs Transformer "
+               "Engine's attention and a split of each sequence over the ranks, which the backend does not do "
+               "yet; set context_parallel = 1 (tensor_parallel or pipeline_parallel split a large model)")
+    return [SpecProblem("train.megatron.context_parallel", show_value(got[1]), message)]
+
+
 def _megatron_tensor_parallel_in_node(spec: Resolved) -> list[SpecProblem]:
     got = spec.get("train.backend", "train.megatron.tensor_parallel", "cluster.trainer.gpus_per_node")
     if got is None or got[0] != "megatron" or got[2] == 0 or got[1] <= got[2]:
@@ -256,6 +268,25 @@ def _opd_has_a_teacher(spec: Resolved) -> list[SpecProblem]:
     return [SpecProblem(key="algorithm.opd_teacher_path", value=None, message=message)]
 
 
+def _remote_reward_has_a_url(spec: Resolved) -> list[SpecProblem]:
+    # The reward hub refuses it at the first scored sample (relax_hpc/rewards/hub.py).
+    got = spec.get("reward.function", "reward.remote_url")
+    if got is None or got[0] != "remote_rm" or got[1] is not None:
+        return []
+    message = ('is required when reward.function = "remote_rm": set it to the reward server\'s URL, '
+               'e.g. "http://host:port/path"')
+    return [SpecProblem(key="reward.remote_url", value=None, message=message)]
+
+
+def _clip_floor_is_positive(spec: Resolved) -> list[SpecProblem]:
+    # The policy loss refuses it at the first step (relax_hpc/algos/losses.py: loss_config_problems).
+    got = spec.get("algorithm.clip_eps_low")
+    if got is None or got[0] < 1:
+        return []
+    message = "must be below 1: the ratio is clipped from below at 1 - clip_eps_low, which must stay positive"
+    return [SpecProblem(key="algorithm.clip_eps_low", value=show_value(got[0]), message=message)]
+
+
 def _genrm_has_a_judge(spec: Resolved) -> list[SpecProblem]:
     got = spec.get("reward.function", "reward.genrm_model_path", "reward.genrm_url", "reward.genrm_tokenizer_path",
                    "reward.genrm_token_file")
@@ -309,6 +340,8 @@ CROSS_CHECKS: tuple[Callable[[Resolved], list[SpecProblem]], ...] = (
     _reference_role_has_a_use,
     _opd_has_a_teacher,
     _genrm_has_a_judge,
+    _remote_reward_has_a_url,
+    _clip_floor_is_positive,
     _samples_split_into_mini_batches,
     _groups_have_two_samples,
     _trainer_processes_fit,
@@ -316,6 +349,7 @@ CROSS_CHECKS: tuple[Callable[[Resolved], list[SpecProblem]], ...] = (
     _rollout_engines_fit,
     _megatron_sizes_divide_processes,
     _megatron_tensor_parallel_in_node,
+    _megatron_context_parallel_unsupported,
     _megatron_table_needs_megatron,
     _distributed_optimizer_needs_cuda,
     _cuda_needs_gpus,

@@ -7,8 +7,10 @@ tensor-parallel ranks, layers over pipeline stages and experts over expert-paral
 SGLang splits heads over an engine's ``tp_size`` GPUs. A size that does not divide fails deep
 inside the library after the job has waited in the queue; here it fails at once, naming the key.
 
-`memory_estimate` gives the weights, gradients and optimizer state per trainer GPU and the
-weights per engine GPU (activations and KV cache excluded), for `validate` to print.
+`check_model_fit` also refuses a layout whose predicted bytes per GPU exceed the GPUs' memory
+(`memory_estimate.py`). What the trainer would refuse of the model's kind (FSDP2 over a model it
+cannot wrap, Megatron on a multimodal model) is checked by `relax_hpc.backends.spec_checks`, which
+knows the backends' rules; this layer imports nothing above it.
 """
 
 from __future__ import annotations
@@ -20,14 +22,12 @@ from pathlib import Path
 from typing import Any
 
 from relax_hpc.spec.errors import SpecProblem, show_value
+from relax_hpc.spec.memory_estimate import memory_estimate, memory_lines, memory_problems
+from relax_hpc.spec.model_size import language_config
 from relax_hpc.spec.schema import JobSpec
 
-__all__ = ["ModelShape", "memory_estimate", "model_fit_problems", "read_model_shape"]
-
-_GIB = 1024**3
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-# Mixed-precision Adam per parameter beyond the weights: float32 gradient, master copy, two moments.
-_TRAIN_STATE_BYTES = 4 + 4 + 4 + 4
+__all__ = ["ModelShape", "check_model_fit", "memory_report", "model_fit_problems", "read_model_config",
+           "read_model_shape"]
 
 
 @dataclass(frozen=True)
@@ -45,38 +45,10 @@ class ModelShape:
     tied_embeddings: bool = False
     head_dim: int = 0  # 0: hidden // heads
 
-    @property
-    def expert_parameters(self) -> int:
-        """The routed experts' share of `parameters` (what expert parallelism splits)."""
-        return self.layers * self.experts * 3 * self.hidden * self.expert_intermediate
-
-    @property
-    def parameters(self) -> int:
-        """Approximate parameter count (attention, MLP or experts, embeddings; norms ignored)."""
-        head_dim = self.head_dim or self.hidden // self.heads
-        attention = self.hidden * head_dim * (2 * self.heads + 2 * self.kv_heads)
-        if self.experts:
-            mlp = self.experts * 3 * self.hidden * self.expert_intermediate + self.hidden * self.experts
-        else:
-            mlp = 3 * self.hidden * self.intermediate
-        embeddings = self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
-        return self.layers * (attention + mlp) + embeddings
-
-
-def _text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
-    """The language model's config: top level, or nested in multimodal configs."""
-    for path in (("thinker_config", "text_config"), ("text_config",), ("llm_config",)):
-        node: Any = config
-        for key in path:
-            node = node.get(key) if isinstance(node, Mapping) else None
-        if isinstance(node, Mapping) and "num_hidden_layers" in node:
-            return node
-    return config
-
 
 def shape_from_config(config: Mapping[str, Any]) -> ModelShape:
     """ModelShape from a parsed config.json; KeyError names a missing size."""
-    text = _text_config(config)
+    text = language_config(config)
     heads = int(text["num_attention_heads"])
     return ModelShape(
         layers=int(text["num_hidden_layers"]), heads=heads,
@@ -89,20 +61,32 @@ def shape_from_config(config: Mapping[str, Any]) -> ModelShape:
     )
 
 
-def read_model_shape(model_dir: str | Path) -> ModelShape | None:
-    """The shape from ``model_dir/config.json``; None when there is no such file to read here."""
+def read_model_config(model_dir: str | Path, key: str = "model.path") -> dict[str, Any] | None:
+    """The parsed ``model_dir/config.json``; None when there is no such file to read here."""
     path = Path(model_dir).expanduser() / "config.json"
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
     except (FileNotFoundError, NotADirectoryError, PermissionError):
         return None
     except (OSError, ValueError) as error:
-        raise ValueError(f"{path}: cannot read the model's config ({error}); check model.path") from None
+        raise ValueError(f"{path}: cannot read the model's config ({error}); check {key}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}: not a model config (a JSON object); check {key}")
+    return config
+
+
+def _shape(config: Mapping[str, Any], path: Path) -> ModelShape:
     try:
         return shape_from_config(config)
     except (KeyError, TypeError, ValueError, ZeroDivisionError) as error:
         raise ValueError(f"{path}: not a decoder-only language model config (missing or bad {error}); "
                          "check model.path") from None
+
+
+def read_model_shape(model_dir: str | Path) -> ModelShape | None:
+    """The shape from ``model_dir/config.json``; None when there is no such file to read here."""
+    config = read_model_config(model_dir)
+    return None if config is None else _shape(config, Path(model_dir).expanduser() / "config.json")
 
 
 def _must_divide(key: str, size: int, what: str, total: int) -> list[SpecProblem]:
@@ -144,44 +128,52 @@ def model_fit_problems(spec: JobSpec, shape: ModelShape) -> list[SpecProblem]:
     return problems
 
 
-def memory_estimate(spec: JobSpec, shape: ModelShape) -> dict[str, float]:
-    """GiB per GPU: trainer weights + gradients + Adam state, and an engine's weights.
-
-    With the distributed optimizer the Adam part is split over the data-parallel ranks (for the
-    experts, Megatron splits it over their own data-parallel group; taken as the same here)."""
-    params = shape.parameters
-    weight_bytes = _DTYPE_BYTES[spec.model.dtype]
-    model_split = 1
-    optimizer_split = 1
-    per_rank = float(params)
-    if spec.train.backend == "megatron":
-        mg = spec.train.megatron
-        model_split = mg.tensor_parallel * mg.pipeline_parallel
-        data_parallel = max(spec.train.num_processes // (model_split * mg.context_parallel), 1)
-        optimizer_split = data_parallel if mg.distributed_optimizer else 1
-        # Experts are split over expert_parallel ranks too (their tensor-parallel size is TP's).
-        per_rank = (params - shape.expert_parameters) / model_split + \
-            shape.expert_parameters / (model_split * mg.expert_parallel)
-    elif spec.train.strategy == "fsdp2":
-        per_rank = params / spec.train.num_processes
-    trainer = per_rank * (weight_bytes + _TRAIN_STATE_BYTES / optimizer_split)
-    engine_split = spec.rollout.sglang.tp_size if spec.rollout.engine == "sglang" else 1
-    return {"parameters_billion": params / 1e9, "trainer_gib_per_gpu": trainer / _GIB,
-            "engine_weights_gib_per_gpu": params * weight_bytes / engine_split / _GIB}
-
-
 def check_model_fit(spec: JobSpec, source: str) -> ModelShape | None:
-    """SpecError listing what the model cannot be split by; the shape, or None when the model's
-    config.json is not readable here (the checks then wait for `run`, where it must be)."""
+    """SpecError listing what the model cannot be split by and what cannot fit the GPUs; the shape,
+    or None when the model's config.json is not readable here (the checks that need it then wait
+    for `run`, where it must be)."""
     from relax_hpc.spec.errors import SpecError
 
     try:
-        shape = read_model_shape(spec.model.path)
+        config = read_model_config(spec.model.path)
+        shape = None if config is None else _shape(config, Path(spec.model.path).expanduser() / "config.json")
     except ValueError as error:
         raise SpecError([SpecProblem("model.path", show_value(spec.model.path), str(error))], source) from None
-    if shape is None:
+    if config is None or shape is None:
         return None
     problems = model_fit_problems(spec, shape)
+    try:
+        problems += memory_problems(spec, memory_estimate(spec, config, _teacher_config(spec, source)))
+    except (KeyError, TypeError, ValueError, ZeroDivisionError) as error:
+        message = f"config.json lacks a size the memory estimate needs ({error}); check model.path"
+        problems.append(SpecProblem("model.path", show_value(spec.model.path), message))
     if problems:
         raise SpecError(problems, source)
     return shape
+
+
+def _teacher_config(spec: JobSpec, source: str) -> dict[str, Any] | None:
+    """The OPD teacher's config.json where it is readable here."""
+    from relax_hpc.spec.errors import SpecError
+
+    path = spec.algorithm.opd_teacher_path
+    if spec.algorithm.name != "opd" or path is None:
+        return None
+    try:
+        return read_model_config(path, key="algorithm.opd_teacher_path")
+    except ValueError as error:
+        raise SpecError([SpecProblem("algorithm.opd_teacher_path", show_value(path), str(error))], source) from None
+
+
+def memory_report(spec: JobSpec) -> list[str]:
+    """What `relax-hpc validate` prints of the model's size and the predicted bytes per GPU; empty
+    when the model's config.json is not readable here (call it after `check_model_fit`)."""
+    config = read_model_config(spec.model.path)
+    if config is None:
+        return []
+    teacher = _teacher_config(spec, "the job spec")
+    lines = memory_lines(spec, config, teacher)
+    if spec.algorithm.name == "opd" and teacher is None:
+        lines.append(f"teacher {spec.algorithm.opd_teacher_path}: no config.json readable here; its bytes are "
+                     "not counted")
+    return lines

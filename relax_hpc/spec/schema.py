@@ -131,6 +131,9 @@ class ModelSpec:
     build_tiny_if_missing: bool = setting(False)
     # The architecture build_tiny_if_missing writes: "qwen3" (text) or a tiny multimodal one.
     tiny_arch: Literal["qwen3", "qwen2_5_vl", "qwen3_vl", "qwen2_5_omni", "qwen3_omni"] = setting("qwen3")
+    # The architecture of the model at `path` (a `make-tiny` family), for where its config.json is
+    # not readable: `relax-hpc rehearse` builds a tiny model of it. Unset: read from config.json.
+    arch: Literal["qwen3", "qwen3_moe", "qwen2_5_vl", "qwen3_vl", "qwen2_5_omni", "qwen3_omni"] | None = setting(None)
     dtype: Literal["float32", "bfloat16", "float16"] = setting("float32")
 
 
@@ -382,6 +385,8 @@ class ComponentSpec:
     qos: str | None = setting(None, slurm_name)
     constraint: str | None = setting(None, slurm_constraint)  # a feature expression, e.g. "h100"
     extra_sbatch: list[str] = setting_from(list, sbatch_options)  # extra "#SBATCH" options, e.g. "--exclusive"
+    # Memory of each GPU, in GB: `validate` refuses a layout whose predicted bytes per GPU exceed it.
+    gpu_memory_gb: float = setting(80.0, within(0, 4096, low_open=True))
 
 
 @dataclass(frozen=True, kw_only=True)

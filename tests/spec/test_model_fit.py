@@ -12,11 +12,11 @@ from relax_hpc.spec import SpecError, parse_spec
 from relax_hpc.spec.model_fit import (
     ModelShape,
     check_model_fit,
-    memory_estimate,
     model_fit_problems,
     read_model_shape,
     shape_from_config,
 )
+from relax_hpc.spec.model_size import model_size
 
 # Qwen3-4B's config.json sizes (the ones the checks read).
 QWEN3_4B = {"num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8, "hidden_size": 2560,
@@ -34,9 +34,15 @@ def keys(spec_changes: dict[str, object], config: dict[str, object]) -> list[str
     return [p.key for p in model_fit_problems(parse_spec(spec_with(spec_changes)), shape_from_config(config))]
 
 
-def test_qwen3_4b_parameter_count_is_close_to_its_name() -> None:
-    # 4.02 B by Qwen's model card; norms are left out, so a little under.
-    assert 3.9e9 < shape_from_config(QWEN3_4B).parameters < 4.1e9
+def test_qwen3_4b_parameter_count_is_its_name() -> None:
+    # 4.02 B by Qwen's model card.
+    assert 4.0e9 < model_size(QWEN3_4B).parameters < 4.05e9
+
+
+def test_qwen3_30b_a3b_parameter_count_is_its_name() -> None:
+    # 30.5 B by Qwen's model card, nearly all of it in the routed experts.
+    size = model_size(QWEN3_30B_A3B)
+    assert 30.4e9 < size.parameters < 30.6e9 and size.experts > 0.9 * size.parameters
 
 
 def test_tensor_parallel_must_split_heads_and_key_value_heads() -> None:
@@ -84,28 +90,6 @@ def test_nested_text_config_of_a_multimodal_model_is_read() -> None:
     omni = {"architectures": ["Qwen3OmniMoeForConditionalGeneration"],
             "thinker_config": {"text_config": QWEN3_30B_A3B, "vision_config": {"depth": 27}}}
     assert shape_from_config(omni).experts == 128
-
-
-def test_memory_estimate_divides_by_model_and_optimizer_splits() -> None:
-    shape = shape_from_config(QWEN3_4B)
-    base = parse_spec(spec_with({"model": {"dtype": "bfloat16"}}))
-    whole = memory_estimate(base, shape)
-    # bf16 weights (2 bytes) + fp32 gradient, master copy and two Adam moments (16 bytes).
-    assert whole["trainer_gib_per_gpu"] == pytest.approx(shape.parameters * 18 / 1024**3)
-    assert whole["engine_weights_gib_per_gpu"] == pytest.approx(shape.parameters * 2 / 1024**3)
-    split = memory_estimate(parse_spec(spec_with({"model": {"dtype": "bfloat16"}, **megatron(
-        tensor_parallel=2, distributed_optimizer=True)})), shape)
-    # TP=2 halves everything; the distributed optimizer splits the 16 bytes over DP = 8 / 2 = 4.
-    assert split["trainer_gib_per_gpu"] == pytest.approx(shape.parameters / 2 * (2 + 16 / 4) / 1024**3)
-
-
-def test_memory_estimate_splits_experts_over_expert_parallel_ranks() -> None:
-    shape = shape_from_config(QWEN3_30B_A3B)
-    assert 29e9 < shape.parameters < 31.5e9 and shape.expert_parameters > 0.9 * shape.parameters
-    spec = parse_spec(spec_with({"model": {"dtype": "bfloat16"}, **megatron(expert_parallel=8)}))
-    dense = shape.parameters - shape.expert_parameters
-    want = (dense + shape.expert_parameters / 8) * 18 / 1024**3
-    assert memory_estimate(spec, shape)["trainer_gib_per_gpu"] == pytest.approx(want)
 
 
 def test_check_reads_config_json_or_waits_for_the_run(tmp_path: Path) -> None:

@@ -332,8 +332,12 @@ def test_megatron_keys_with_the_torch_backend_are_refused() -> None:
 
 @pytest.mark.parametrize("megatron", [{"recompute": "full"}, {"context_parallel": 2}])
 def test_routing_replay_refuses_full_recompute_and_context_parallel(megatron: dict[str, Any]) -> None:
-    problem = only_problem({"train": {**MEGATRON, "megatron": megatron}, "algorithm": {"routing_replay": True}})
-    assert problem.key == "algorithm.routing_replay" and "cannot be combined with train.megatron." in problem.message
+    problems = problems_of(spec_with({"train": {**MEGATRON, "megatron": megatron},
+                                      "algorithm": {"routing_replay": True}}))
+    (problem,) = [p for p in problems if p.key == "algorithm.routing_replay"]
+    assert "cannot be combined with train.megatron." in problem.message
+    # context_parallel > 1 is refused on its own as well (test_run_refusals.py).
+    assert {p.key for p in problems} - {"algorithm.routing_replay"} <= {"train.megatron.context_parallel"}
     ok = parse_spec(spec_with({"train": {**MEGATRON, "megatron": {"recompute": "selective"}},
                                "algorithm": {"routing_replay": True}}))
     assert ok.algorithm.routing_replay
