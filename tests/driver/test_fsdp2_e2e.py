@@ -69,6 +69,7 @@ def test_fsdp2_over_two_processes_with_two_engines_trains_the_tiny_spec(tiny_mod
     engines = summary["rollout_engines"]
     assert [e["id"] for e in engines] == ["engine-0", "engine-1"]
     _each_rank_holds_its_share(summary["memory"], world=2)
+    _as_validate_predicts(summary["memory"], spec_path, tiny_model_dir)
     assert all(e["alive"] and e["samples"] > 0 for e in engines), engines
     assert sum(e["samples"] for e in engines) == STEPS * 8 * 32  # the embedded spec's 8 x 32 per step
 
@@ -108,3 +109,16 @@ def _each_rank_holds_its_share(records: list[dict], world: int) -> None:
 
 def rollout_model(records: list[dict]) -> int:
     return max(r["model_bytes"] for r in records if r["role"] == "trainer")
+
+
+def _as_validate_predicts(records: list[dict], spec_path: Path, model_dir: Path) -> None:
+    """Each sharded rank holds what `validate` predicts per trainer GPU (within 10%)."""
+    from relax_hpc.spec import load_spec
+    from relax_hpc.spec.memory_estimate import memory_estimate
+
+    predicted = memory_estimate(load_spec(spec_path), json.loads((model_dir / "config.json").read_text()))[0]
+    assert predicted.name == "trainer"
+    for r in (r for r in records if r["role"] == "trainer"):
+        for kind in ("parameters", "gradients", "optimizer"):
+            expected = getattr(predicted, kind)
+            assert abs(r["on_device"][kind] - expected) <= 0.1 * expected, (r["rank"], kind, r["on_device"], predicted)
