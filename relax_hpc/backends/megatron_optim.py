@@ -4,14 +4,24 @@ On CUDA, ``get_megatron_optimizer`` (Adam with decoupled weight decay, fp32 main
 bf16, the distributed optimizer with ``[train.megatron] distributed_optimizer``). Its checkpoint
 state is its own ``sharded_state_dict``.
 
-On CPU, Megatron's optimizer cannot run (it builds ``device='cuda'`` tensors), so ``CpuAdamW`` is
-``torch.optim.AdamW`` over the model's parameters, the torch backend's optimizer, with the same
-gradient clipping: the norm is taken over every gradient of the model, each counted once (not
-the copies of a parameter that tensor-parallel ranks or tied pipeline stages share), all-reduced
-over the model-parallel group. Its state is saved as ShardedTensors that mirror the parameters'
+On CPU, Megatron's optimizer cannot run: ``get_megatron_optimizer`` builds ``device='cuda'``
+tensors, and ``Float16OptimizerWithFloat16Params`` (its bf16 wrapper) accepts only
+``torch.cuda.*Tensor`` parameters (a CPU bf16 parameter is a TypeError) and builds its unit loss
+scale on CUDA. So ``CpuAdamW`` is ``torch.optim.AdamW`` doing what that wrapper does: for every
+bf16 or fp16 parameter it keeps a float32 master copy (the model's parameters are the compute
+copy), the float32 gradient Megatron's DDP keeps in ``param.main_grad``
+(``grad_reduce_in_fp32``) becomes the master's ``.grad``, AdamW steps the masters, and each
+master is copied back into its parameter. Without the masters an update below the parameter's
+bf16 spacing (lr 1e-6 on weights of 1e-2 and up) rounds away. A float32 parameter is its own
+master. Gradient clipping is the torch backend's: the norm is taken over every gradient of the
+model, each counted once (not the copies of a parameter that tensor-parallel ranks or tied
+pipeline stages share), all-reduced over the model-parallel group.
+
+Its state is saved as ShardedTensors that mirror the parameters'
 (``megatron.core.dist_checkpointing.optimizer``), so it reshards with them (save at TP=2, load
-at TP=1). Megatron's DDP keeps gradients in ``param.main_grad``; they are handed to AdamW as
-``param.grad`` for the step.
+at TP=1): the AdamW moments, and the float32 masters under Megatron's own key prefix
+(``optimizer.state.fp32_param``), so a resumed run continues from the masters, not from their
+bf16 rounding.
 """
 
 from __future__ import annotations
@@ -23,6 +33,8 @@ import torch
 import torch.distributed as dist
 
 STEP_KEY = "optimizer_step"
+MASTERS_KEY = "fp32_masters"
+MASTER_PREFIX = "optimizer.state.fp32_param"  # the key prefix of megatron-core's own masters
 
 
 class TrainOptimizer(Protocol):
@@ -49,19 +61,30 @@ def clip_coefficient(norm: float, max_norm: float) -> float:
 
 
 class CpuAdamW:
-    """``torch.optim.AdamW`` over a Megatron DDP model; see the module docstring."""
+    """``torch.optim.AdamW`` over float32 masters of a Megatron DDP model; see the module docstring."""
 
     def __init__(self, model: Any, *, lr: float, betas: tuple[float, float], weight_decay: float,
                  grad_clip: float) -> None:
         self.model = model
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self.params, lr=lr, betas=betas, weight_decay=weight_decay)
+        self.masters = [float32_master(p) for p in self.params]
+        self.optimizer = torch.optim.AdamW(self.masters, lr=lr, betas=betas, weight_decay=weight_decay)
         self.grad_clip = grad_clip
+
+    def master(self, param: torch.Tensor) -> torch.Tensor:
+        """The float32 tensor AdamW steps for ``param`` (``param`` itself when it is float32)."""
+        for p, m in zip(self.params, self.masters):
+            if p is param:
+                return m
+        raise KeyError("not a trained parameter of this optimizer's model")
+
+    def _low_precision(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [(p, m) for p, m in zip(self.params, self.masters) if m is not p]
 
     def zero_grad(self) -> None:
         self.model.zero_grad_buffer()
-        for p in self.params:
-            p.grad = None
+        for m in self.masters:
+            m.grad = None
 
     def grad_norm(self) -> float:
         from megatron.core import parallel_state
@@ -80,23 +103,28 @@ class CpuAdamW:
     def step(self) -> float:
         norm = self.grad_norm()
         coefficient = clip_coefficient(norm, self.grad_clip)
-        for p in self.params:
-            p.grad = p.main_grad if coefficient == 1.0 else p.main_grad * coefficient
+        for p, m in zip(self.params, self.masters):
+            grad = p.main_grad.float()  # float32 already (grad_reduce_in_fp32); a no-op then
+            m.grad = grad if coefficient == 1.0 else grad * coefficient
         self.optimizer.step()
-        for p in self.params:
-            p.grad = None
+        with torch.no_grad():
+            for p, m in self._low_precision():
+                p.copy_(m)  # the compute copy: the master rounded to the parameter's dtype
+        for m in self.masters:
+            m.grad = None
         return norm
 
     def _ensure_state(self) -> None:
         """AdamW creates its state at the first step; a checkpoint loads into zeros of that shape."""
-        for p in self.params:
-            if p not in self.optimizer.state:
-                self.optimizer.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
-                                           "exp_avg_sq": torch.zeros_like(p)}
+        for m in self.masters:
+            if m not in self.optimizer.state:
+                self.optimizer.state[m] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(m),
+                                           "exp_avg_sq": torch.zeros_like(m)}
 
     def sharded_state_dict(self, model_state: dict[str, Any]) -> dict[str, Any]:
         from megatron.core.dist_checkpointing.optimizer import (
             get_param_id_to_sharded_param_map,
+            make_sharded_optimizer_tensor,
             optim_state_to_sharding_state,
         )
 
@@ -105,9 +133,12 @@ class CpuAdamW:
         steps = {float(s["step"]) for s in state["state"].values()}
         if len(steps) != 1:
             raise RuntimeError(f"AdamW parameters disagree on their step count: {sorted(steps)}")
+        # AdamW numbers the masters in order, as the mapping numbers the parameters they copy.
         mapping = get_param_id_to_sharded_param_map(model_state, self.params)
+        masters = {str(i): make_sharded_optimizer_tensor(mapping[i], m, prefix=MASTER_PREFIX)
+                   for i, (p, m) in enumerate(zip(self.params, self.masters)) if m is not p}
         optim_state_to_sharding_state(state, mapping, exclude_keys=("step",))
-        return {"optimizer": state, STEP_KEY: steps.pop()}
+        return {"optimizer": state, STEP_KEY: steps.pop(), MASTERS_KEY: masters}
 
     def load_state(self, loaded: dict[str, Any]) -> None:
         state = loaded["optimizer"]
@@ -118,12 +149,34 @@ class CpuAdamW:
         for group, saved in zip(groups, state["param_groups"]):
             saved["params"] = group["params"]  # this process's ids, whatever the saved layout
         self.optimizer.load_state_dict(state)
+        masters = loaded.get(MASTERS_KEY, {})
+        with torch.no_grad():
+            for i, (p, m) in enumerate(zip(self.params, self.masters)):
+                if m is not p:
+                    m.copy_(masters[str(i)])
+                    p.copy_(m)
 
     def offload(self) -> int:
         return 0  # the state is in host memory already
 
     def onload(self) -> None:
         return None
+
+
+def float32_master(param: torch.Tensor) -> torch.Tensor:
+    """A float32 copy of a bf16/fp16 parameter carrying its tensor-parallel attributes (as
+    Megatron's ``Float16OptimizerWithFloat16Params`` makes one); a float32 parameter itself."""
+    if param.dtype == torch.float32:
+        return param
+    if param.dtype not in (torch.bfloat16, torch.float16):
+        raise TypeError(f"the megatron backend trains float32, bfloat16 or float16 parameters, not {param.dtype}")
+    from megatron.core import tensor_parallel
+
+    master = param.detach().clone().float()
+    tensor_parallel.copy_tensor_model_parallel_attributes(master, param)
+    if hasattr(param, "shared"):
+        master.shared = param.shared  # type: ignore[attr-defined]
+    return master
 
 
 class MegatronAdam:

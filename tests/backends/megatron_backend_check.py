@@ -26,6 +26,9 @@ then run the match scenario again as two pipeline stages, Megatron's groups rebu
   recorded; the float32 backend, built with routing replay, recomputes the log-probs of the
   rows (through the queue's row format) with the routes and without, then trains one step on
   them; rank 0 reports both disagreements with the engine and the step's stats.
+- ``bf16``: a bfloat16 backend takes one step at lr 1e-6; reports how many elements of the
+  float32 masters and of the bf16 parameters changed, then checkpoints (in a scratch directory)
+  and resumes into a fresh backend (its masters and moments against the saver's), and exports it.
 """
 
 from __future__ import annotations
@@ -54,14 +57,15 @@ def samples(shift: int = 0) -> list[Any]:
             for i, (p, r, a) in enumerate(zip(PROMPTS, RESPONSES, ADVANTAGES))]
 
 
-def make(kind: str, model: str, tp: int, pp: int, routing_replay: bool = False, ep: int = 1) -> Any:
+def make(kind: str, model: str, tp: int, pp: int, routing_replay: bool = False, ep: int = 1,
+         dtype: str = "float32", lr: float = 1e-2) -> Any:
     from relax_hpc.algos import LossConfig
     from relax_hpc.backends.base import make_backend
     from relax_hpc.backends.torch_backend import OptimConfig
     from relax_hpc.spec.schema import MegatronSpec
 
-    optim = OptimConfig(lr=1e-2, grad_clip=0.0, micro_batch_size=2, weight_decay=0.01)
-    return make_backend(kind, model, optim, LossConfig(name="grpo"), dtype="float32", device="cpu",
+    optim = OptimConfig(lr=lr, grad_clip=0.0, micro_batch_size=2, weight_decay=0.01)
+    return make_backend(kind, model, optim, LossConfig(name="grpo"), dtype=dtype, device="cpu",
                         temperature=1.0, teacher_path=None, opd_coef=1.0, keep_reference=False,
                         strategy="ddp", megatron=MegatronSpec(tensor_parallel=tp, pipeline_parallel=pp, expert_parallel=ep),
                         routing_replay=routing_replay)
@@ -76,7 +80,7 @@ def hf_named(backend: Any, swap: str | None = None) -> dict[str, torch.Tensor]:
     if swap is not None:
         state = backend.optimizer.optimizer.state
         for p in params:
-            p.data = p.main_grad if swap == "main_grad" else state[p][swap]
+            p.data = p.main_grad if swap == "main_grad" else state[backend.optimizer.master(p)][swap]
     try:
         return {n: t.clone() for n, t in backend.named_weights()}
     finally:
@@ -101,6 +105,8 @@ def scenario(name: str, args: argparse.Namespace, rank: int) -> dict[str, Any]:
     name, tp, pp = split_scenario(name, args)
     if name == "replay":
         return replay_scenario(args, tp, pp)
+    if name == "bf16":
+        return bf16_scenario(args, tp, pp)
     torch.manual_seed(0)  # each scenario of a launch starts as a launch of its own would
     backend = make("megatron", args.model, tp, pp, ep=args.ep)  # a second one rebuilds Megatron's groups
     result: dict[str, Any] = {"routes": backend.routes, "reads_rows": backend.reads_rows}
@@ -141,6 +147,51 @@ def scenario(name: str, args: argparse.Namespace, rank: int) -> dict[str, Any]:
 def moments_and_weights(backend: Any) -> dict[str, dict[str, torch.Tensor]]:
     return {"weights": hf_named(backend), "exp_avg": hf_named(backend, "exp_avg"),
             "exp_avg_sq": hf_named(backend, "exp_avg_sq")}
+
+
+def changed_fraction(after: list[torch.Tensor], before: list[torch.Tensor]) -> float:
+    changed = sum(int((a.float() != b.float()).sum()) for a, b in zip(after, before))
+    return changed / sum(a.numel() for a in after)
+
+
+def bf16_scenario(args: argparse.Namespace, tp: int, pp: int) -> dict[str, Any]:
+    """A bfloat16 model, one step at lr 1e-6: how much of the float32 masters and of the bf16
+    parameters changed (this rank's shard), then a checkpoint resumed by a fresh backend (its
+    masters against the saver's), and the export of the resumed model through the bridge."""
+    from relax_hpc.ckpt import CheckpointManager, ResumeState
+
+    torch.manual_seed(0)
+    backend = make("megatron", args.model, tp, pp, dtype="bfloat16", lr=1e-6)
+    optimizer = backend.optimizer
+    params_before = [p.detach().clone() for p in optimizer.params]
+    masters_before = [m.detach().clone() for m in optimizer.masters]
+    stats = backend.train(samples() if backend.reads_rows else [])
+    result: dict[str, Any] = {
+        "param_dtypes": sorted({str(p.dtype) for p in optimizer.params}),
+        "master_dtypes": sorted({str(m.dtype) for m in optimizer.masters}),
+        "masters_changed": changed_fraction(optimizer.masters, masters_before),
+        "params_changed": changed_fraction(optimizer.params, params_before),
+        "master_max_step": max((m - b).abs().max().item() for m, b in zip(optimizer.masters, masters_before)),
+        # The compute copy is the master rounded to bf16, so nothing else moved the parameters.
+        "params_are_rounded_masters": all(torch.equal(p, m.to(p.dtype))
+                                          for p, m in zip(optimizer.params, optimizer.masters)),
+        "stats": stats,
+    }
+    manager = CheckpointManager(Path(args.bf16_ckpt), keep_last=1)
+    backend.save_checkpoint(manager, ResumeState(step=1, weight_version=1, data_cursor={}, samples_trained=4))
+    resumed = make("megatron", args.model, tp, pp, dtype="bfloat16", lr=1e-6)
+    result["resumed_step"] = resumed.load_checkpoint(manager).step
+    result["resumed_masters_max_diff"] = max((a - b).abs().max().item()
+                                             for a, b in zip(resumed.optimizer.masters, optimizer.masters))
+    result["resumed_params_equal"] = all(torch.equal(a, b) for a, b in zip(resumed.optimizer.params, optimizer.params))
+    state, saved = resumed.optimizer.optimizer.state, optimizer.optimizer.state
+    result["resumed_moments_equal"] = all(
+        torch.equal(state[a][k], saved[b][k]) for a, b in zip(resumed.optimizer.masters, optimizer.masters)
+        for k in ("exp_avg", "exp_avg_sq"))
+    exported = {n: t for n, t in resumed.named_weights()}  # collective; rank 0 gets the tensors
+    result["export_names"] = len(exported)
+    result["export_dtypes"] = sorted({str(t.dtype) for t in exported.values()})
+    return result
 
 
 def engine_samples(model: str) -> list[Any]:
@@ -239,7 +290,7 @@ def run_rank(rank: int, args: argparse.Namespace, port: int, results: Any) -> No
 
 
 def main(argv: Iterator[str] | None = None) -> None:
-    names = ("match", "save", "resume", "replay")
+    names = ("match", "save", "resume", "replay", "bf16")
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("scenario", help=f"one of {', '.join(names)}, or several comma-separated")
     parser.add_argument("--model", required=True)
@@ -266,6 +317,7 @@ def main(argv: Iterator[str] | None = None) -> None:
 
     with tempfile.TemporaryDirectory(prefix="megatron-check-") as scratch:
         args.result_file = os.path.join(scratch, "result.pt")
+        args.bf16_ckpt = os.path.join(scratch, "bf16-checkpoints")
         from megatron_ranks import run_ranks
 
         run_ranks("megatron_backend_check", args.ranks, run_rank, lambda rank, port, results: (rank, args, port, results))

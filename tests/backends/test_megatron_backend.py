@@ -48,10 +48,10 @@ def reshard_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def tp2_launch(megatron_python: Path, tiny_model_dir: Path, reshard_dir: Path) -> dict[str, Any]:
     """Two TP=2 ranks run the match scenario, then the reshard chain's first link (a step, saved
-    as step 1), then the match scenario again as two pipeline stages (one launch for all three:
-    each rank's imports cost about 10 s on 2 cores)."""
+    as step 1), then the match scenario again as two pipeline stages, then the bfloat16 scenario
+    at TP=2 (one launch for all four: each rank's imports cost about 10 s on 2 cores)."""
     ckpt = reshard_dir / "checkpoints"
-    result = _check(megatron_python, "match,save,match@pp2", "--model", str(tiny_model_dir), "--ranks", "2",
+    result = _check(megatron_python, "match,save,match@pp2,bf16", "--model", str(tiny_model_dir), "--ranks", "2",
                     "--tp", "2", "--ckpt", str(ckpt), "--out", str(reshard_dir / "tp2-saved.pt"))
     return {**result, "listing": sorted(p.name for p in ckpt.iterdir())}
 
@@ -90,6 +90,26 @@ def test_log_probs_equal_hf_and_gradients_equal_the_torch_backends(layout: str, 
     for key in theirs:
         assert ours[key] == pytest.approx(theirs[key], rel=1e-5, abs=1e-6), key
     assert abs(ours["loss/policy"]) > 1e-3  # a loss worth comparing
+
+
+def test_bf16_model_steps_float32_masters_at_lr_1e6_and_checkpoints_them(tp2_launch: dict[str, Any]) -> None:
+    # bf16 parameters (compute) with float32 masters that AdamW steps, as megatron-core's
+    # Float16OptimizerWithFloat16Params keeps them. At lr 1e-6 Adam's first step moves each weight
+    # by about 1e-6, far below the bf16 spacing of the tiny model's weights (2^-7 of their size,
+    # ~1e-4 for a weight of 0.02): the masters change, their bf16 rounding (the parameters, what
+    # AdamW stepping bf16 parameters directly would leave) almost never does.
+    result = tp2_launch["bf16"]
+    assert result["param_dtypes"] == ["torch.bfloat16"] and result["master_dtypes"] == ["torch.float32"]
+    assert result["stats"]["grad_norm"] > 0 and abs(result["stats"]["loss/policy"]) > 1e-3
+    assert result["masters_changed"] > 0.9, result
+    assert result["params_changed"] < 0.05, result
+    assert 5e-7 < result["master_max_step"] < 1e-5, result  # a step of about lr, not a bf16 rounding step
+    assert result["params_are_rounded_masters"] is True
+    # The checkpoint holds the masters, not their bf16 rounding: a resumed backend has them exactly.
+    assert result["resumed_step"] == 1
+    assert result["resumed_masters_max_diff"] == 0.0 and result["resumed_params_equal"] is True
+    assert result["resumed_moments_equal"] is True
+    assert result["export_names"] == 24 and result["export_dtypes"] == ["torch.bfloat16"]
 
 
 def test_routing_replay_through_the_backend_agrees_better_with_the_engine(tp1_launch: dict[str, Any]) -> None:
