@@ -25,12 +25,15 @@ processor, so each run of one placeholder goes as a single token, the media as d
 equal ours (`check_expanded_prompts`) or the call fails. Media markup tokens get a -1e30 logit
 bias on every prompt of a multimodal model, as the native engine and the trainer mask them.
 Refused, with the fix in the message: a family SGLang 0.5.23 does not serve (Qwen2.5-Omni), and
-video on a CPU server (SGLang decodes video with torchcodec or decord; neither runs there).
+video on a CPU server (SGLang decodes video with torchcodec or decord; neither runs there). A
+server whose environment lacks a media package (torchaudio for audio) answers HTTP 500; the error
+then names the package and how to add it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 import shutil
 import tempfile
 from collections.abc import Iterable, Sequence
@@ -169,7 +172,13 @@ class SGLangEngine:
         bias = None if self.media_processor is None else dict.fromkeys(self.media_processor.markup_ids, MARKUP_FLOOR)
         body = requests.generate_request(sent, dataclasses.replace(params, stop_token_ids=stops), seed,
                                          logit_bias=bias, **fields)
-        reply = self._call("POST", "/generate", body)
+        try:
+            reply = self._call("POST", "/generate", body)
+        except EngineHttpError as e:
+            missing = self._missing_media_package(e) if media is not None else None
+            if missing is None:
+                raise
+            raise missing from e
         generations = requests.parse_generate_response(reply, prompts, self._version, self.base_url)
         if media is not None:  # the ids we train on are the ones the server sampled from
             requests.check_expanded_prompts(reply, prompts, self.base_url)
@@ -214,6 +223,20 @@ class SGLangEngine:
                 raise ValueError(f"prompt {i} of the batch: {e}") from e
             per_prompt.append({kind: [url(item) for item in m.of(kind)] for kind in MEDIA_ORDER})
         return sent, {**self.request_fields, **requests.media_fields(per_prompt)}
+
+    def _missing_media_package(self, error: EngineHttpError) -> EngineHttpError | None:
+        """A media request's error that says the server's environment lacks a package (SGLang
+        answers HTTP 500 "No module named 'torchaudio'" to every request with audio), with the fix;
+        None for any other error. `relax-hpc validate` refuses this where it can see the env."""
+        found = re.search(r"No module named '([\w.]+)'", str(error))
+        if found is None:
+            return None
+        package = found.group(1).split(".")[0]
+        fix = ("re-run tools/setup-sglang-cpu on that environment (it adds torchaudio)" if package == "torchaudio"
+               else f"install {package} into that environment")
+        return EngineHttpError(
+            f"SGLang server {self.base_url} cannot read this batch's media: its environment has no {package} "
+            f"(the server answered: {found.group(0)}); {fix}, or set [rollout] engine = \"native\"")
 
     def _attach_routes(self, generations: list[Generation], reply: Any) -> None:
         """Routing replay: each reply's `meta_info.routed_experts` as `Generation.routed_experts`."""

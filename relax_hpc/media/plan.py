@@ -7,13 +7,22 @@ its problems are the combinations this version cannot run, named with the key to
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import re
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from relax_hpc.media.families import Family, family_of, supported_model_types
 from relax_hpc.spec.errors import SpecError, SpecProblem, show_value
 from relax_hpc.spec.schema import JobSpec
+
+# What an SGLang server's environment must hold to read each media kind: SGLang 0.5.23 reads audio
+# with soundfile and torchaudio (`load_audio` imports it; without it every request with audio answers
+# HTTP 500 "No module named 'torchaudio'"), and decodes video with torchcodec or decord. Any one
+# package of a kind's tuple serves it.
+SGLANG_MEDIA_PACKAGES: dict[str, tuple[str, ...]] = {"audio": ("torchaudio",), "video": ("torchcodec", "decord")}
 
 # The model_type of each tiny architecture `[model] tiny_arch` names.
 TINY_MODEL_TYPES = {"qwen3": "qwen3", "qwen2_5_vl": "qwen2_5_vl", "qwen3_vl": "qwen3_vl",
@@ -79,10 +88,56 @@ def _check(spec: JobSpec, plan: MediaPlan, columns: dict[str, str]) -> None:
             "data.video_key", show_value(columns["video"]),
             'an SGLang server on CPU cannot decode video (it needs torchcodec or decord); set [rollout] '
             'engine = "native" to train on video on CPU, or run the engines on GPUs'))
+    if columns and spec.rollout.engine == "sglang":
+        problems += _sglang_env_problems(spec, columns)
     if columns and spec.rollout.engine == "sglang" and family is not None and not family.sglang:
         problems.append(SpecProblem(
             "rollout.engine", show_value(spec.rollout.engine),
             f'SGLang has no model for {family.model_type}; set engine = "native" for this model'))
+
+
+def _sglang_env_problems(spec: JobSpec, columns: dict[str, str]) -> list[SpecProblem]:
+    """The media kinds whose packages the SGLang environment lacks, where it is on this machine."""
+    python = spec.rollout.sglang.python
+    installed = installed_packages(python)
+    if installed is None:
+        return []
+    where = f"the SGLang environment of [rollout.sglang] python = {python!r}" if python else "this interpreter"
+    fixes = {"audio": "tools/setup-sglang-cpu adds it to an existing environment",
+             "video": "pip install torchcodec into it"}
+    problems = []
+    for kind, key in columns.items():
+        need = SGLANG_MEDIA_PACKAGES.get(kind, ())
+        if kind == "video" and spec.train.device == "cpu":
+            continue  # refused above, whatever is installed
+        if need and not installed & set(need):
+            problems.append(SpecProblem(
+                f"data.{kind}_key", show_value(key),
+                f"{where} has no {' or '.join(need)}, so its servers would answer every request with {kind} "
+                f'with HTTP 500: install it ({fixes[kind]}), set [rollout] engine = "native", or unset '
+                f"[data] {kind}_key"))
+    return problems
+
+
+def installed_packages(python: str | None) -> set[str] | None:
+    """The distributions (normalised names) of the venv that `python` belongs to (a path relative
+    to the working directory, or a name on PATH), read from its site-packages without running it;
+    for None, this interpreter's, when it can import sglang. None where that cannot be told here
+    (no such file, not a venv, or a venv that also sees the system's packages)."""
+    if python is None:
+        if importlib.util.find_spec("sglang") is None:
+            return None  # the start check (engines/factory.py) names what to set
+        return {name for name in ("torchaudio", "torchcodec", "decord") if importlib.util.find_spec(name)}
+    found = Path(python) if "/" in python else Path(shutil.which(python) or python)
+    env = found.absolute().parent.parent  # DIR/bin/python, not resolved: the link leads out of the venv
+    try:
+        config = (env / "pyvenv.cfg").read_text(encoding="utf-8")
+    except OSError:
+        return None
+    if re.search(r"(?m)^include-system-site-packages\s*=\s*true", config):
+        return None
+    return {re.sub(r"[-_.]+", "-", meta.name.split("-")[0]).lower()
+            for meta in env.glob("lib/python3*/site-packages/*.dist-info")}
 
 
 def _explain(spec: JobSpec, plan: MediaPlan, columns: dict[str, str], config: dict | None) -> None:

@@ -237,6 +237,31 @@ def test_what_the_server_cannot_take_is_refused_with_the_fix(
         text.generate([[1, 2]], GREEDY, media=images)
 
 
+def test_a_server_env_without_torchaudio_is_named_with_the_fix(
+        mm_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    # What SGLang 0.5.23 answers to audio when its env has no torchaudio, as HttpEngine reports it
+    # after its retries (SGLangEngine._call then adds which server it was).
+    answer = ("engine at http://x/generate failed after 3 attempt(s) (last error: HTTP 500: "
+              "No module named 'torchaudio'); is the server up and reachable from here? timeout_s = 600")
+    audio = [PromptMedia((_audio(0),))]
+    model = mm_dirs["qwen3_omni"]
+    engine, server = _engine(model, monkeypatch, audio)
+
+    def failing(method: str, path: str, body: Any = None, attempts: Any = None) -> Any:
+        if path == "/generate":
+            raise EngineHttpError(answer)
+        return server(method, path, body, attempts)
+
+    monkeypatch.setattr(SGLangEngine, "_call", lambda engine, *args, **kw: failing(*args, **kw))
+    with pytest.raises(EngineHttpError, match=r"cannot read this batch's media: its environment has no torchaudio "
+                                              r".*re-run tools/setup-sglang-cpu") as error:
+        engine.generate([_prompt(model, audio[0], "a?")], GREEDY, media=audio)
+    assert URL in str(error.value) and error.value.__cause__ is not None
+    with pytest.raises(EngineHttpError) as plain:  # a text request's 500 is reported as it came
+        engine.generate([[1, 2]], GREEDY)
+    assert str(plain.value) == answer
+
+
 def test_a_managed_engine_refuses_before_looking_for_a_dead_server(
         mm_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     video = [PromptMedia((_video(0),))]
