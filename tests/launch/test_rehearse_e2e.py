@@ -26,13 +26,12 @@ from side_env import MEGATRON, SGLANG
 
 REPO = Path(__file__).resolve().parents[2]
 OPT_IN = {  # spec -> how far its rehearsal got (2026-12-02, 2 cores shared with other work)
-    "qwen3_4b_dapo": "fails at run, role trainer rank 0: Megatron on CPU in bfloat16 assigns float32 main "
-                     "gradients to bfloat16 parameters (backends/megatron_optim.py: fp32 master weights); "
-                     "with dtype = \"float32\" it passes (TP = 2, 2 SGLang engines, export) in ~6 min",
+    "qwen3_4b_dapo": "passes (bf16 with the CPU optimizer's float32 masters, Megatron TP = 2, 2 SGLang engines, "
+                     "export through the bridge) in ~7 min: over the per-test budget",
     "qwen3_vl_4b_openr1": "passes with the FSDP2 multimodal wrapping (backends/parallel.py), in ~15 min: "
                           "over the per-test budget",
-    "qwen3_omni": "fails at run, role rollout engine: the SGLang environment has no torchaudio, so its "
-                  "servers answer 500 to audio (tools/setup-sglang-cpu)",
+    "qwen3_omni": "fails at run, role rollout: SGLang's Qwen3-VL-MoE text model fixes three deepstack layers, "
+                  "the tiny omni model has one (models/tiny_mm.py), so the servers die on media",
 }
 NEEDS = {"qwen3_4b_dapo": (SGLANG, MEGATRON), "qwen3_vl_4b_openr1": (SGLANG,), "qwen3_omni": (SGLANG,)}
 TIMEOUT_S = 1500  # two runs (each starting its engines) and an export on 2 busy cores
