@@ -81,7 +81,8 @@ def test_dapo_on_the_embedded_backends_rehearses_run_resume_and_export(tmp_path:
 @pytest.mark.timeout(TIMEOUT_S + 60)
 def test_production_spec_rehearses(name: str, tmp_path: Path) -> None:
     if os.environ.get("RELAX_REHEARSE_PRODUCTION") != "1":
-        pytest.skip(f"{OPT_IN[name]} (RELAX_REHEARSE_PRODUCTION=1 runs it)")
+        needs = " and ".join(env.name for env in NEEDS[name])
+        pytest.skip(f"opt-in, not a pass: {OPT_IN[name]}; RELAX_REHEARSE_PRODUCTION=1 runs it (needs {needs})")
     for env in NEEDS[name]:
         env.python_or_skip()
     done = _rehearse(REPO / "jobspecs" / f"{name}.toml", tmp_path / "rehearsal")
