@@ -111,6 +111,7 @@ class MegatronBackend:
         pad = tokenizer.pad_token_id
         self.pad_id = int(pad if pad is not None else tokenizer.eos_token_id)
         self.sharded = world > 1  # named_weights is a collective
+        self.model_bytes = self._whole_model_bytes()
         self.reads_rows = self.layout.reads_rows(self.rank)
 
     def _check_rank_layout(self) -> None:
@@ -340,3 +341,33 @@ class MegatronBackend:
 
     def onload(self) -> None:
         self.optimizer.onload()
+
+    def _whole_model_bytes(self) -> int:
+        """The whole model's parameter bytes: this chunk's, summed over the tensor- and
+        pipeline-parallel ranks, each replicated or shared parameter once (a collective)."""
+        from megatron.core import parallel_state as ps
+        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+        from megatron.core.transformer.module import param_is_not_shared
+
+        local = sum(p.numel() * p.element_size() for p in self.built.model.parameters()
+                    if param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p))
+        total = torch.tensor(float(local), dtype=torch.float64, device=self.device)
+        group = ps.get_model_parallel_group()
+        if dist.is_initialized() and dist.get_world_size(group) > 1:
+            dist.all_reduce(total, group=group)
+        return int(total.item())
+
+    def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """This rank's tensors by what they are for (relax_hpc/roles/memory.py): the model chunk's
+        parameters, the gradient buffer (`main_grad`), the optimizer's masters and moments, and the
+        reference's and teacher's chunks."""
+        params = list(self.built.model.parameters())
+        state = self.optimizer.state_tensors()
+        return {
+            "parameters": params,
+            "gradients": [getattr(p, "main_grad", None) for p in params],
+            "masters": state["masters"],
+            "optimizer": state["optimizer"],
+            "reference": list(self.reference.model.parameters()) if self.reference is not None else [],
+            "teacher": list(self.teacher.model.parameters()) if self.teacher is not None else [],
+        }

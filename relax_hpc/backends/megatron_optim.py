@@ -52,6 +52,10 @@ class TrainOptimizer(Protocol):
 
     def onload(self) -> None: ...
 
+    def state_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """This rank's optimizer tensors by kind ("masters", "optimizer"), for memory records."""
+        ...
+
 
 def clip_coefficient(norm: float, max_norm: float) -> float:
     """What gradients are multiplied by: torch's ``clip_grad_norm_`` rule (0 disables clipping)."""
@@ -159,6 +163,10 @@ class CpuAdamW:
     def offload(self) -> int:
         return 0  # the state is in host memory already
 
+    def state_tensors(self) -> dict[str, list[torch.Tensor]]:
+        moments = [v for state in self.optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+        return {"masters": [m for p, m in self._low_precision()], "optimizer": moments}
+
     def onload(self) -> None:
         return None
 
@@ -230,6 +238,17 @@ class MegatronAdam:
 
     def offload(self) -> int:
         return self._move(torch.device("cpu"))
+
+    def state_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """Adam's moments, and the float32 masters megatron-core keeps for bf16/fp16 parameters
+        (its `shard_fp32_from_float16_groups`, or the distributed optimizer's shards of them)."""
+        chained = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+        masters = [t for inner in chained for group in getattr(inner, "shard_fp32_from_float16_groups",
+                                                               getattr(inner, "fp32_from_float16_groups", []))
+                   for t in group]
+        moments = [v for states in self._inner_states() for state in states.values()
+                   for v in state.values() if isinstance(v, torch.Tensor)]
+        return {"masters": masters, "optimizer": moments}
 
     def onload(self) -> None:
         self._move(self.device)

@@ -92,25 +92,41 @@ def module_tensors(module: torch.nn.Module | None) -> list[torch.Tensor]:
 
 def trainer_record(backend: Any, rank: int, host_copies: dict[str, Iterable[torch.Tensor]],
                    channel_bytes: int = 0) -> MemoryRecord:
-    """A trainer rank's record from its backend (`model`, `optimizer`, `reference`, `teacher`,
-    `device`; what a backend lacks counts 0: the Megatron backend's model chunks are not counted
-    yet) and what the role keeps besides: `host_copies` by name, and the weight channel's
-    staging buffers on the device."""
-    model = getattr(backend, "model", None)
-    parameters = list(model.parameters()) if isinstance(model, torch.nn.Module) else []
+    """A trainer rank's record from its backend and what the role keeps besides: `host_copies` by
+    name, and the weight channel's staging buffers on the device. A backend that answers
+    `memory_tensors()` (the Megatron backend: model chunks, gradient buffer, masters) names its
+    tensors by kind; otherwise they are read from its `model`, `optimizer`, `reference` and
+    `teacher` (what a backend lacks counts 0)."""
+    parts = backend.memory_tensors() if callable(getattr(backend, "memory_tensors", None)) else _torch_parts(backend)
+    parameters = parts.get("parameters", [])
+    model_bytes = getattr(backend, "model_bytes", None)  # a backend whose parameters are plain shards says
     count = StorageCounter()
     record = MemoryRecord("trainer", rank, str(getattr(backend, "device", "cpu")),
-                          model_bytes=global_bytes(parameters))
+                          model_bytes=int(model_bytes) if model_bytes is not None else global_bytes(parameters))
     record.on_device = {
         "parameters": count.bytes_of(parameters),
-        "gradients": count.bytes_of(local_tensor(p.grad) for p in parameters),
-        "optimizer": count.bytes_of(optimizer_tensors(getattr(backend, "optimizer", None))),
-        "reference": count.bytes_of(module_tensors(getattr(backend, "reference", None))),
-        "teacher": count.bytes_of(module_tensors(getattr(backend, "teacher", None))),
+        "gradients": count.bytes_of(parts.get("gradients", [])),
+        "masters": count.bytes_of(parts.get("masters", [])),
+        "optimizer": count.bytes_of(parts.get("optimizer", [])),
+        "reference": count.bytes_of(parts.get("reference", [])),
+        "teacher": count.bytes_of(parts.get("teacher", [])),
         "channel_buffers": channel_bytes,
     }
     record.in_host_memory = {name: count.bytes_of(tensors) for name, tensors in host_copies.items()}
     return record
+
+
+def _torch_parts(backend: Any) -> dict[str, list[torch.Tensor | None]]:
+    """The torch backend's tensors: its parameters are the float32 masters (keep_float32_masters)."""
+    model = getattr(backend, "model", None)
+    parameters = list(model.parameters()) if isinstance(model, torch.nn.Module) else []
+    return {
+        "parameters": parameters,
+        "gradients": [local_tensor(p.grad) for p in parameters],
+        "optimizer": list(optimizer_tensors(getattr(backend, "optimizer", None))),
+        "reference": module_tensors(getattr(backend, "reference", None)),
+        "teacher": module_tensors(getattr(backend, "teacher", None)),
+    }
 
 
 def rollout_record(engine_modules: Iterable[torch.nn.Module], buffers: Iterable[torch.Tensor], device: str,

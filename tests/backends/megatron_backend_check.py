@@ -154,6 +154,19 @@ def changed_fraction(after: list[torch.Tensor], before: list[torch.Tensor]) -> f
     return changed / sum(a.numel() for a in after)
 
 
+def memory_figures(backend: Any, model: str) -> dict[str, Any]:
+    """The rank's memory record beside what it should count: its parameters' elements and the
+    whole model's (the HF model's parameters, tied embeddings once)."""
+    from transformers import AutoModelForCausalLM
+
+    from relax_hpc.roles.memory import trainer_record
+
+    params = backend.optimizer.params
+    return {"record": trainer_record(backend, 0, {}).as_dict(),
+            "local_elements": sum(p.numel() for p in params), "local_tensors": len(params),
+            "model_elements": sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(model).parameters())}
+
+
 def bf16_scenario(args: argparse.Namespace, tp: int, pp: int) -> dict[str, Any]:
     """A bfloat16 model, one step at lr 1e-6: how much of the float32 masters and of the bf16
     parameters changed (this rank's shard), then a checkpoint resumed by a fresh backend (its
@@ -176,6 +189,7 @@ def bf16_scenario(args: argparse.Namespace, tp: int, pp: int) -> dict[str, Any]:
         "params_are_rounded_masters": all(torch.equal(p, m.to(p.dtype))
                                           for p, m in zip(optimizer.params, optimizer.masters)),
         "stats": stats,
+        "memory": memory_figures(backend, args.model),
     }
     manager = CheckpointManager(Path(args.bf16_ckpt), keep_last=1)
     backend.save_checkpoint(manager, ResumeState(step=1, weight_version=1, data_cursor={}, samples_trained=4))

@@ -112,6 +112,22 @@ def test_bf16_model_steps_float32_masters_at_lr_1e6_and_checkpoints_them(tp2_lau
     assert result["export_names"] == 24 and result["export_dtypes"] == ["torch.bfloat16"]
 
 
+def test_bf16_rank_memory_record_counts_its_shard_masters_moments_and_gradient_buffer(
+        tp2_launch: dict[str, Any]) -> None:
+    # Rank 0 of TP = 2, bf16: 2 bytes per parameter element it holds, a float32 master (4) and two
+    # float32 moments (8) per element plus AdamW's 4-byte step per tensor, a float32 gradient
+    # buffer (grad_reduce_in_fp32) of at least 4 per element; and the whole model's bytes counted
+    # over both ranks (2 per element of the HF model), of which this rank holds about half.
+    memory = tp2_launch["bf16"]["memory"]
+    on_device, local, tensors = memory["record"]["on_device"], memory["local_elements"], memory["local_tensors"]
+    assert memory["record"]["model_bytes"] == 2 * memory["model_elements"], memory
+    assert 2 * local <= on_device["parameters"] <= 2.2 * local, memory
+    assert on_device["masters"] == 4 * local, memory
+    assert 8 * local <= on_device["optimizer"] <= 8 * local + 8 * tensors, memory
+    assert on_device["gradients"] >= 4 * local, memory
+    assert on_device["parameters"] < 0.75 * memory["record"]["model_bytes"], memory  # a TP shard, not the model
+
+
 def test_routing_replay_through_the_backend_agrees_better_with_the_engine(tp1_launch: dict[str, Any]) -> None:
     # The whole R3 path: a bfloat16 native engine records its routing, the rows carry it through
     # the queue's row format, and the float32 MegatronBackend (built with routing replay) replays
