@@ -238,9 +238,10 @@ def ensure_model(spec: JobSpec) -> None:
 
         write_tiny_model(path, seed=spec.job.seed)
     else:
-        from relax_hpc.models.tiny_mm import write_tiny_multimodal
+        from relax_hpc.models.tiny_mm import shape_for_engine, write_tiny_multimodal
 
-        write_tiny_multimodal(path, spec.model.tiny_arch, seed=spec.job.seed)
+        write_tiny_multimodal(path, spec.model.tiny_arch, seed=spec.job.seed,
+                              **shape_for_engine(spec.model.tiny_arch, spec.rollout.engine))
 
 
 TINY_OMNI_ROWS = 600  # 200 each of image, audio and video rows

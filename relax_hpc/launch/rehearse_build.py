@@ -27,8 +27,9 @@ CHOICES = "a:red b:green c:blue d:white"
 
 
 def write_tiny_model_of(arch: str, out_dir: Path, seed: int, engine: str) -> Path:
-    """A tiny model of `arch` at `out_dir` (relax_hpc/models/tiny*.py). Qwen2.5-VL served by
-    SGLang needs the real models' 14-pixel patches (tiny_mm.write_tiny_multimodal)."""
+    """A tiny model of `arch` at `out_dir` (relax_hpc/models/tiny*.py), shaped as `engine` needs
+    (tiny_mm.shape_for_engine: 14-pixel patches for Qwen2.5-VL, three deepstack layers for
+    Qwen3-Omni on SGLang)."""
     if arch == "qwen3":
         from relax_hpc.models.tiny import write_tiny_model
 
@@ -37,10 +38,9 @@ def write_tiny_model_of(arch: str, out_dir: Path, seed: int, engine: str) -> Pat
         from relax_hpc.models.tiny_moe import write_tiny_moe_model
 
         return write_tiny_moe_model(out_dir, seed=seed)
-    from relax_hpc.models.tiny_mm import PATCH_SIZE, write_tiny_multimodal
+    from relax_hpc.models.tiny_mm import shape_for_engine, write_tiny_multimodal
 
-    patch = 14 if arch == "qwen2_5_vl" and engine == "sglang" else PATCH_SIZE
-    return write_tiny_multimodal(out_dir, arch, seed=seed, patch_size=patch)
+    return write_tiny_multimodal(out_dir, arch, seed=seed, **shape_for_engine(arch, engine))
 
 
 def give_positions(model_dir: Path, positions: int) -> None:

@@ -112,13 +112,29 @@ def build_mm_chat_template(audio: bool) -> str:
     )
 
 
-def write_tiny_multimodal(out_dir: Path, arch: str, seed: int = 0, patch_size: int = PATCH_SIZE) -> Path:
+def shape_for_engine(arch: str, engine: str) -> dict[str, int]:
+    """The `write_tiny_multimodal` options a tiny `arch` model needs to be served by `engine`
+    ("native" or "sglang"): SGLang 0.5.23's Qwen2.5-VL reads only the real models' 14-pixel
+    patches (it takes rows of any other width for precomputed embeddings), and its Qwen3-Omni
+    thinker (the Qwen3-VL-MoE text model) adds three deepstack features, as the real model has,
+    whatever the config says."""
+    if engine != "sglang":
+        return {}
+    if arch == "qwen2_5_vl":
+        return {"patch_size": 14}
+    if arch == "qwen3_omni":
+        return {"deepstack_layers": 3}
+    return {}
+
+
+def write_tiny_multimodal(out_dir: Path, arch: str, seed: int = 0, patch_size: int = PATCH_SIZE,
+                          deepstack_layers: int = 1) -> Path:
     """Write a randomly initialised tiny `arch` model, tokenizer and processor configs to `out_dir`.
 
     Deterministic from `seed` for one transformers version. Written to a temporary directory, then
     renamed; refuses to overwrite an existing directory. `patch_size`: the vision patch side;
-    SGLang 0.5.23's Qwen2.5-VL reads only the real models' 14 (it takes rows of any other width
-    for precomputed embeddings), so a tiny Qwen2.5-VL meant for SGLang needs patch_size=14.
+    `deepstack_layers`: how many vision blocks feed deepstack features to the text tower (Qwen3
+    families; the vision tower is at least that deep). `shape_for_engine` says what an engine needs.
     """
     from relax_hpc.models.hf import quiet_transformers
 
@@ -127,7 +143,7 @@ def write_tiny_multimodal(out_dir: Path, arch: str, seed: int = 0, patch_size: i
     out_dir = refuse_existing(out_dir)
     specials = mm_special_tokens(arch)
     torch.manual_seed(seed)
-    model = _build_model(arch, mm_token_ids(arch), patch_size)
+    model = _build_model(arch, mm_token_ids(arch), patch_size, deepstack_layers)
     return save_model_dir(
         model,
         out_dir,
@@ -183,15 +199,15 @@ def _text_config(arch: str, ids: dict[str, int]) -> dict[str, Any]:
     return text
 
 
-def _vision_config(arch: str, patch_size: int) -> dict[str, Any]:
+def _vision_config(arch: str, patch_size: int, deepstack_layers: int) -> dict[str, Any]:
     vision: dict[str, Any] = {
-        "depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "patch_size": patch_size,
+        "depth": max(2, deepstack_layers), "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "patch_size": patch_size,
         "spatial_merge_size": MERGE_SIZE, "temporal_patch_size": TEMPORAL_PATCH_SIZE, "out_hidden_size": 64,
     }
     if arch in ("qwen2_5_vl", "qwen2_5_omni"):  # windowed attention, the last block full
         vision |= {"window_size": patch_size * MERGE_SIZE * 2, "fullatt_block_indexes": [1]}
-    else:  # learned position embeddings and one deepstack feature merged into the text tower
-        vision |= {"num_position_embeddings": 64, "deepstack_visual_indexes": [0]}
+    else:  # learned position embeddings and deepstack features merged into the text tower
+        vision |= {"num_position_embeddings": 64, "deepstack_visual_indexes": list(range(deepstack_layers))}
     if arch == "qwen2_5_vl":
         vision["tokens_per_second"] = 2
     return vision
@@ -207,12 +223,12 @@ def _audio_config(arch: str) -> dict[str, Any]:
     return audio
 
 
-def _build_model(arch: str, ids: dict[str, int], patch_size: int) -> torch.nn.Module:
+def _build_model(arch: str, ids: dict[str, int], patch_size: int, deepstack_layers: int) -> torch.nn.Module:
     media_ids: dict[str, Any] = {
         "image_token_id": ids[IMAGE_PAD], "video_token_id": ids[VIDEO_PAD],
         "vision_start_token_id": ids[VISION_START], "vision_end_token_id": ids[VISION_END],
     }
-    text, vision = _text_config(arch, ids), _vision_config(arch, patch_size)
+    text, vision = _text_config(arch, ids), _vision_config(arch, patch_size, deepstack_layers)
     if arch == "qwen2_5_vl":
         from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 

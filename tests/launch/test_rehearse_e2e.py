@@ -3,7 +3,7 @@ user runs it (a subprocess of the CLI; its runs are subprocesses of their own).
 
 The shipped production specs rehearse in `test_production_spec_rehearses`, which runs only with
 `RELAX_REHEARSE_PRODUCTION=1`: OPT_IN says, for each, how far its rehearsal got on 2026-12-02 and
-why it is not in the default suite yet (a failure another change fixes, or a run longer than the
+why it is not in the default suite yet (a run longer than the
 per-test budget: two `relax-hpc run`s that each start two SGLang servers). What runs by default is
 the DAPO spec on the embedded engine and backend (its own comment: set engine = "native",
 backend = "torch"): the same columns, reward, algorithm, dynamic sampling, async mode and
@@ -30,8 +30,8 @@ OPT_IN = {  # spec -> how far its rehearsal got (2026-12-02, 2 cores shared with
                      "export through the bridge) in ~7 min: over the per-test budget",
     "qwen3_vl_4b_openr1": "passes with the FSDP2 multimodal wrapping (backends/parallel.py), in ~15 min: "
                           "over the per-test budget",
-    "qwen3_omni": "fails at run, role rollout: SGLang's Qwen3-VL-MoE text model fixes three deepstack layers, "
-                  "the tiny omni model has one (models/tiny_mm.py), so the servers die on media",
+    "qwen3_omni": "passes (FSDP2 over the omni thinker, 2 SGLang engines on image and audio rows, export with "
+                  "the omni layout) in ~5 min: over the per-test budget",
 }
 NEEDS = {"qwen3_4b_dapo": (SGLANG, MEGATRON), "qwen3_vl_4b_openr1": (SGLANG,), "qwen3_omni": (SGLANG,)}
 TIMEOUT_S = 1500  # two runs (each starting its engines) and an export on 2 busy cores

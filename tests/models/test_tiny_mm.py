@@ -32,6 +32,7 @@ from relax_hpc.models.tiny_mm import (
     VISION_START,
     is_omni,
     mm_token_ids,
+    shape_for_engine,
     write_tiny_multimodal,
 )
 
@@ -268,3 +269,21 @@ def test_cli_make_tiny_kind_and_arch_must_agree(tmp_path: Path, capsys: pytest.C
     assert "pass --kind" in capsys.readouterr().err
     assert not (tmp_path / "m").exists()
 
+
+
+@pytest.mark.parametrize(("arch", "engine", "shape"), [
+    ("qwen3_omni", "sglang", {"deepstack_layers": 3}), ("qwen2_5_vl", "sglang", {"patch_size": 14}),
+    ("qwen3_vl", "sglang", {}), ("qwen3_omni", "native", {}), ("qwen2_5_vl", "native", {}),
+])
+def test_shape_for_engine_names_what_sglang_reads(arch: str, engine: str, shape: dict[str, int]) -> None:
+    # SGLang 0.5.23's Qwen3-VL-MoE text model (the omni thinker's) adds range(3) deepstack slices
+    # whatever the config says, so a tiny omni with one feature fails on its first image.
+    assert shape_for_engine(arch, engine) == shape
+
+
+def test_omni_with_three_deepstack_layers_feeds_three_features(tmp_path: Path) -> None:
+    out = write_tiny_multimodal(tmp_path / "omni", "qwen3_omni", seed=0, deepstack_layers=3)
+    vision = json.loads((out / "config.json").read_text())["thinker_config"]["vision_config"]
+    assert vision["deepstack_visual_indexes"] == [0, 1, 2] and vision["depth"] == 3
+    model = load_policy_model(out).eval()
+    assert len(model.model.visual.merger_list) == 3  # one deepstack merger per feature
