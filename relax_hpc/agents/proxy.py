@@ -29,6 +29,7 @@ deeper than `max_json_depth` 400.
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import time
 import uuid
@@ -54,8 +55,8 @@ from relax_hpc.agents.sessions import SessionAuthError, SessionStore
 from relax_hpc.auth import bearer_matches, job_secret
 from relax_hpc.engines.base import SamplingParams
 from relax_hpc.engines.http_auth import check_token
-from relax_hpc.engines.http_body import RequestRefused, read_limited_body
-from relax_hpc.engines.http_server import JsonBodyError, load_json_body
+from relax_hpc.engines.http_body import JsonBodyError, RequestRefused, load_json_body, read_limited_body
+from relax_hpc.engines.http_serving import ServingLimits, uvicorn_config
 from relax_hpc.media.families import supported_model_types
 from relax_hpc.media.items import MediaError, PromptMedia
 from relax_hpc.media.load import MediaLimits
@@ -65,6 +66,10 @@ from relax_hpc.media.load import MediaLimits
 MAX_BODY_BYTES = 8 * 1024 * 1024
 # Messages with text parts nest 5 levels; the limit leaves room for fields the proxy ignores.
 MAX_JSON_DEPTH = 32
+# Agents on this host: a request has 30 s to arrive (an 8 MiB body of images included), 256
+# connections may be open (many sessions at once), 32 from one address before they show the token
+# (every agent comes from 127.0.0.1, and a connection is without it only until its headers are in).
+PROXY_LIMITS = ServingLimits(request_timeout_s=30.0, max_connections=256, max_untrusted_per_peer=32)
 PROXY_TOKEN_PURPOSE = "agent-proxy"
 PROXY_AUTH_MESSAGE = (
     "missing or wrong bearer token: agent code gets its key as the api_key argument (inline agents) or "
@@ -191,7 +196,7 @@ class AgentProxy:
                  model_name: str = "policy", ttl_s: float = 600.0, host: str = "127.0.0.1",
                  max_context_tokens: int | None = None, max_body_bytes: int = MAX_BODY_BYTES,
                  max_json_depth: int = MAX_JSON_DEPTH, media_processor: Any = None,
-                 media_limits: MediaLimits | None = None) -> None:
+                 media_limits: MediaLimits | None = None, limits: ServingLimits | None = None) -> None:
         self.batcher, self.tokenizer, self.sampling = batcher, tokenizer, sampling
         self.media_processor, self.media_limits = media_processor, media_limits or MediaLimits()
         self.model_name, self.host = model_name, host
@@ -202,6 +207,7 @@ class AgentProxy:
         self.token = token
         self.sessions = SessionStore(ttl_s, key_prefix=token + ".")
         self.port = 0
+        self.limits = limits or PROXY_LIMITS
         self.app = self._build_app()
         self._server: Any = None
         self._task: asyncio.Task[None] | None = None
@@ -209,6 +215,11 @@ class AgentProxy:
     @property
     def base_url(self) -> str:
         return f"http://{self.host}:{self.port}/v1"
+
+    def _trusts(self, header: str | None) -> bool:
+        """Whether an Authorization header carries the token (bare or with a session's part), as
+        RequireToken checks it: the connection limits count connections without it per address."""
+        return bearer_matches(header.partition(".")[0] if header else None, self.token)
 
     async def start(self) -> None:
         import uvicorn
@@ -218,7 +229,9 @@ class AgentProxy:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self.host, 0))
         self.port = sock.getsockname()[1]
-        config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off")
+        busy = _error(503, f"the proxy has {self.limits.max_connections} connections open, its limit; retry in a "
+                           "second")
+        config = uvicorn_config(self.app, self.limits, trusts=self._trusts, busy_body=json.loads(busy.body))
         self._server = uvicorn.Server(config)
         self._task = asyncio.get_running_loop().create_task(self._server.serve(sockets=[sock]))
         while not self._server.started:

@@ -3,27 +3,20 @@
 Inside a job the token is derived from the job secret (`engine_token()`), so every process of
 the job can compute it; `relax-hpc serve-engine` run by hand makes a fresh one per run and writes
 it to an owner-only file (`write_token_file`), whose path it prints, never the token itself.
-
-    class Handler(BearerAuthHandler):   # an http.server handler answering 401 before the body
-        auth_token = token              # is read, and before "100 Continue" invites it
-        auth_message = ENGINE_AUTH_MESSAGE
+The server checks it in an ASGI middleware, from the headers alone (http_server.py).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import socket
-from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
-from relax_hpc.auth import bearer_matches, job_secret, write_private_text
+from relax_hpc.auth import job_secret, write_private_text
 
 __all__ = [
     "ENGINE_AUTH_MESSAGE",
     "ENGINE_TOKEN_PURPOSE",
-    "BearerAuthHandler",
     "check_token",
     "default_token_file",
     "engine_token",
@@ -51,49 +44,6 @@ def check_token(token: str, owner: str) -> str:
         raise ValueError(f"{owner} needs a bearer token of at least {MIN_TOKEN_CHARS} printable ASCII characters "
                          "without spaces, e.g. JobSecret.token(purpose) of the job secret")
     return token
-
-
-class BearerAuthHandler(BaseHTTPRequestHandler):
-    """A request handler that answers 401 to every request, any path or method, whose
-    `Authorization` is not `Bearer <auth_token>`. Only the request line and headers are read
-    first; a subclass drops a refused body in `discard_refused_body` (default: not at all)."""
-
-    auth_token: str = ""  # set by the subclass; the empty token matches nothing (check_token)
-    auth_message: str = ENGINE_AUTH_MESSAGE
-
-    def parse_request(self) -> bool:
-        if not super().parse_request():  # calls handle_expect_100, which refuses first
-            return False
-        if self._authorized():
-            return True
-        self._refuse_unauthorized()
-        self.discard_refused_body()
-        return False
-
-    def handle_expect_100(self) -> bool:
-        # The client waits for "100 Continue" before it sends the body: refuse, and it sends none.
-        if not self._authorized():
-            self._refuse_unauthorized()
-            return False
-        return super().handle_expect_100()
-
-    def discard_refused_body(self) -> None:
-        """Read and drop the body of a refused request, within the server's own bounds."""
-
-    def _authorized(self) -> bool:
-        return bool(self.auth_token) and bearer_matches(self.headers.get("Authorization"), self.auth_token)
-
-    def _refuse_unauthorized(self) -> None:
-        status = HTTPStatus.UNAUTHORIZED
-        data = json.dumps({"error": {"message": self.auth_message, "code": status}}).encode("utf-8")
-        self.close_connection = True  # the request's body, if any, is not read
-        self.send_response(status)
-        self.send_header("WWW-Authenticate", "Bearer")
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.send_header("Connection", "close")
-        self.end_headers()
-        self.wfile.write(data)
 
 
 def default_token_file(port: int) -> Path:

@@ -11,7 +11,9 @@ of a remote engine are the server's business, and `update_weights` refuses.
 Every request carries `Authorization: Bearer <token>`: `engine_token()` (http_auth.py) of the
 job, the token file of a `serve-engine` run by hand, SGLang's `--api-key`, or None for a server
 that wants none. Connection errors, timeouts, HTTP 429 and 5xx are retried with exponential
-backoff; a 401 (`EngineAuthError`) says the token does not match; other 4xx replies mean the
+backoff. With `busy_wait_s`, a server that answers 503 or 429 (busy: its connection limit, not
+a failure) is asked again, after its `Retry-After` or the backoff, for up to that long before the
+attempt counts as failed; a 401 (`EngineAuthError`) says the token does not match; other 4xx replies mean the
 request is wrong and fail at once with the server's message. Every error names the URL.
 Redirects are not followed, so the token goes to `base_url` only.
 """
@@ -48,6 +50,15 @@ class _NoRedirect(urllib.request.HTTPRedirectHandler):
 
 
 _OPENER = urllib.request.build_opener(_NoRedirect())
+BUSY_CODES = (429, 503)  # the server is busy (its connection limit, a queue): ask again later
+MAX_RETRY_AFTER_S = 60.0  # a longer Retry-After is read as this
+_clock, _sleep = time.monotonic, time.sleep  # patched by tests
+
+
+def _retry_after(error: urllib.error.HTTPError) -> float | None:
+    """The seconds of a reply's `Retry-After` header when it is a number of seconds (not a date)."""
+    value = (error.headers.get("Retry-After") or "").strip() if error.headers is not None else ""
+    return min(float(value), MAX_RETRY_AFTER_S) if value.isascii() and value.isdigit() else None
 
 
 def _weight_version(value: Any) -> int:
@@ -131,11 +142,13 @@ class HttpEngine:
         retries: int = 3,
         backoff_s: float = 0.5,
         max_backoff_s: float = 10.0,
+        busy_wait_s: float = 0.0,
     ) -> None:
         if not base_url.startswith(("http://", "https://")):
             raise ValueError(f"engine URL {base_url!r} must start with http:// or https://, e.g. http://node1:30000")
-        if timeout_s <= 0 or retries < 0:
-            raise ValueError(f"HttpEngine needs timeout_s > 0 and retries >= 0, got {timeout_s} and {retries}")
+        if timeout_s <= 0 or retries < 0 or busy_wait_s < 0:
+            raise ValueError(f"HttpEngine needs timeout_s > 0, retries >= 0 and busy_wait_s >= 0, got {timeout_s}, "
+                             f"{retries} and {busy_wait_s}")
         if token is not None and (not token or not token.isascii() or any(c.isspace() for c in token)):
             raise ValueError("HttpEngine token must be a non-empty ASCII string without spaces (the server's "
                              "bearer token), or None for a server that takes none")
@@ -143,6 +156,7 @@ class HttpEngine:
         self._token = token
         self.timeout_s, self.retries = timeout_s, retries
         self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
+        self.busy_wait_s = busy_wait_s
         self._version = 0
 
     @property
@@ -201,15 +215,24 @@ class HttpEngine:
         url = self.base_url + path
         data = None if payload is None else json.dumps(payload).encode("utf-8")
         tries = self.retries + 1 if attempts is None else attempts
-        last = ""
-        for attempt in range(tries):
+        busy_until, busy_waits = _clock() + self.busy_wait_s, 0
+        last, attempt = "", 0
+        while True:
             try:
                 return self._once(method, url, data)
             except urllib.error.HTTPError as e:
                 last = f"HTTP {e.code}: {_error_message(e)}"
                 if e.code == 401:
                     raise EngineAuthError(self._auth_problem(url, last)) from e
-                if e.code != 429 and e.code < 500:
+                if e.code in BUSY_CODES and self.busy_wait_s > 0:
+                    wait = _retry_after(e)
+                    wait = self._backoff(busy_waits) if wait is None else wait
+                    if _clock() + wait <= busy_until:  # busy, not failed: ask again, this is no attempt
+                        busy_waits += 1
+                        _sleep(wait)
+                        continue
+                    last += f" (busy for {self.busy_wait_s} s)"
+                elif e.code not in BUSY_CODES and e.code < 500:
                     raise EngineHttpError(f"engine at {url} rejected the request: {last}") from e
             except (urllib.error.URLError, TimeoutError, ConnectionError, OSError, http.client.HTTPException) as e:
                 # HTTPException: a server that died while it sent its reply (IncompleteRead: a
@@ -218,8 +241,10 @@ class HttpEngine:
                 last = f"{type(reason).__name__}: {reason}"
             except json.JSONDecodeError as e:
                 last = f"reply is not JSON ({e.msg})"
-            if attempt + 1 < tries:
-                time.sleep(self._backoff(attempt))
+            attempt += 1
+            if attempt >= tries:
+                break
+            _sleep(self._backoff(attempt - 1))
         raise EngineHttpError(
             f"engine at {url} failed after {tries} attempt(s) (last error: {last}); is the server up and "
             f"reachable from here? timeout_s = {self.timeout_s}"

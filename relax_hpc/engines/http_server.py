@@ -2,13 +2,14 @@
 
 One client (`relax_hpc.engines.http_client.HttpEngine`) then talks to this server and to real
 SGLang servers alike: a judge model on its own node, a teacher, or a native engine on a machine
-without Ray. Standard library only (`http.server`), one thread per connection; generation is
-serialised because engines are not required to be thread-safe.
+without Ray. FastAPI on uvicorn, like the REST API and the agent proxy, under the same connection
+limits (http_serving.py); generation runs in one worker thread, serialised, because engines are
+not required to be thread-safe.
 
-`ServerLimits` bounds what one client can take: connections (one thread each), the time a
-request may take to arrive, the body's size and nesting, and the prompts and tokens of one
-`/generate`. Every request needs `Authorization: Bearer <token>` (`http_auth.py`): without it,
-any path or method, the answer is 401 before the body is read.
+`ServerLimits` bounds what one client can take: connections (in all, and per address before
+they show the token), the time a request may take to arrive, the body's size and nesting, and
+the prompts and tokens of one `/generate`. Every request needs `Authorization: Bearer <token>`
+(`http_auth.py`): without it, any path or method, the answer is 401 before the body is read.
 
 Routes (see docs/engines.md for the full field list):
 
@@ -34,23 +35,30 @@ Run it as `relax-hpc serve-engine MODEL_DIR --port 0`, or in a test:
 
 from __future__ import annotations
 
-import io
+import asyncio
 import ipaddress
 import json
 import logging
 import math
 import socket
 import threading
-import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from relax_hpc.auth import bearer_matches
 from relax_hpc.engines.base import Generation, RolloutEngine, SamplingParams
 from relax_hpc.engines.disk_weights import WeightsDirError, parameter_shapes, read_weights_dir, resolve_weights_dir
-from relax_hpc.engines.http_auth import ENGINE_AUTH_MESSAGE, BearerAuthHandler, check_token
+from relax_hpc.engines.http_auth import ENGINE_AUTH_MESSAGE, check_token
+from relax_hpc.engines.http_body import JsonBodyError, declared_length, load_json_body
+from relax_hpc.engines.http_serving import ServingLimits, UvicornThread, bearer_trust, uvicorn_config
 
 __all__ = [
     "GREEDY_TEMPERATURE",
@@ -61,7 +69,7 @@ __all__ = [
     "ServerLimits",
     "exposure_warning",
     "generation_to_sglang",
-    "load_json_body",
+    "load_json_body",  # from http_body, where the proxy and the REST API take it too
     "parse_disk_update_request",
     "parse_generate_request",
 ]
@@ -85,7 +93,8 @@ class ServerLimits:
     """What one client may take from an `EngineServer` (`relax-hpc serve-engine` sets each one)."""
 
     request_timeout_s: float = 30.0  # a request must arrive whole within this; idle keep-alive ends after it
-    max_connections: int = 64  # open connections, one thread each; the next one is answered 503
+    max_connections: int = 64  # open connections; the next one is answered 503
+    max_untrusted_per_peer: int = 16  # connections of one address before it shows the token; the oldest goes
     max_body_bytes: int = 8 * 1024 * 1024  # checked from Content-Length before reading (~1M token ids)
     max_json_depth: int = 32  # a /generate body needs 3 levels
     max_prompts: int = 256  # prompts in one /generate
@@ -106,52 +115,16 @@ class ServerLimits:
             raise ValueError("engine server limits: " + "; ".join(problems))
 
 
-# At most this much of a body refused with 413 is read and dropped, so the client gets to read
-# the refusal (a reply sent mid-body is lost when the server closes while the client still sends).
-LINGER_BYTES = 64 * 1024 * 1024
-
 # The serve-engine option of each limit, for error messages (max_json_depth has none).
 LIMIT_FLAGS = {
     "request_timeout_s": "--request-timeout-s",
     "max_connections": "--max-connections",
+    "max_untrusted_per_peer": "--max-untrusted-per-peer",
     "max_body_bytes": "--max-body-bytes",
     "max_prompts": "--max-prompts",
     "max_request_prompt_tokens": "--max-prompt-tokens",
     "max_request_new_tokens": "--max-new-tokens",
 }
-
-
-class JsonBodyError(ValueError):
-    """A body that is not JSON, or is nested deeper than allowed; the message says which."""
-
-
-def _deeper_than(value: Any, max_depth: int) -> bool:
-    """Whether containers nest more than `max_depth` levels (`[]` is 1, `{"a": [1]}` is 2)."""
-    stack = [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        if depth > max_depth:
-            return True
-        children = item.values() if isinstance(item, dict) else item
-        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
-    return False
-
-
-def load_json_body(raw: bytes, max_depth: int) -> Any:
-    """A UTF-8 JSON request body decoded; JsonBodyError when it is not JSON or nests too deep.
-
-    The decoder recurses once per level, so a deep enough body would end in RecursionError (a
-    500); that and anything between `max_depth` and the recursion limit are refused alike."""
-    too_deep = f"the JSON body nests more than {max_depth} levels deep; at most {max_depth} are accepted"
-    try:
-        value = json.loads(raw.decode("utf-8"))
-    except RecursionError:
-        raise JsonBodyError(too_deep) from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise JsonBodyError(f"the body is not valid JSON: {e}") from None
-    if isinstance(value, (dict, list)) and _deeper_than(value, max_depth):
-        raise JsonBodyError(too_deep)
-    return value
 
 
 def exposure_warning(host: str, port: int) -> str | None:
@@ -351,89 +324,13 @@ def generation_to_sglang(gen: Generation, return_logprob: bool, request_id: str)
     return {"text": gen.text, "output_ids": list(gen.token_ids), "meta_info": meta}
 
 
-class _BoundedHTTPServer(ThreadingHTTPServer):
-    """One thread per connection, at most `max_connections` of them; the next connection gets a
-    503 from the accepting thread (a non-blocking send, never a wait) and is closed."""
-
-    daemon_threads = True
-    request_queue_size = 64  # the listen backlog: connections the kernel holds until accepted
-
-    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler],
-                 max_connections: int) -> None:
-        self.max_connections = max_connections
-        self._slots = threading.BoundedSemaphore(max_connections)
-        message = (f"the engine server is serving its limit of {max_connections} connections "
-                   f"({LIMIT_FLAGS['max_connections']}); retry later")
-        body = json.dumps({"error": {"message": message, "code": HTTPStatus.SERVICE_UNAVAILABLE}}).encode()
-        self._busy_reply = (
-            "HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\nRetry-After: 1\r\nConnection: close\r\n\r\n"
-        ).encode() + body
-        super().__init__(address, handler)
-
-    def process_request(self, request: Any, client_address: Any) -> None:
-        if not self._slots.acquire(blocking=False):
-            self._refuse(request)
-            return
-        try:
-            super().process_request(request, client_address)  # starts the connection's thread
-        except BaseException:
-            self._slots.release()
-            raise
-
-    def process_request_thread(self, request: Any, client_address: Any) -> None:
-        try:
-            super().process_request_thread(request, client_address)  # serves, then closes the socket
-        finally:
-            self._slots.release()
-
-    def _refuse(self, request: socket.socket) -> None:
-        try:
-            request.setblocking(False)
-            request.send(self._busy_reply)
-            # Read what the client already sent: closing with unread bytes would answer it with a
-            # reset, and the client could lose the 503.
-            request.recv(65536)
-        except OSError:
-            pass
-        self.shutdown_request(request)
-
-
-class _DeadlineReader(io.RawIOBase):
-    """Socket reads that fail once the current request's deadline has passed.
-
-    A per-read timeout alone lets a client trickle one byte at a time and hold its thread for
-    ever; with a deadline the whole request, headers and body, must arrive within `timeout_s` of
-    the server starting to wait for it."""
-
-    def __init__(self, sock: socket.socket, timeout_s: float) -> None:
-        super().__init__()
-        self._sock, self._timeout_s = sock, timeout_s
-        self._deadline = math.inf
-
-    def start_request(self) -> None:
-        self._deadline = time.monotonic() + self._timeout_s
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer: Any) -> int:
-        remaining = self._deadline - time.monotonic()
-        if remaining <= 0:
-            raise TimeoutError(f"the request did not arrive within {self._timeout_s} s")
-        self._sock.settimeout(remaining)
-        try:
-            return self._sock.recv_into(buffer)
-        finally:
-            self._sock.settimeout(self._timeout_s)  # writes keep the plain per-call timeout
-
-
 class EngineServer:
     """An HTTP server in front of one engine; `start()` serves from a background thread.
 
     `token` is the bearer token every request must carry: `engine_token()` (http_auth.py) in a
     job, a fresh one for `relax-hpc serve-engine` run by hand. `weights_root`: the directory
-    whose weight versions `/update_weights_from_disk` may load; None refuses every update."""
+    whose weight versions `/update_weights_from_disk` may load; None refuses every update. The
+    port is bound here (OSError when it is taken), so `port` and `url` are known before `start()`."""
 
     def __init__(
         self,
@@ -459,37 +356,54 @@ class EngineServer:
         self._generate_lock = threading.Lock()
         self._update_lock = threading.Lock()  # one weight load at a time: versions land in the order asked
         self._request_count = 0
-        self._httpd = _BoundedHTTPServer((host, port), _make_handler(self), self.limits.max_connections)
-        self._thread: threading.Thread | None = None
+        # Engine calls run in one thread (engines need not be thread-safe), weight loads in another
+        # (reading a version's files does not hold generation up); never on the event loop.
+        self._engine_thread = ThreadPoolExecutor(1, thread_name_prefix="engine-generate")
+        self._update_thread = ThreadPoolExecutor(1, thread_name_prefix="engine-update")
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.create_server((host, port), family=family, backlog=128)  # OSError: the CLI names it
+        serving = ServingLimits(request_timeout_s=self.limits.request_timeout_s,
+                                max_connections=self.limits.max_connections,
+                                max_untrusted_per_peer=self.limits.max_untrusted_per_peer)
+        busy = (f"the engine server is serving its limit of {self.limits.max_connections} connections "
+                f"({LIMIT_FLAGS['max_connections']}); retry later")
+        config = uvicorn_config(_engine_app(self), serving, trusts=bearer_trust(self.token),
+                                busy_body={"error": {"message": busy, "code": HTTPStatus.SERVICE_UNAVAILABLE}})
+        self._address = sock.getsockname()[:2]
+        self._runner = UvicornThread(config, host, port, "the engine server", sock=sock)
 
     @property
     def port(self) -> int:
-        return int(self._httpd.server_address[1])
+        return int(self._address[1])
 
     @property
     def url(self) -> str:
-        host, port = self._httpd.server_address[:2]
+        host, port = self._address
         shown = f"[{host}]" if ":" in str(host) else str(host)
         return f"http://{shown}:{port}"
 
+    @property
+    def open_connections(self) -> int:
+        """Connections the server holds now (http_serving.py)."""
+        return self._runner.open_connections
+
     def start(self) -> EngineServer:
-        self._thread = threading.Thread(target=self._httpd.serve_forever, name="engine-http", daemon=True)
-        self._thread.start()
+        self._runner.start()
         return self
 
     def serve_forever(self) -> None:
-        """Serve in this thread until interrupted (the CLI)."""
+        """Serve until interrupted (the CLI: Ctrl-C, or SIGTERM turned into KeyboardInterrupt)."""
+        self.start()
         try:
-            self._httpd.serve_forever()
+            while not self._runner.join(0.5):
+                pass
         finally:
-            self._httpd.server_close()
+            self.stop()
 
     def stop(self) -> None:
-        if self._thread is not None:
-            self._httpd.shutdown()
-            self._thread.join(timeout=10)
-            self._thread = None
-        self._httpd.server_close()
+        self._runner.stop()
+        self._engine_thread.shutdown(wait=False, cancel_futures=True)
+        self._update_thread.shutdown(wait=False, cancel_futures=True)
 
     def __enter__(self) -> EngineServer:
         return self.start()
@@ -533,140 +447,126 @@ class EngineServer:
         return {"success": True, "message": f"loaded {len(named)} tensors from {directory}",
                 "weight_version": version}
 
+    async def answer(self, path: str, body: Any) -> Any:
+        """One decoded POST body answered in the engine's thread (generate) or the loader's (update)."""
+        update = path == "/update_weights_from_disk"
+        pool = self._update_thread if update else self._engine_thread
+        call = self.update_weights_from_disk if update else self.generate
+        return await asyncio.get_running_loop().run_in_executor(pool, call, body)
 
-def _make_handler(server: EngineServer) -> type[BaseHTTPRequestHandler]:
-    limits = server.limits
 
-    class Handler(BearerAuthHandler):  # 401 before the body is read; see parse_request there
-        protocol_version = "HTTP/1.1"  # keep-alive: a client may send many requests on one socket
-        auth_token, auth_message = server.token, ENGINE_AUTH_MESSAGE
-        timeout = limits.request_timeout_s  # the socket's timeout (setup() sets it): bounds every write
+def _with_headers(response: Response, headers: dict[str, str]) -> Response:
+    # Raw, so they go out spelled as http.server spelled them (Starlette lower-cases its own).
+    response.raw_headers.extend((k.encode("latin-1"), v.encode("latin-1")) for k, v in headers.items())
+    return response
 
-        def setup(self) -> None:
-            super().setup()
-            self._reader = _DeadlineReader(self.connection, limits.request_timeout_s)
-            self.rfile = io.BufferedReader(self._reader)
 
-        def handle_one_request(self) -> None:
-            # A timeout anywhere in here (a read past the deadline, a stuck write) ends the
-            # connection: BaseHTTPRequestHandler catches TimeoutError and closes it.
-            self._reader.start_request()
-            super().handle_one_request()
+def _reply(status: int, payload: Any, close: bool = False) -> JSONResponse:
+    # Connection: close after a refusal whose body was not read: the serving protocol then reads
+    # and drops the rest before it closes, so the client reads this reply (http_serving.py).
+    response = JSONResponse(payload, status_code=status)
+    return _with_headers(response, {"Connection": "close"}) if close else response
 
-        def log_message(self, format: str, *args: Any) -> None:
-            log.debug("%s " + format, self.address_string(), *args)
 
-        def _reply(self, status: int, payload: Any) -> None:
-            data = json.dumps(payload).encode("utf-8")
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            if self.close_connection:
-                self.send_header("Connection", "close")
-            self.end_headers()
-            self.wfile.write(data)
+def _error(status: int, message: str, *, sglang_failure: bool = False, close: bool = False) -> JSONResponse:
+    # SGLang answers a failed weight update with {"success": false, "message": ...}.
+    failure = {"success": False, "message": message} if sglang_failure else {}
+    return _reply(status, {**failure, "error": {"message": message, "code": status}}, close)
 
-        def _error(self, status: int, message: str, sglang_failure: bool = False) -> None:
-            # SGLang answers a failed weight update with {"success": false, "message": ...}.
-            failure = {"success": False, "message": message} if sglang_failure else {}
-            self._reply(status, {**failure, "error": {"message": message, "code": status}})
 
-        def do_GET(self) -> None:
-            path = self.path.split("?", 1)[0].rstrip("/")
-            if path == "/health":
-                self._reply(HTTPStatus.OK, {"status": "ok"})
-            elif path in ("/model_info", "/get_model_info"):
-                self._reply(HTTPStatus.OK, server.info())
-            elif path in POST_ROUTES:
-                self._error(HTTPStatus.METHOD_NOT_ALLOWED, f"use POST for {path}")
-            else:
-                self._not_found(path)
+class _RequireEngineToken:
+    """ASGI middleware: 401 to every request, any path or method, whose `Authorization` is not
+    `Bearer <token>`, from the headers alone (no body read, no "100 Continue" sent); it also
+    drops a trailing slash from the path, as the routes are matched without one."""
 
-        def do_POST(self) -> None:
-            path = self.path.split("?", 1)[0].rstrip("/")
-            if path not in POST_ROUTES:
-                self._drain()
-                self._not_found(path)
-                return
-            try:
-                body = self._read_json()
-            except RequestError as e:
-                self.close_connection = True  # the unread rest of the body would poison the socket
-                self._error(e.status, str(e))
-                if e.status == HTTPStatus.REQUEST_ENTITY_TOO_LARGE:
-                    self.discard_refused_body()
-                return
-            update = path == "/update_weights_from_disk"
-            try:
-                self._reply(HTTPStatus.OK, server.update_weights_from_disk(body) if update else server.generate(body))
-            except RequestError as e:
-                self._error(e.status, str(e), sglang_failure=update)
-            except Exception as e:  # an engine failure: short message, the traceback stays in the log
-                log.exception("%s failed", path)
-                self._error(HTTPStatus.INTERNAL_SERVER_ERROR, f"engine failed: {type(e).__name__}: {e}"[:500],
-                            sglang_failure=update)
+    def __init__(self, app: ASGIApp, token: str, message: str) -> None:
+        self.app, self.token = app, token
+        body = json.dumps({"error": {"message": message, "code": HTTPStatus.UNAUTHORIZED}}).encode("utf-8")
+        self.refusal = _with_headers(Response(body, status_code=HTTPStatus.UNAUTHORIZED, media_type="application/json"),
+                                     {"WWW-Authenticate": "Bearer", "Connection": "close"})
 
-        def do_PUT(self) -> None:
-            self._drain()
-            self._error(HTTPStatus.METHOD_NOT_ALLOWED, f"this server has only these routes: {ROUTES}")
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return
+        if not bearer_matches(Headers(scope=scope).get("authorization"), self.token):
+            await self.refusal(scope, receive, send)
+            return
+        await self.app({**scope, "path": scope["path"].rstrip("/") or "/"}, receive, send)
 
-        do_DELETE = do_PATCH = do_PUT
 
-        def _not_found(self, path: str) -> None:
-            self._error(HTTPStatus.NOT_FOUND, f"no route {path!r}; routes: {ROUTES}")
+def _length(raw: str, limits: ServerLimits) -> int:
+    text = raw.strip()
+    if not (text.isascii() and text.isdigit()):  # int() would also take "-5", "+5" and "1_0"
+        raise RequestError(f"Content-Length {_show(raw)} is not a byte count")
+    if len(text) > 18:  # over any limit (and int() refuses more than 4300 digits)
+        raise RequestError(f"Content-Length {_show(text[:40])} is over the limit of {limits.max_body_bytes} "
+                           f"bytes ({LIMIT_FLAGS['max_body_bytes']})", HTTPStatus.REQUEST_ENTITY_TOO_LARGE)
+    return int(text)
 
-        def _length(self) -> int:
-            raw = self.headers.get("Content-Length")
-            if raw is None:
-                return 0
-            text = raw.strip()
-            if not (text.isascii() and text.isdigit()):  # int() would also take "-5", "+5" and "1_0"
-                raise RequestError(f"Content-Length {_show(raw)} is not a byte count")
-            if len(text) > 18:  # over any limit (and int() refuses more than 4300 digits)
-                raise RequestError(f"Content-Length {_show(text)} is over the limit of {limits.max_body_bytes} "
-                                   f"bytes ({LIMIT_FLAGS['max_body_bytes']})", HTTPStatus.REQUEST_ENTITY_TOO_LARGE)
-            return int(text)
 
-        def _drain(self) -> None:
-            try:
-                length = self._length()
-            except RequestError:
-                self.close_connection = True
-                return
-            if length > limits.max_body_bytes:
-                self.close_connection = True
-            elif length:
-                self.rfile.read(length)
+async def _read_json(request: Request, limits: ServerLimits) -> Any:
+    """The request's JSON body: 411 without a Content-Length, 413 over the limit (before a byte of it
+    is read), 400 for a body that ends early, is not JSON or nests too deep."""
+    raw_length = declared_length(request.headers)
+    if raw_length is None:
+        raise RequestError("the request needs a Content-Length header and a JSON body", HTTPStatus.LENGTH_REQUIRED)
+    length = _length(raw_length, limits)
+    if length > limits.max_body_bytes:
+        raise RequestError(f"the body is {length} bytes; at most {limits.max_body_bytes} are accepted "
+                           f"({LIMIT_FLAGS['max_body_bytes']})", HTTPStatus.REQUEST_ENTITY_TOO_LARGE)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        chunks.append(chunk)
+        size += len(chunk)
+    if size < length:
+        raise RequestError(f"the body ended after {size} of its {length} bytes (Content-Length)")
+    try:
+        return load_json_body(b"".join(chunks), limits.max_json_depth)
+    except JsonBodyError as e:
+        raise RequestError(str(e)) from None
 
-        def discard_refused_body(self) -> None:
-            """Read and drop a refused body, within the request's deadline and up to LINGER_BYTES.
 
-            Most clients read the reply only after sending the whole body; closing on them
-            mid-body breaks their pipe, and they would report that instead of the 413 or 401."""
-            try:
-                left = min(self._length(), LINGER_BYTES)
-                while left > 0:
-                    chunk = self.rfile.read1(min(left, 1 << 16))
-                    if not chunk:
-                        break
-                    left -= len(chunk)
-            except (RequestError, OSError):  # TimeoutError past the deadline is an OSError
-                pass
+def _engine_app(server: EngineServer) -> FastAPI:
+    """The routes of the module docstring, each answered as `http.server` did before it."""
+    app = FastAPI(title="relax-hpc engine server", docs_url=None, redoc_url=None, openapi_url=None,
+                  redirect_slashes=False)
+    app.add_middleware(_RequireEngineToken, token=server.token, message=ENGINE_AUTH_MESSAGE)
 
-        def _read_json(self) -> Any:
-            if self.headers.get("Content-Length") is None:
-                raise RequestError("the request needs a Content-Length header and a JSON body",
-                                   HTTPStatus.LENGTH_REQUIRED)
-            length = self._length()
-            if length > limits.max_body_bytes:  # refused before a byte of it is read
-                raise RequestError(f"the body is {length} bytes; at most {limits.max_body_bytes} are accepted "
-                                   f"({LIMIT_FLAGS['max_body_bytes']})", HTTPStatus.REQUEST_ENTITY_TOO_LARGE)
-            raw = self.rfile.read(length)
-            if len(raw) < length:
-                raise RequestError(f"the body ended after {len(raw)} of its {length} bytes (Content-Length)")
-            try:
-                return load_json_body(raw, limits.max_json_depth)
-            except JsonBodyError as e:
-                raise RequestError(str(e)) from None
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        return _reply(HTTPStatus.OK, {"status": "ok"})
 
-    return Handler
+    @app.get("/model_info")
+    @app.get("/get_model_info")
+    async def model_info() -> JSONResponse:
+        return _reply(HTTPStatus.OK, server.info())
+
+    async def post(request: Request) -> JSONResponse:
+        path = request.url.path
+        update = path == "/update_weights_from_disk"
+        try:
+            body = await _read_json(request, server.limits)
+        except RequestError as e:  # the unread rest of the body would poison the connection
+            return _error(e.status, str(e), close=True)
+        try:
+            return _reply(HTTPStatus.OK, await server.answer(path, body))
+        except RequestError as e:
+            return _error(e.status, str(e), sglang_failure=update)
+        except Exception as e:  # an engine failure: short message, the traceback stays in the log
+            log.exception("%s failed", path)
+            return _error(HTTPStatus.INTERNAL_SERVER_ERROR, f"engine failed: {type(e).__name__}: {e}"[:500],
+                          sglang_failure=update)
+
+    for route in POST_ROUTES:
+        app.add_api_route(route, post, methods=["POST"])
+
+    @app.api_route("/{rest:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS"])
+    async def elsewhere(request: Request) -> JSONResponse:
+        path, method = request.url.path, request.method
+        if method == "GET" and path in POST_ROUTES:
+            return _error(HTTPStatus.METHOD_NOT_ALLOWED, f"use POST for {path}")
+        if method in ("GET", "POST"):
+            return _error(HTTPStatus.NOT_FOUND, f"no route {path!r}; routes: {ROUTES}")
+        return _error(HTTPStatus.METHOD_NOT_ALLOWED, f"this server has only these routes: {ROUTES}")
+
+    return app

@@ -13,7 +13,10 @@ directory (`POST /update_weights_from_disk`, SGLang's route and body).
     client.submit(prompts, SamplingParams(max_new_tokens=64), seed=7).result()
 
 Nothing is retried behind the router's back on `/generate`: a request re-issued after a failure
-comes from the router (on another engine), so no prompt is answered twice. The remote server
+comes from the router (on another engine), so no prompt is answered twice. The exception is a
+busy server: 503 (its connection limit, answered before a request is read) and 429 are asked
+again, after `Retry-After` or a backoff, for up to the client's timeout; only then is the engine
+failed. So sockets that anyone opens to the port cannot make the router drop the engine. The remote server
 belongs to its own job: `close` stops this client, never the server.
 """
 
@@ -85,8 +88,10 @@ class RemoteEngineClient:
                  model_type: str | None = None) -> None:
         self.id, self.address = id, url
         self.weights_root = Path(weights_root)
-        self._http = HttpEngine(url, token=token, timeout_s=timeout_s, retries=0)
-        self._control = HttpEngine(url, token=token, timeout_s=timeout_s, retries=CONTROL_RETRIES)
+        # busy_wait_s: a 503 or 429 (busy, nothing was served) is asked again for up to the timeout.
+        self._http = HttpEngine(url, token=token, timeout_s=timeout_s, retries=0, busy_wait_s=timeout_s)
+        self._control = HttpEngine(url, token=token, timeout_s=timeout_s, retries=CONTROL_RETRIES,
+                                   busy_wait_s=timeout_s)
         self.weight_version = self._check_server(model_type)
         self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=id)
 
@@ -160,7 +165,8 @@ class RemoteEngineClient:
         """Whether the router should stop using this engine and give its work to the others.
 
         True for every failure of the server or of the way to it: connection refused or reset, a
-        timeout, HTTP 5xx, a reply that cannot be read, a weight load it refused (it would serve
+        timeout, HTTP 5xx (503 and 429 only once the server stayed busy for the whole timeout:
+        the client asks again until then), a reply that cannot be read, a weight load it refused (it would serve
         stale weights) and also a 4xx on `/generate`. The request is the router's own and
         well-formed, so a 4xx says this server cannot serve it (limits lower than the chunk,
         another vocabulary): re-issued elsewhere, nothing is lost, and the router logs the

@@ -32,13 +32,10 @@ from __future__ import annotations
 import json
 import logging
 import socket
-import threading
-import time
 from types import TracebackType
 from typing import Any, Self
 
 import httpx
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -52,10 +49,12 @@ from relax_hpc.auth import bearer_matches, job_secret
 from relax_hpc.engines.elastic_api import REST_TOKEN_PURPOSE, ElasticControl, ElasticReply
 from relax_hpc.engines.http_auth import check_token
 from relax_hpc.engines.http_body import RequestRefused, read_limited_body
+from relax_hpc.engines.http_serving import ServingError, ServingLimits, UvicornThread, bearer_trust, uvicorn_config
 
 __all__ = [
     "MAX_BODY_BYTES",
     "REST_AUTH_MESSAGE",
+    "REST_LIMITS",
     "REST_ROUTES",
     "REST_TOKEN_PURPOSE",
     "RestClient",
@@ -199,6 +198,7 @@ def make_rest_app(control: ElasticControl, token: str, *, max_body_bytes: int = 
         raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
     app = FastAPI(title="relax-hpc elastic REST API", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(_RequireToken, token=token)
+    app.state.bearer_trust = bearer_trust(token)  # RestServer's connection limits tell trusted clients by it
     _install_error_handlers(app)
 
     async def post(request: Request, action: str) -> JSONResponse:
@@ -235,18 +235,13 @@ def make_rest_app(control: ElasticControl, token: str, *, max_body_bytes: int = 
     return app
 
 
-class RestServerError(RuntimeError):
+class RestServerError(ServingError):
     """The REST server could not start listening; the message says where and why."""
 
 
-def _listen(host: str, port: int) -> socket.socket:
-    """A listening socket on (host, port); port 0 picks a free one."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    try:
-        return socket.create_server((host, port), family=family, backlog=128)
-    except OSError as e:
-        hint = "pick another port, or 0 for a free one" if port else "check that the host is an address of this machine"
-        raise RestServerError(f"the REST server cannot listen on {host}:{port}: {e}; {hint}") from None
+# The REST API's limits: its clients are a few grow jobs and CLI calls with bodies of a few keys,
+# so a request has 10 s to arrive and one address 16 connections before it shows the token.
+REST_LIMITS = ServingLimits(request_timeout_s=10.0, max_connections=64, max_untrusted_per_peer=16)
 
 
 class RestServer:
@@ -254,69 +249,47 @@ class RestServer:
     `url` has the real port, `stop()` closes the port and joins the thread. A context manager.
 
     It binds the socket itself before uvicorn starts, so a port in use fails `start()` with a
-    RestServerError saying so (uvicorn would log it and exit the thread)."""
+    RestServerError saying so (uvicorn would log it and exit the thread). Connections are under
+    `limits` (http_serving.py): a request deadline, a total cap and a cap per peer address on
+    connections that have not shown the app's token (`make_rest_app` records it on the app)."""
 
     def __init__(self, app: ASGIApp, host: str, port: int = 0, *, start_timeout_s: float = 30.0,
-                 shutdown_timeout_s: float = 5.0) -> None:
+                 shutdown_timeout_s: float = 5.0, limits: ServingLimits = REST_LIMITS) -> None:
         self.app, self.host, self.start_timeout_s = app, host, start_timeout_s
         self.port = port  # the real port once started
-        config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off", access_log=False,
-                                timeout_graceful_shutdown=max(1, round(shutdown_timeout_s)))
-        self._server = uvicorn.Server(config)
+        self.limits = limits
+        trusts = getattr(getattr(app, "state", None), "bearer_trust", None)
+        self._config = uvicorn_config(app, limits, trusts=trusts, shutdown_timeout_s=shutdown_timeout_s,
+                                      busy_body={"error": f"the REST server has {limits.max_connections} "
+                                                          "connections open, its limit; retry in a second"})
         self._shutdown_timeout_s = shutdown_timeout_s
-        self._socket: socket.socket | None = None
-        self._thread: threading.Thread | None = None
-        self._failure: Exception | SystemExit | None = None
+        self._runner: UvicornThread | None = None
 
     @property
     def url(self) -> str:
         """http://host:port; a wildcard host (0.0.0.0, ::) becomes this machine's name."""
-        if self._thread is None:
+        if self._runner is None:
             raise RuntimeError("RestServer.url is known once start() has returned")
         host = socket.gethostname() if self.host in ("", "0.0.0.0", "::") else self.host
         return f"http://[{host}]:{self.port}" if ":" in host else f"http://{host}:{self.port}"
 
     def start(self) -> Self:
-        if self._thread is not None:
+        if self._runner is not None:
             raise RuntimeError("RestServer.start() was already called; make a new RestServer to serve again")
-        self._socket = _listen(self.host, self.port)
-        self.port = self._socket.getsockname()[1]
-        self._thread = threading.Thread(target=self._run, name=f"relax-rest-{self.port}", daemon=True)
-        self._thread.start()
-        deadline = time.monotonic() + self.start_timeout_s
-        while not self._server.started:
-            if not self._thread.is_alive():
-                self._socket.close()
-                raise RestServerError(f"the REST server on {self.host}:{self.port} stopped while starting: "
-                                      f"{self._failure!r}; the log above has uvicorn's message")
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RestServerError(f"the REST server on {self.host}:{self.port} did not start within "
-                                      f"{self.start_timeout_s} s; the log above has uvicorn's messages")
-            time.sleep(0.01)
-        return self
-
-    def _run(self) -> None:
         try:
-            self._server.run(sockets=[self._socket] if self._socket else None)
-        except (Exception, SystemExit) as e:  # uvicorn exits with SystemExit on start-up failures
-            self._failure = e
-            log.exception("the REST server on %s:%s stopped", self.host, self.port)
+            runner = UvicornThread(self._config, self.host, self.port, "the REST server",
+                                   start_timeout_s=self.start_timeout_s, shutdown_timeout_s=self._shutdown_timeout_s)
+            self.port = runner.port
+            runner.start()
+        except ServingError as e:
+            raise RestServerError(str(e)) from None
+        self._runner = runner
+        return self
 
     def stop(self) -> None:
         """Stop listening, finish or cut open requests, join the thread. Safe to call twice."""
-        if self._thread is None:
-            return
-        self._server.should_exit = True
-        self._thread.join(self._shutdown_timeout_s + 5)
-        if self._thread.is_alive():  # a request still running past the graceful window
-            self._server.force_exit = True
-            self._thread.join(5)
-            if self._thread.is_alive():
-                log.warning("the REST server thread on port %s did not stop; it is a daemon and ends with "
-                            "the process", self.port)
-        if self._socket is not None:
-            self._socket.close()
+        if self._runner is not None:
+            self._runner.stop()
 
     def __enter__(self) -> Self:
         return self.start()

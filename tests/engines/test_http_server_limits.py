@@ -287,3 +287,5 @@ def test_cli_serve_engine_warns_on_all_interfaces_and_checks_limits(
     assert capsys.readouterr().err.startswith("relax-hpc serve-engine: bearer token")  # no warning
     assert main(["serve-engine", str(tiny_model_dir), "--max-connections", "0"]) == 2
     assert "max_connections (--max-connections) must be an integer >= 1, got 0" in capsys.readouterr().err
+    assert main(["serve-engine", str(tiny_model_dir), "--max-untrusted-per-peer", "0"]) == 2
+    assert "max_untrusted_per_peer (--max-untrusted-per-peer) must be an integer >= 1, got 0" in capsys.readouterr().err
