@@ -13,7 +13,9 @@ operation ends "rolled_back" with the reason: a scale-out adds all it was asked 
 URLs already serving are skipped, so a grow job that registers twice adds nothing twice.
 
 Scale-in drains: the engine gets no new work, finishes what it holds (up to `timeout_s`,
-after which its prompts go to the others) and is retired. The job's own engines are protected
+after which its prompts go to the others) and is retired; a drain that fails retires the engine
+all the same, so none stays "draining". Every number of a body is bounded (elastic_api.py): a
+body that is not refuses with 400 before any operation exists. The job's own engines are protected
 unless the request says `"force": true`; the last serving engine is never removed.
 
     scaler = ElasticScaler(router, connect=lambda url, job: RemoteEngineClient(...))
@@ -24,13 +26,22 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from relax_hpc.engines.elastic_api import ACTIONS, ElasticReply, error_reply
+from relax_hpc.engines.elastic_api import (
+    ACTIONS,
+    MAX_FLEET_ENGINES,
+    MAX_JOB_CHARS,
+    MAX_TIMEOUT_S,
+    MAX_URL_CHARS,
+    ElasticReply,
+    error_reply,
+)
 from relax_hpc.engines.router import EngineClient, EngineRouter
 
 log = logging.getLogger(__name__)
@@ -41,6 +52,9 @@ KEPT_OPERATIONS = 100  # finished operations remembered for GET /rollout/operati
 
 Connect = Callable[[str, str, str | None], EngineClient]  # (engine id, url, job) -> a client
 Spawn = Callable[[list[str]], list[EngineClient]]  # engine ids -> clients of engines started here
+# (urls, job) -> None when the job may send its engine token to every URL's host, else the 400
+# message saying which URLs are refused and what is accepted (engines/engine_hosts.py).
+CheckHosts = Callable[[list[str], str | None], str | None]
 
 
 @dataclass
@@ -72,9 +86,11 @@ class ElasticScaler:
     """The `ElasticControl` of a rollout role; see the module docstring."""
 
     def __init__(self, router: EngineRouter, connect: Connect | None = None, spawn: Spawn | None = None,
-                 join_timeout_s: float = DEFAULT_JOIN_TIMEOUT_S) -> None:
+                 join_timeout_s: float = DEFAULT_JOIN_TIMEOUT_S, check_hosts: CheckHosts | None = None) -> None:
+        """`check_hosts`: which engine URLs the job may send its engine token to (None: any;
+        the rollout role passes `engine_hosts.EngineHostPolicy.check`)."""
         self.router = router
-        self._connect, self._spawn = connect, spawn
+        self._connect, self._spawn, self._check_hosts = connect, spawn, check_hosts
         self.join_timeout_s = join_timeout_s
         self._lock = threading.Lock()
         self._operations: dict[str, Operation] = {}
@@ -154,24 +170,45 @@ class ElasticScaler:
         if (urls is None) == (count is None):
             raise BadRequest('scale_out needs exactly one of "num_engines" (engines started in this job\'s '
                              'allocation) or "engine_urls" (engines serving elsewhere, e.g. a grow job\'s)')
-        timeout = _positive(body.get("timeout_s", self.join_timeout_s), "timeout_s")
-        job = body.get("job")
-        if job is not None and (not isinstance(job, (str, int)) or isinstance(job, bool) or not str(job)):
-            raise BadRequest(f'"job" must be the Slurm job id (a string) of the engines, got {job!r}')
+        timeout = _seconds(body.get("timeout_s", self.join_timeout_s), "timeout_s")
+        job = _job(body.get("job"))
+        room = self._fleet_room()
         if count is not None:
             if self._spawn is None:
                 raise BadRequest('this job cannot start engines in its own allocation; register engines that '
                                  'serve elsewhere with "engine_urls" (relax-hpc grow does so)')
-            return {"count": _count(count, "num_engines"), "timeout": timeout, "job": None}
+            return {"count": _count(count, "num_engines", room, self._room_note(room)), "timeout": timeout,
+                    "job": None}
         if not isinstance(urls, list) or not urls or not all(isinstance(u, str) and u for u in urls):
             raise BadRequest('"engine_urls" must be a non-empty list of engine URLs, e.g. ["http://node7:30001"]')
+        if len(urls) > room:
+            raise BadRequest(f'"engine_urls" lists {len(urls)} URLs; at most {room} can join '
+                             f"{self._room_note(room)}: send fewer")
+        long = [u[:80] + "..." for u in urls if len(u) > MAX_URL_CHARS]
+        if long:
+            raise BadRequest(f"engine URLs must be at most {MAX_URL_CHARS} characters: {long}")
         bad = [u for u in urls if not u.startswith(("http://", "https://"))]
         if bad:
             raise BadRequest(f"engine URLs must start with http:// or https://: {bad}")
         if self._connect is None:
             raise BadRequest("this job cannot connect engines by URL")
-        return {"urls": [u.rstrip("/") for u in dict.fromkeys(urls)], "timeout": timeout,
-                "job": None if job is None else str(job)}
+        unique = [u.rstrip("/") for u in dict.fromkeys(urls)]
+        refused = self._check_hosts(unique, job) if self._check_hosts is not None else None
+        if refused:
+            raise BadRequest(refused)
+        return {"urls": unique, "timeout": timeout, "job": job}
+
+    def _fleet_room(self) -> int:
+        """How many engines may still join: MAX_FLEET_ENGINES less those serving, joining or pending."""
+        with self._lock:
+            pending = len(self._pending)
+        busy = sum(e["state"] in ("joining", "active", "draining") for e in self.router.report())
+        return max(MAX_FLEET_ENGINES - busy - pending, 0)
+
+    @staticmethod
+    def _room_note(room: int) -> str:
+        return (f"(the fleet holds at most {MAX_FLEET_ENGINES} engines, {MAX_FLEET_ENGINES - room} are in it; "
+                "scale in first to make room)")
 
     def _scale_out(self, op: Operation, plan: dict[str, Any]) -> None:
         joined: list[int] = []
@@ -233,20 +270,23 @@ class ElasticScaler:
         force = body.get("force", False)
         if not isinstance(force, bool):
             raise BadRequest(f'"force" must be true or false, got {force!r}')
-        timeout = _positive(body.get("timeout_s", DEFAULT_DRAIN_TIMEOUT_S), "timeout_s")
+        timeout = _seconds(body.get("timeout_s", DEFAULT_DRAIN_TIMEOUT_S), "timeout_s")
         engines = [e for e in self.router.report() if e["state"] in ("joining", "active")]
         key = given[0]
         if key == "num_engines":
-            n = _count(body[key], key)
+            n = _count(body[key], key, MAX_FLEET_ENGINES, f"(the fleet holds at most {MAX_FLEET_ENGINES} engines)")
             candidates = [e for e in engines if force or not e["protected"]]
             chosen = list(reversed(candidates))[:n]  # the newest first
         else:
             wanted = body[key]
             if key == "job":
-                chosen = [e for e in engines if e["job"] == str(wanted)]
+                chosen = [e for e in engines if e["job"] == _job(wanted)]
             else:
                 if not isinstance(wanted, list) or not all(isinstance(w, str) for w in wanted):
                     raise BadRequest(f'"{key}" must be a list of strings')
+                if len(wanted) > MAX_FLEET_ENGINES or any(len(w) > MAX_URL_CHARS for w in wanted):
+                    raise BadRequest(f'"{key}" may list at most {MAX_FLEET_ENGINES} entries of at most '
+                                     f"{MAX_URL_CHARS} characters each (GET /rollout/engines lists the engines)")
                 field_name = "id" if key == "engine_ids" else "address"
                 wanted = [w.rstrip("/") for w in wanted]
                 known = {e[field_name] for e in self.router.report()}
@@ -265,15 +305,25 @@ class ElasticScaler:
 
     def _scale_in(self, op: Operation, plan: dict[str, Any]) -> None:
         index = {e.client.id: k for k, e in enumerate(self.router.engines)}
-        late = []
+        late, broken = [], []
         for engine_id in plan["ids"]:
             op.engines.append(engine_id)
-            if not self.router.drain(index[engine_id], plan["timeout"]):
-                late.append(engine_id)
-        op.state = "done"
+            try:
+                if not self.router.drain(index[engine_id], plan["timeout"]):
+                    late.append(engine_id)
+            except Exception as e:  # the engine leaves all the same: it must not stay "draining"
+                log.exception("draining rollout engine %s failed; retiring it", engine_id)
+                self.router.retire(index[engine_id])
+                broken.append(f"{engine_id} ({type(e).__name__}: {e})")
+        op.state = "failed" if broken else "done"
+        if not plan["ids"]:
+            op.message = "no engine matched; nothing removed"
+            return
         op.message = (f"{len(plan['ids'])} engines removed; {self.router.serving()} serve"
                       + (f"; {late} did not finish within {plan['timeout']:g} s and their prompts went to the "
-                         "others" if late else "") if plan["ids"] else "no engine matched; nothing removed")
+                         "others" if late else "")
+                      + (f"; the drain of {', '.join(broken)} failed, so they were retired at once and their "
+                         "prompts went to the others (the rollout log has the traceback)" if broken else ""))
 
 
 def _only(body: dict[str, Any], allowed: tuple[str, ...], action: str) -> None:
@@ -282,13 +332,41 @@ def _only(body: dict[str, Any], allowed: tuple[str, ...], action: str) -> None:
         raise BadRequest(f"{action} does not take {unknown}; allowed keys: {', '.join(allowed)}")
 
 
-def _count(value: Any, key: str) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise BadRequest(f'"{key}" must be a whole number >= 1, got {value!r}')
+def _shown(value: Any) -> str:
+    """A value as the message shows it (a huge number or string is cut, never printed whole)."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**18:
+        return f"a whole number of about {int(abs(value).bit_length() * 0.30103) + 1} digits"
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _count(value: Any, key: str, most: int, why: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= most:
+        if most < 1:
+            raise BadRequest(f'"{key}": no engine can be added now {why}; got {_shown(value)}')
+        raise BadRequest(f'"{key}" must be a whole number >= 1 and at most {most} {why}, got {_shown(value)}')
     return value
 
 
-def _positive(value: Any, key: str) -> float:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
-        raise BadRequest(f'"{key}" must be a number of seconds > 0, got {value!r}')
+def _seconds(value: Any, key: str) -> float:
+    """A finite number of seconds in (0, MAX_TIMEOUT_S]: infinity, NaN and 1e300 would break the
+    thread waits (OverflowError) and the JSON of the operation (no Infinity in JSON)."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not ok or not math.isfinite(value) or not 0 < value <= MAX_TIMEOUT_S:
+        raise BadRequest(f'"{key}" must be a finite number of seconds > 0 and at most {MAX_TIMEOUT_S:g}, '
+                         f"got {_shown(value)}")
     return float(value)
+
+
+def _job(value: Any) -> str | None:
+    """The Slurm job id of a body's "job" (a string or a whole number), or None when absent."""
+    if value is None:
+        return None
+    text = ""
+    if isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool)
+                                  and 0 <= value < 10**MAX_JOB_CHARS):
+        text = str(value)
+    if not text or len(text) > MAX_JOB_CHARS or not text.isprintable():
+        raise BadRequest(f'"job" must be the Slurm job id of the engines (a string of 1 to {MAX_JOB_CHARS} '
+                         f"printable characters, e.g. \"4242\"), got {_shown(value)}")
+    return text

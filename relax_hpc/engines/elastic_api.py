@@ -18,6 +18,11 @@ Actions and their bodies (docs/federation.md has the HTTP side):
     ENGINE = {"id", "address", "state", "weight_version", "samples", "job", "protected"}
     OP     = {"id", "kind", "state", "engines", "message", "requested", "started_at", "finished_at"}
 
+Bounds: "num_engines" and the number of "engine_urls" at most what the fleet has room for
+(MAX_FLEET_ENGINES in all), "timeout_s" a finite number of seconds in (0, MAX_TIMEOUT_S]; an
+"engine_urls" host must be one the job accepts (engines/engine_hosts.py: its own nodes and its
+grow jobs' nodes), since the engine token is sent there.
+
 Errors: 400 (a bad body: the message names the key and what is allowed), 404 (no such
 operation), 409 (another operation is in progress: the body carries it as "operation").
 """
@@ -33,6 +38,13 @@ ENGINE_STATES = ("pending", "joining", "active", "draining", "gone", "failed")
 # An operation's life. "rolled_back": a scale-out that failed part-way; what it added was removed.
 OPERATION_STATES = ("pending", "running", "done", "failed", "rolled_back")
 ACTIONS = ("engines", "scale_out", "scale_in", "operation", "operations")
+# Bounds on every number and list of a body (400 beyond them). The fleet: engines serving or
+# joining at once (the router's fleet benchmark runs 256; docs/benchmarks.md); the timeouts: the
+# spec's own bound on a timeout, far below what a thread can wait (threading.TIMEOUT_MAX).
+MAX_FLEET_ENGINES = 1024
+MAX_TIMEOUT_S = 1_000_000.0  # ~11.6 days, as spec/constraints.py's MAX_TIMEOUT_S
+MAX_URL_CHARS = 2048
+MAX_JOB_CHARS = 64
 # Where clients find the API: the driver writes its URL into JOBDIR/cluster.json ("rest_url"), and
 # every request carries the bearer token JobSecret.token(REST_TOKEN_PURPOSE) of JOBDIR/.secret.
 CLUSTER_JSON = "cluster.json"

@@ -47,6 +47,7 @@ log = logging.getLogger(__name__)
 Future = concurrent.futures.Future
 MAX_SESSIONS = 65_536  # sessions remembered for affinity; a forgotten one is placed anew
 RETIRED_POLL_S = 0.5  # how often a generate call looks for chunks held by engines retired meanwhile
+MAX_WAIT_S = min(365 * 86_400.0, threading.TIMEOUT_MAX / 2)  # the longest a drain waits for an engine
 
 
 class EngineClient(Protocol):
@@ -226,16 +227,20 @@ class EngineRouter:
     def join(self, k: int, timeout_s: float = 600.0) -> None:
         """Give joining engine k the weights the others run, then put it in service.
 
-        An engine that already holds that version (a fresh engine while the job still runs its
-        initial weights) is not sent them again. JoinFailed (the engine marked failed) when the
-        weights cannot be had or loaded; nothing it never served can be lost."""
+        An engine is not sent the weights only when both it and the job run version 0, the model
+        directory's weights, which are the same in every attempt of the job. A number above 0
+        names weights only within one attempt: after a requeue the run resumes from a checkpoint
+        and trains the steps after it again, so an engine that outlived the previous attempt (a
+        grow job's) may report the number the job runs now while it holds other weights; it is
+        sent the current ones. JoinFailed (the engine marked failed) when the weights cannot be
+        had or loaded; nothing it never served can be lost."""
         engine = self.engines[k]
         if engine.state != "joining":
             raise ValueError(f"engine {engine.client.id} is {engine.state}, not joining")
         with self._weights_lock:
             version = self._installed_version
             try:
-                if engine.version != version:
+                if not (engine.version == version == 0):
                     named = self._current_weights()
                     shared = engine.client.share(named, version)
                     engine.client.load_weights(shared, version).result(timeout=timeout_s)
@@ -268,16 +273,29 @@ class EngineRouter:
     def drain(self, k: int, timeout_s: float) -> bool:
         """Send engine k no more work, wait up to `timeout_s` for the chunk it holds, then retire
         it ("gone"). True when it finished its work; False when the wait ran out and its chunk
-        went back to the queue for the others (its late answer is ignored)."""
+        went back to the queue for the others (its late answer is ignored). The engine is
+        retired however the wait ends (an error too): none stays "draining"."""
         engine = self.engines[k]
-        with self._changed:
-            if engine.state in ("gone", "failed"):
-                return True
-            engine.state = "draining"
-            self._changed.notify_all()
-            finished = self._changed.wait_for(lambda: not engine.busy, timeout=max(timeout_s, 0.0))
-        self._retire(k, "gone")
-        return finished
+        # A wait near threading.TIMEOUT_MAX or past it (inf, 1e300) raises OverflowError instead of
+        # waiting; NaN waits not at all.
+        wait_s = min(max(timeout_s, 0.0), MAX_WAIT_S) if timeout_s == timeout_s else 0.0
+        try:
+            with self._changed:
+                if engine.state in ("gone", "failed"):
+                    return True
+                engine.state = "draining"
+                self._changed.notify_all()
+                return self._changed.wait_for(lambda: not engine.busy, timeout=wait_s)
+        finally:
+            self.retire(k)
+
+    def retire(self, k: int) -> None:
+        """Take engine k out of service at once ("gone"; a failed one stays "failed"); a chunk it
+        holds goes back to the queue for the others."""
+        if self.engines[k].state != "failed":
+            self._retire(k, "gone")
+        else:
+            self._close(self.engines[k])
 
     def _retire(self, k: int, state: str) -> None:
         engine = self.engines[k]

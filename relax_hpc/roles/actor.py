@@ -53,7 +53,7 @@ from relax_hpc.transfer.connect import connect_queue
 from relax_hpc.transfer.queue import TransferQueue, partition_name
 from relax_hpc.weights.endpoints import WeightSenderEndpoint
 from relax_hpc.weights.group import host_store
-from relax_hpc.weights.sealed_store import SealedStore, keep_until_exit, seal_store
+from relax_hpc.weights.sealed_store import SealedStore, agree_epoch, keep_until_exit, seal_store
 
 # How long every trainer rank waits for the others to reach the group's TCP store at start.
 RENDEZVOUS_TIMEOUT = timedelta(minutes=10)
@@ -144,7 +144,9 @@ class ActorWorker(WeightSenderEndpoint, Heartbeats):
             if not master:
                 raise ValueError("a trainer with several ranks needs the rendezvous address of rank 0")
             host, port = master.rsplit(":", 1)
-            store = trainer_store(host, int(port), rank, world_size, job_secret())
+            # A fresh epoch per rendezvous: a rank address recorded before a restart cannot be put back.
+            store = keep_until_exit(agree_epoch(trainer_store(host, int(port), rank, world_size, job_secret()),
+                                                rank, world_size, "trainer"))
             local_rank = local_rank_on_node(store, rank)
         self.device = rank_device(cfg.device, local_rank, ray_gpu_ids=ray_gpu_ids())
         if self.device.startswith("cuda"):

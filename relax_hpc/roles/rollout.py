@@ -38,6 +38,7 @@ from relax_hpc.engines.http_client import HttpEngine
 from relax_hpc.engines.remote import RemoteEngineClient
 from relax_hpc.engines.router import EngineClient, EngineRouter, LocalEngineClient
 from relax_hpc.engines.sglang_fleet import SGLangLaunch, start_sglang_engines
+from relax_hpc.engines.engine_hosts import EngineHostPolicy
 from relax_hpc.media.items import PromptMedia
 from relax_hpc.media.processor import media_processor_for
 from relax_hpc.models.hf import load_tokenizer
@@ -219,8 +220,11 @@ class RolloutWorker(WeightReceiverEndpoint, Heartbeats):
         self._host_options = engine_host_options if engine_hosts else None
         self._weights_dir: Path | None = None
         # Engines added and removed while the job runs (the driver's REST API calls `elastic`).
+        # Engine URLs only on the job's own nodes or its grow jobs' (the engine token goes there).
+        hosts = EngineHostPolicy(Path(cfg.job_dir) if cfg.job_dir else None)
         self.scaler = ElasticScaler(self.engine, connect=self._connect_engine,
-                                    spawn=self._spawn_engines if cfg.engine == "native" else None)
+                                    spawn=self._spawn_engines if cfg.engine == "native" else None,
+                                    check_hosts=hosts.check)
         tok = self.engine.tokenizer
         stop_ids = tuple(cfg.sampling.stop_token_ids) + (self.engine.eos_id,)
         self.sampling = SamplingParams(**{**cfg.sampling.__dict__, "stop_token_ids": stop_ids})

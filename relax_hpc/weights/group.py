@@ -14,7 +14,10 @@ The store is any `torch.distributed.Store`: a `TCPStore` hosted by the sender (t
 in production, a `HashStore` in process for tests. `host_store` hosts a TCPStore that listens
 only on the address its peers connect to (the trainer's rendezvous store uses it too); the
 channel and the trainer reach it through a `SealedStore` (`weights.sealed_store`): keys under the
-job secret's prefix, values sealed with it (docs/weights.md, "Who can reach the store").
+job secret's prefix, values sealed with it (docs/weights.md, "Who can reach the store"). Over a
+`SealedStore`, `TorchBroadcastGroup` first agrees on a fresh epoch with its peers (`agree_epoch`)
+and forms the group in it, so rank addresses recorded in an earlier rendezvous of the job (an
+earlier attempt, a channel rebuilt after a restart) do not open in this one.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+
+from relax_hpc.weights.sealed_store import SealedStore, agree_epoch
 
 
 class PendingOp(Protocol):
@@ -145,6 +150,8 @@ class TorchBroadcastGroup:
         bind_host: str = "", device: torch.device | None = None, name: str = "channel",
     ) -> None:
         self.rank, self.size, self.backend = rank, size, backend
+        if isinstance(store, SealedStore) and not store.agreed:  # its own epoch: no recorded address opens
+            store = agree_epoch(store, rank, size, group=f"pg/{name}/{backend}")
         # Kept for as long as the group: a store written in Python (`SealedStore`) reaches C++ only
         # as long as its Python object lives (weights/sealed_store.py).
         self.store = store

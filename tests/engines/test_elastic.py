@@ -340,3 +340,100 @@ def test_a_hung_remote_engine_is_given_up_after_its_timeout(tokenizer: Any, tiny
         proc.send_signal(signal.SIGCONT)
         proc.kill()
         proc.wait()
+
+
+# -- bounds on every number of a body (issue 33, item 6), through the real REST API ----------------
+
+BAD_NUMBERS = [
+    # (action, raw JSON body, the field the 400 must name, the allowed range it must state)
+    ("scale_out", b'{"engine_urls": ["http://n1:1"], "timeout_s": Infinity}', '"timeout_s"', "at most 1e+06"),
+    ("scale_out", b'{"engine_urls": ["http://n1:1"], "timeout_s": 1e300}', '"timeout_s"', "at most 1e+06"),
+    ("scale_out", b'{"engine_urls": ["http://n1:1"], "timeout_s": NaN}', '"timeout_s"', "at most 1e+06"),
+    ("scale_out", b'{"engine_urls": ["http://n1:1"], "timeout_s": -5}', '"timeout_s"', "> 0"),
+    ("scale_out", b'{"num_engines": 1000000000}', '"num_engines"', "at most 1022"),  # 1024 less the 2 serving
+    ("scale_out", b'{"num_engines": -3}', '"num_engines"', ">= 1"),
+    ("scale_in", b'{"num_engines": 1, "timeout_s": Infinity}', '"timeout_s"', "at most 1e+06"),
+    ("scale_in", b'{"num_engines": 1, "timeout_s": 1e300}', '"timeout_s"', "at most 1e+06"),
+    ("scale_in", b'{"num_engines": 1000000000}', '"num_engines"', "at most 1024"),
+    ("scale_in", b'{"job": 1e300}', '"job"', "1 to 64"),
+]
+
+
+def test_unbounded_numbers_get_400_naming_the_field_and_range_and_operations_still_list(tokenizer: Any) -> None:
+    """Infinity, 1e300, NaN, negatives and 10**9 are refused before an operation exists; at
+    181f8fe Infinity made an operation whose JSON broke GET /rollout/operations (500)."""
+    import httpx
+
+    from relax_hpc.engines.rest_api import RestServer, make_rest_app
+
+    spawned: list[list[str]] = []
+    scaler = ElasticScaler(_router(tokenizer, 2), connect=_remote(tokenizer, {}),
+                           spawn=lambda ids: spawned.append(ids) or [])  # type: ignore[func-returns-value]
+    token = "t" * 64
+    auth = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
+    with RestServer(make_rest_app(scaler, token), "127.0.0.1") as server, \
+            httpx.Client(base_url=server.url, timeout=10, trust_env=False) as http:
+        for action, raw, field_name, allowed in BAD_NUMBERS:
+            reply = http.post(f"/rollout/{action}", headers=auth, content=raw)
+            error = reply.json().get("error", "")
+            assert reply.status_code == 400 and field_name in error and allowed in error, (raw, reply.text)
+        listed = http.get("/rollout/operations", headers=auth)
+        assert (listed.status_code, listed.json()) == (200, {"operations": []})
+    assert spawned == []  # no billion ids were made
+
+
+def test_a_drain_past_what_a_thread_can_wait_still_retires_the_engine(tokenizer: Any) -> None:
+    """`drain(k, 1e300)` on a busy engine: at 181f8fe the wait raised OverflowError and the engine
+    stayed "draining" for good; now the wait is capped, the chunk finishes, the engine is gone."""
+    router = _router(tokenizer, 2)
+    held = router.engines[1].client.engine  # type: ignore[attr-defined]
+    started, release = threading.Event(), threading.Event()
+    plain = held.generate
+
+    def slow(prompts: list[list[int]], params: SamplingParams, seed: int | None = None) -> Any:
+        started.set()
+        assert release.wait(30)
+        return plain(prompts, params, seed)
+
+    held.generate = slow
+    prompts = [[100 + g] for g in range(4) for _ in range(2)]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        call = pool.submit(router.generate, prompts, PARAMS, 0, 2)
+        assert started.wait(30)
+        drained = pool.submit(router.drain, 1, 1e300)
+        deadline = time.monotonic() + 10
+        while router.engines[1].state != "draining" and not drained.done():
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        release.set()
+        assert drained.result(30) is True  # it finished its chunk
+        assert [g.prompt_ids for g in call.result(30)] == prompts
+    assert router.engines[1].state == "gone" and router.engines[1].closed
+
+
+def test_a_drain_that_raises_retires_the_engine_and_the_operation_says_so(tokenizer: Any) -> None:
+    router = _router(tokenizer, 2)
+    scaler = ElasticScaler(router)
+
+    def broken(*args: Any, **kwargs: Any) -> bool:
+        raise RuntimeError("the wait broke")
+
+    router._changed.wait_for = broken  # type: ignore[method-assign]  # inside the real drain
+    op = _settle(scaler, scaler.elastic("scale_in", {"engine_ids": ["engine-1"], "force": True}).body["operation"])
+    assert op["state"] == "failed" and "engine-1 (RuntimeError: the wait broke)" in op["message"], op
+    assert "retired at once" in op["message"]
+    assert _states(scaler) == {"engine-0": "active", "engine-1": "gone"}  # not left "draining"
+    assert router.engines[1].closed
+
+
+# -- a joining engine's version number is not trusted across attempts (issue 33, item 15) ----------
+
+def test_an_engine_reporting_the_jobs_version_number_is_still_sent_the_weights(tokenizer: Any) -> None:
+    """A grow engine that outlived a requeue reports version 3; the resumed job runs its own
+    version 3 (other weights): the engine is sent them. At 181f8fe the load was skipped."""
+    router = _router(tokenizer)
+    router.update_weights(WEIGHTS, 3)
+    stale = WeightedClient("engine-1", ScriptedEngine(tokenizer, ["s"], version=3), "http://n8:1")
+    k = router.add_engine(stale, job="88")
+    router.join(k)
+    assert stale.loaded == [3] and router.engines[k].state == "active"

@@ -30,7 +30,7 @@ from relax_hpc.roles.actor import local_rank_on_node, trainer_store
 from relax_hpc.weights.channel import WeightChannelReceiver, WeightChannelSender, WeightChannelTimeout
 from relax_hpc.weights.group import TorchBroadcastGroup, host_store, local_address_towards, open_store
 from relax_hpc.weights.layout import Header, encode_header, plan_buckets
-from relax_hpc.weights.sealed_store import ForeignValueError, SealedStore, seal_store
+from relax_hpc.weights.sealed_store import ForeignValueError, SealedStore, agree_epoch, seal_store
 
 SHORT = datetime.timedelta(seconds=0.5)
 REFUSED = "without the job secret"  # what a rank says of a value it will not follow
@@ -296,6 +296,11 @@ def test_an_intruder_that_overwrites_a_gloo_address_is_refused_not_followed(rout
     secret = JobSecret.generate()
     store0, store1, port = _trainer_pair(route_address, secret)
     intruder = _intruder(route_address, port)
+    # Both ranks agree on the rendezvous's epoch first (TorchBroadcastGroup does so itself when
+    # given a store that has not), so that rank 0 can publish its address before rank 1 starts.
+    agreeing0 = _on_thread(lambda: agree_epoch(store0, 0, 2, "pg/channel/gloo"))
+    store1 = agree_epoch(store1, 1, 2, "pg/channel/gloo")
+    store0 = agreeing0()
     # Rank 0 publishes its gloo address and waits for rank 1's; the intruder lists the keys, finds
     # rank 0's and puts its own address there before rank 1 reads it.
     making0 = _on_thread(lambda: TorchBroadcastGroup(store0, 0, 2, "gloo", 3.0, bind_host=route_address))
