@@ -16,10 +16,16 @@ grid (`relax_hpc.media.canonical`) once, here, so the engine and the trainer see
 A prompt's media are its items in conversation order per kind (`prompt_media`): the chat
 template writes one placeholder per part, and `MediaProcessor.expand` fills each kind's
 placeholders with that kind's items in order.
+
+At most MAX_CONCURRENT_DECODES request media decode at once, whatever the number of requests
+(`load_part` takes one of `DECODE_SLOTS`): each may take up to `MediaLimits.max_decoded_bytes`
+while it decodes, so the proxy's peak is bounded by that product, not by how many agents send
+media at the same moment. The others wait for a slot in their worker thread.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +46,9 @@ from relax_hpc.media.load import MediaLimits, load_media
 
 # The OpenAI content part types that carry media, and the kind each one holds.
 REQUEST_MEDIA_TYPES: dict[str, MediaKind] = {"image_url": "image", "input_audio": "audio"}
+
+MAX_CONCURRENT_DECODES = 2  # request media decoded at the same time, over all requests
+DECODE_SLOTS = threading.BoundedSemaphore(MAX_CONCURRENT_DECODES)
 
 
 class PartError(ValueError):
@@ -91,8 +100,9 @@ def load_part(part: MediaPart, processor: Any, limits: MediaLimits) -> MediaItem
         raise PartError(f"{part.where}: {family.model_type} does not read {part.kind}; it reads "
                         f"{', '.join(k for k in MEDIA_ORDER if k in family.kinds)}")
     try:
-        [item] = load_media(part.data_url, part.kind, base_dir=Path("."), geometry=processor.geometry(),
-                            limits=limits)
+        with DECODE_SLOTS:
+            [item] = load_media(part.data_url, part.kind, base_dir=Path("."), geometry=processor.geometry(),
+                                limits=limits)
         processor.token_count(item)  # an audio clip too short to give a token is refused here
     except MediaError as e:
         raise PartError(f"{part.where}: cannot use this {part.kind}: {e}") from e

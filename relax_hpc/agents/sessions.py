@@ -3,16 +3,24 @@
 The store lives in the proxy's event loop (no locks needed). A key is `key_prefix` (the proxy's
 bearer token and a dot) and a random 32-byte part; only the key identifies a session, so no
 request can name another session's data.
+
+The keys of ended sessions are remembered so that a late request hears "session expired" rather
+than "invalid API key"; only the last `max_expired_keys` (MAX_EXPIRED_KEYS) are, so a run that
+opens millions of sessions keeps a bounded set. An older key is refused all the same, as invalid.
 """
 
 from __future__ import annotations
 
 import secrets
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable
 
 from relax_hpc.agents.export import CompletionRecord
+
+
+MAX_EXPIRED_KEYS = 4096  # ended sessions whose keys get "session expired" rather than "invalid"
 
 
 class SessionAuthError(Exception):
@@ -31,12 +39,16 @@ class Session:
 
 
 class SessionStore:
-    def __init__(self, ttl_s: float, clock: Callable[[], float] = time.monotonic, key_prefix: str = "") -> None:
+    def __init__(self, ttl_s: float, clock: Callable[[], float] = time.monotonic, key_prefix: str = "",
+                 max_expired_keys: int = MAX_EXPIRED_KEYS) -> None:
         if ttl_s <= 0:
             raise ValueError(f"session ttl must be > 0 seconds, got {ttl_s}")
+        if max_expired_keys < 0:
+            raise ValueError(f"max_expired_keys must be >= 0, got {max_expired_keys}")
         self.ttl_s, self._clock, self._key_prefix = ttl_s, clock, key_prefix
         self._by_key: dict[str, Session] = {}
-        self._expired: set[str] = set()
+        self._expired: OrderedDict[str, None] = OrderedDict()  # oldest first
+        self._max_expired = max_expired_keys
         self._counter = 0
 
     def open(self) -> Session:
@@ -66,8 +78,10 @@ class SessionStore:
         return session.completions
 
     def _retire(self, session: Session) -> None:
-        if self._by_key.pop(session.api_key, None) is not None:
-            self._expired.add(session.api_key)
+        if self._by_key.pop(session.api_key, None) is not None and self._max_expired:
+            self._expired[session.api_key] = None
+            while len(self._expired) > self._max_expired:
+                self._expired.popitem(last=False)
 
     def __len__(self) -> int:
         return len(self._by_key)

@@ -1,5 +1,10 @@
 """What a subprocess-mode agent runs in its pool worker (standard library only, so that the
-worker starts quickly: it never imports torch)."""
+worker starts quickly: it never imports torch).
+
+Before the agent's module is imported, the job's credentials leave the worker's environment
+(`relax_hpc.auth.worker_env`): an agent's tools may run code the model wrote, and what they
+start inherits the worker's environment.
+"""
 
 from __future__ import annotations
 
@@ -9,12 +14,15 @@ import inspect
 import os
 from typing import Any
 
+from relax_hpc.auth.worker_env import drop_credentials_from_environ
+
 
 def run_agent_in_worker(agent_path: str, data: Any, base_url: str, api_key: str) -> Any:
     """Instantiate the agent class and run it once with the session's endpoint in the environment.
 
     The variables are set for the duration of the call: a pool worker runs one task at a time.
     """
+    drop_credentials_from_environ()
     module_name, _, attr = agent_path.partition(":")
     cls = getattr(importlib.import_module(module_name), attr)
     saved = {k: os.environ.get(k) for k in ("OPENAI_BASE_URL", "OPENAI_API_KEY")}

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from relax_hpc.media.canonical import Geometry, fit_audio, fit_image, fit_video
-from relax_hpc.media.decode import decode_audio, decode_image, decode_video
+from relax_hpc.media.decode import MAX_DECODED_BYTES, decode_audio, decode_image, decode_video
 from relax_hpc.media.items import MEDIA_ORDER, MediaError, MediaItem, MediaKind
 from relax_hpc.media.sources import read_source
 from relax_hpc.spec.schema import DataSpec
@@ -27,6 +27,8 @@ class MediaLimits:
     video_fps: float = DataSpec.video_fps  # frames per second sampled from a video
     max_frames: int = DataSpec.max_frames  # per video, by uniform subsampling of the whole clip
     max_seconds: float = DataSpec.max_media_seconds  # per video or audio clip
+    # per medium, what decoding it makes, checked from its header before decoding it
+    max_decoded_bytes: int = MAX_DECODED_BYTES
 
 
 def load_media(
@@ -45,14 +47,21 @@ def load_media(
 def _load_one(value: object, kind: MediaKind, *, base_dir: Path, geometry: Geometry, limits: MediaLimits) -> MediaItem:
     data, name = read_source(value, base_dir=base_dir, max_bytes=limits.max_bytes)
     try:
-        if kind == "image":
-            return MediaItem("image", fit_image(decode_image(data), geometry))
-        if kind == "video":
-            frames, fps = decode_video(
-                data, fps=limits.video_fps, max_frames=limits.max_frames, max_seconds=limits.max_seconds
-            )
-            return MediaItem("video", fit_video(frames, geometry), rate=fps)
-        wave = decode_audio(data, sample_rate=geometry.audio_rate, max_seconds=limits.max_seconds)
-        return MediaItem("audio", fit_audio(wave, geometry.audio_rate, geometry), rate=float(geometry.audio_rate))
+        return _decode_and_fit(data, kind, geometry, limits)
     except MediaError as e:
         raise MediaError(e.reason, f"{name}: {e.detail}" if e.detail else name) from e
+    except MemoryError as e:  # fitting a large medium: the row is dropped, the run goes on
+        raise MediaError("out of memory while decoding",
+                         f"{name}: lower [data] max_media_bytes or max_frames, or give the process more memory") from e
+
+
+def _decode_and_fit(data: bytes, kind: MediaKind, geometry: Geometry, limits: MediaLimits) -> MediaItem:
+    if kind == "image":
+        return MediaItem("image", fit_image(decode_image(data, max_decoded_bytes=limits.max_decoded_bytes), geometry))
+    if kind == "video":
+        frames, fps = decode_video(data, fps=limits.video_fps, max_frames=limits.max_frames,
+                                   max_seconds=limits.max_seconds, max_decoded_bytes=limits.max_decoded_bytes)
+        return MediaItem("video", fit_video(frames, geometry), rate=fps)
+    wave = decode_audio(data, sample_rate=geometry.audio_rate, max_seconds=limits.max_seconds,
+                        max_decoded_bytes=limits.max_decoded_bytes)
+    return MediaItem("audio", fit_audio(wave, geometry.audio_rate, geometry), rate=float(geometry.audio_rate))

@@ -10,7 +10,12 @@ refused when one of them would exceed MAX_RESULT_DIGITS, else None.
 
 Symbols (`x`, `\\pi`, `e`) make an expression symbolic: sympy keeps `x^{10^{10}}` unevaluated,
 so only its numeric parts are bounded (`x^{9^{9^{9}}}` is still refused for its exponent).
-The estimate is an upper bound and linear in the answer's length; odd input never raises.
+Only ASCII digits are numbers; other digits (`²`, `٣`) are symbols, as the parsers read them.
+
+A `!` after a power applies to the whole power, as LaTeX reads it: `10^{6}!` is `(10^6)!`, not
+`10^{720}`. Unbraced, `10^6!` is that too in LaTeX but `10**(6!)` in sympy's own syntax, so both
+are bounded. The estimate is an upper bound and linear in the answer's length; odd input never
+raises: an answer the estimate itself fails on is refused.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import re
 MAX_RESULT_DIGITS = 10_000
 
 # Tokens: a number, a LaTeX command, a two-character operator, or any other single character.
-_TOKEN = re.compile(r"\d+(?:\.\d*)?|\.\d+|\\[A-Za-z]+|\\.|\*\*|\S")
+_TOKEN = re.compile(r"[0-9]+(?:\.[0-9]*)?|\.[0-9]+|\\[A-Za-z]+|\\.|\*\*|\S")
 _SKIPPED = {"\\left", "\\right", "\\!", "\\,", "\\;", "\\:", "\\ ", "\\displaystyle", "$"}
 _FRACTIONS = {"\\frac", "\\dfrac", "\\tfrac", "\\cfrac"}
 _BINOMIALS = {"\\binom", "\\dbinom", "\\tbinom"}
@@ -52,6 +57,8 @@ def too_large(text: str, max_digits: int = MAX_RESULT_DIGITS) -> str | None:
         return str(e)
     except RecursionError:
         return "the answer nests too deeply to parse"
+    except Exception as e:  # a bug here must refuse the answer, never raise into the scorer
+        return f"the guard could not read the answer ({type(e).__name__}): refused before sympy"
     return None
 
 
@@ -106,25 +113,45 @@ class _Estimate:
         base = self.postfix()
         if self.peek() not in ("^", "**"):
             return base
+        return self.factorials(self.raised(base))  # LaTeX: a ! after a power takes the whole power
+
+    def raised(self, base: float | None) -> float | None:
+        """`base` to the exponent after the `^`: a braced group or one atom, right-associative
+        (a^b^c is bounded as a^(b^c), the larger reading)."""
         self.take()
         while self.peek() in ("-", "+"):
             self.take()
-        exponent = self.power()  # right-associative: a^b^c is a^(b^c)
+        latex_group = self.peek() == "{"  # then the exponent ends at its "}": LaTeX only
+        exponent = self.group() if self.peek() in _OPEN else self.atom()
+        if self.peek() in ("^", "**"):
+            exponent = self.raised(exponent)
+        elif not latex_group and self.peek() == "!":
+            # sympy's own syntax reads 10**6! and 10**(6)! with the ! on the exponent: bound that too
+            self.raise_to(base, self.factorials(exponent, consume=False))
+        return self.raise_to(base, exponent)
+
+    def raise_to(self, base: float | None, exponent: float | None) -> float | None:
         if base is None or exponent is None:
             return None
         # |a^b| needs |b| times the digits of a; |b| is at most 10^(digits of b).
         value = _power_of_ten(exponent)
         return self.check(value * base if base > 0 else 0.0, "a power")
 
-    def postfix(self) -> float | None:
-        digits = self.atom()
-        while self.peek() == "!":
-            self.take()
+    def factorials(self, digits: float | None, consume: bool = True) -> float | None:
+        """`digits` through the `!`s that follow (taken from the tokens unless `consume` is False)."""
+        at = self.pos
+        while at < len(self.tokens) and self.tokens[at] == "!":
+            at += 1
             if digits is not None:
                 n = _power_of_ten(digits)
                 # log10(n!) = lgamma(n + 1) / ln 10; at most n log10 n.
                 digits = self.check(math.lgamma(n + 1) * _LOG10_E if n < 1e300 else math.inf, "a factorial")
+        if consume:
+            self.pos = at
         return digits
+
+    def postfix(self) -> float | None:
+        return self.factorials(self.atom())
 
     def atom(self) -> float | None:
         token = self.peek()
@@ -133,7 +160,7 @@ class _Estimate:
         if token in _OPEN:
             return self.group()
         self.take()
-        if token[0].isdigit() or token[0] == ".":
+        if token[0] in "0123456789.":
             return _number_digits(token)
         if token in _FRACTIONS:
             return _combine(self.argument(), self.argument())

@@ -5,7 +5,11 @@
 (`remote_rm` needs `remote_url`; `genrm` needs a judge engine) or "package.module:function".
 With `type_key` set, a sample whose metadata has that key (e.g. Relax's "rm_type", or a
 "data_source" column) is scored by the reward that value names; well-known data-source
-names map through DATA_SOURCE_ALIASES. Samples without the key use the default.
+names map through DATA_SOURCE_ALIASES. Samples without the key use the default. A dataset
+names only registered rewards (built-in and configured), aliases, or the spec's own
+`function`: a "module:function" path in a row is refused (it would import and call whatever
+the data names, `builtins:bool` paying 1 for anything, `sys:exit` ending the workers), so
+dotted paths come from the spec alone.
 
     hub = RewardHub.from_settings(spec.reward, genrm_engine=judge, genrm_tokenizer=tok)
     metrics = hub.score(samples)   # sets reward / raw_reward / reward_info in place
@@ -131,11 +135,17 @@ class RewardHub:
         if chosen is None or chosen == "":
             return self.default_name, self.default_fn
         name = DATA_SOURCE_ALIASES.get(str(chosen), str(chosen))
-        if name not in BUILTIN_REWARDS and name not in CONFIGURED_REWARDS and ":" not in name:
+        if name == self.default_name:
+            return self.default_name, self.default_fn
+        if name not in BUILTIN_REWARDS and name not in CONFIGURED_REWARDS:
+            dotted = ":" in name
             raise ValueError(
-                f"metadata {self.type_key}={chosen!r} names no reward; use one of "
-                f"{', '.join(sorted([*BUILTIN_REWARDS, *CONFIGURED_REWARDS]))}, a data source in "
-                "DATA_SOURCE_ALIASES, or 'package.module:function'"
+                f"metadata {self.type_key}={str(chosen)[:80]!r} "
+                + ("is a 'module:function' path, which a dataset may not name (only [reward] function may); "
+                   if dotted else "names no reward; ")
+                + f"use one of {', '.join(sorted([*BUILTIN_REWARDS, *CONFIGURED_REWARDS]))} or a data source in "
+                "DATA_SOURCE_ALIASES"
+                + (", or set [reward] function to that path" if dotted else "")
             )
         return name, self.build(name)
 

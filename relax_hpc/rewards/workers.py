@@ -18,7 +18,8 @@ import, which take seconds on a busy node. The caller's threads (Ray's, the engi
 forked, and the caller's main module is never re-imported. A worker exits when the caller does
 (its pipe closes, and on Linux the kernel sends it SIGKILL when its parent dies). Each worker
 optionally caps its address space (`memory_mb`), so a runaway reward gets a MemoryError instead
-of the node's memory.
+of the node's memory. Workers start without the job's credentials in their environment
+(`relax_hpc.auth.worker_env`): a reward may run code a response wrote.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import sys
 import threading
 from typing import Any
 
+from relax_hpc.auth.worker_env import worker_environment
 from relax_hpc.data.sample import Sample
 from relax_hpc.rewards.registry import RewardFn, RewardResult
 
@@ -89,7 +91,8 @@ class _Worker:
         try:
             # The caller's import path, so that a reward it can import ("my_pkg.rewards:fn",
             # a module on a path added at run time) unpickles in the worker too.
-            env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+            # Without the job's credentials: a reward may run code a response wrote.
+            env = {**worker_environment(), "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
             self.process = subprocess.Popen(
                 [sys.executable, "-m", __name__, str(to_worker_r), str(from_worker_w), str(memory_mb)],
                 pass_fds=(to_worker_r, from_worker_w), stdin=subprocess.DEVNULL, env=env,

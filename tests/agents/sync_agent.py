@@ -10,12 +10,14 @@ class SyncEnvAgent:
     """Subprocess agent: a sync OpenAI client configured only from the environment."""
 
     def run(self, data: dict) -> float:
+        import re
+
         from openai import OpenAI
 
-        from relax_hpc.auth import job_secret
-
-        # The session's key carries the proxy's token (the spawned worker inherits the job secret).
-        assert os.environ["OPENAI_API_KEY"].startswith(job_secret().token("agent-proxy") + ".sk-relax-")
+        # The session's key carries the proxy's token (64 hex digits; the proxy refuses the calls
+        # below with 401 unless it is the right one); the worker itself gets no job credentials.
+        assert re.fullmatch(r"[0-9a-f]{64}\.sk-relax-[A-Za-z0-9_-]+", os.environ["OPENAI_API_KEY"])
+        assert "RELAX_HPC_SECRET_FILE" not in os.environ and "RAY_AUTH_TOKEN_PATH" not in os.environ
         client = OpenAI()
         msgs = list(data["messages"])
         first = client.chat.completions.create(model="policy", messages=msgs)
