@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import errno
 
-__all__ = ["DISK_FULL_ERRNOS", "STORAGE_ERRNOS", "CheckpointDiskFullError", "CheckpointSaveError"]
+__all__ = ["DISK_FULL_ERRNOS", "STORAGE_ERRNOS", "CheckpointDiskFullError", "CheckpointSaveError",
+           "NoUsableCheckpointError"]
 
 DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 # Failures of the storage a save writes to. They say nothing about the trainer, whose model and
@@ -25,3 +26,9 @@ class CheckpointSaveError(RuntimeError):
 
 class CheckpointDiskFullError(CheckpointSaveError):
     """A save ran out of disk space (or quota); its temporary directory has been removed."""
+
+
+class NoUsableCheckpointError(ValueError):
+    """Complete checkpoints exist but none loaded (a missing file, a stale NFS handle): the run
+    stops instead of starting over from step 0. A ValueError: the CLI prints it on one line, and
+    the message names each checkpoint, why it did not load, and the two ways out."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 from relax_hpc.ckpt.permissions import PRIVATE_FILE_MODE
@@ -29,14 +30,13 @@ def fsync_dir(path: Path) -> None:
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` so readers see either the old content or all of the new."""
-    # The pid in the name keeps two writers on a shared filesystem from clobbering
-    # each other's half-written temp file.
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, PRIVATE_FILE_MODE)
+    # A fresh name, created O_EXCL (mkstemp): two writers never share a temp file, and a name
+    # planted beforehand (a symbolic link to a file of ours) is never opened.
+    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    tmp = Path(tmp_name)
     try:
         try:
-            # A temp file left by a crashed writer with the same pid would keep its old mode.
-            os.fchmod(fd, PRIVATE_FILE_MODE)
+            os.fchmod(fd, PRIVATE_FILE_MODE)  # mkstemp's 0600 already; stated, not assumed
             write_all(fd, data)
             os.fsync(fd)
         finally:

@@ -2,9 +2,12 @@
 
 Under a checkpoint root::
 
-    tmp_step_<N>/   being written (DCP files, resume.json, rng_rank<r>.pt); never read
-    step_<N>/       complete: renamed from tmp_step_<N> once everything is on disk
-    latest          text "step_<N>", written write-then-rename
+    tmp_step_<N>/       being written (DCP files, resume.json, rng_rank<r>.pt); never read
+    step_<N>/           complete: renamed from tmp_step_<N> once everything is on disk
+    replaced_step_<N>/  a complete step_<N> moved aside while the same step is saved again;
+                        removed once the new step_<N> is in place, renamed back to step_<N>
+                        by the next load when a crash came between the two renames
+    latest              text "step_<N>", written write-then-rename
 
 The functions here only compute names, orders and prune plans from listings, so the
 rules are unit-testable without touching a filesystem.
@@ -12,6 +15,7 @@ rules are unit-testable without touching a filesystem.
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -19,6 +23,7 @@ from pathlib import Path
 
 __all__ = [
     "LATEST_FILE",
+    "REPLACED_PREFIX",
     "TMP_PREFIX",
     "PrunePlan",
     "RootListing",
@@ -27,6 +32,7 @@ __all__ = [
     "parse_latest",
     "parse_step_dir",
     "plan_prune",
+    "replaced_dir_name",
     "rng_file_name",
     "step_dir_name",
     "tmp_dir_name",
@@ -34,6 +40,7 @@ __all__ = [
 
 LATEST_FILE = "latest"
 TMP_PREFIX = "tmp_"
+REPLACED_PREFIX = "replaced_"
 _STEP_RE = re.compile(r"^step_(\d+)$")
 
 
@@ -45,6 +52,12 @@ def step_dir_name(step: int) -> str:
 def tmp_dir_name(step: int) -> str:
     """Name of the directory a checkpoint for ``step`` is written into before the rename."""
     return f"{TMP_PREFIX}step_{step}"
+
+
+def replaced_dir_name(step: int) -> str:
+    """Name a complete ``step_<N>`` is moved to while the same step is saved again; not ``tmp_``:
+    after a crash between the two renames it is the only complete copy, which pruning must keep."""
+    return f"{REPLACED_PREFIX}step_{step}"
 
 
 def rng_file_name(rank: int) -> str:
@@ -65,27 +78,40 @@ def parse_latest(text: str) -> int | None:
 
 @dataclass(frozen=True)
 class RootListing:
-    """What a checkpoint root holds: complete steps (ascending) and leftover temp dirs."""
+    """What a checkpoint root holds: complete steps (ascending), leftover temp dirs, and the steps
+    of ``replaced_step_<N>`` directories (ascending)."""
 
     steps: tuple[int, ...]
     tmp_dirs: tuple[str, ...]
+    replaced: tuple[int, ...] = ()
 
 
 def list_root(root: Path) -> RootListing:
-    """List complete ``step_<N>`` directories and ``tmp_*`` leftovers under ``root``."""
-    if not root.is_dir():
+    """List complete ``step_<N>`` directories, ``tmp_*`` leftovers and ``replaced_step_<N>`` under ``root``.
+
+    A missing root lists nothing; any other failure to read it (a stale NFS handle, no
+    permission) is raised, never taken for an empty root: that would start a run over."""
+    try:
+        entries = list(os.scandir(root))
+    except (FileNotFoundError, NotADirectoryError):
         return RootListing(steps=(), tmp_dirs=())
     steps: list[int] = []
     tmp_dirs: list[str] = []
-    for entry in root.iterdir():
-        if not entry.is_dir():
+    replaced: list[int] = []
+    for entry in entries:
+        if not entry.is_dir():  # raises on errors other than a missing target
             continue
         step = parse_step_dir(entry.name)
         if step is not None:
             steps.append(step)
         elif entry.name.startswith(TMP_PREFIX):
             tmp_dirs.append(entry.name)
-    return RootListing(steps=tuple(sorted(steps)), tmp_dirs=tuple(sorted(tmp_dirs)))
+        elif entry.name.startswith(REPLACED_PREFIX):
+            old = parse_step_dir(entry.name.removeprefix(REPLACED_PREFIX))
+            if old is not None:
+                replaced.append(old)
+    return RootListing(steps=tuple(sorted(steps)), tmp_dirs=tuple(sorted(tmp_dirs)),
+                       replaced=tuple(sorted(replaced)))
 
 
 def load_order(pointer_step: int | None, complete_steps: Iterable[int]) -> list[int]:

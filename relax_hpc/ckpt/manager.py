@@ -37,7 +37,13 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.optim import Optimizer
 
 from relax_hpc.ckpt.collective import Collective, default_collective
-from relax_hpc.ckpt.errors import DISK_FULL_ERRNOS, STORAGE_ERRNOS, CheckpointDiskFullError, CheckpointSaveError
+from relax_hpc.ckpt.errors import (
+    DISK_FULL_ERRNOS,
+    STORAGE_ERRNOS,
+    CheckpointDiskFullError,
+    CheckpointSaveError,
+    NoUsableCheckpointError,
+)
 from relax_hpc.ckpt.fs import (
     atomic_write_bytes,
     atomic_write_text,
@@ -47,11 +53,11 @@ from relax_hpc.ckpt.fs import (
 )
 from relax_hpc.ckpt.layout import (
     LATEST_FILE,
-    TMP_PREFIX,
     list_root,
     load_order,
     parse_latest,
     plan_prune,
+    replaced_dir_name,
     rng_file_name,
     step_dir_name,
     tmp_dir_name,
@@ -76,6 +82,7 @@ __all__ = [
     "CheckpointDiskFullError",
     "CheckpointManager",
     "CheckpointSaveError",
+    "NoUsableCheckpointError",
     "UnsafeCheckpointError",
 ]
 
@@ -93,6 +100,10 @@ class CheckpointManager:
         self.keep_last = keep_last
         # Resolved per call: the manager is often built before init_process_group().
         self._collective = collective
+        # Whether this run resumed (load_latest was called): then `latest` never moves below the
+        # newest complete step, unless it already names a step at or below the one saved.
+        self._resumed = False
+        self._failures: dict[str, str] = {}  # step_<N> -> why it did not load, this load
 
     def list_complete(self) -> list[int]:
         """Steps with a complete ``step_<N>`` directory, ascending."""
@@ -169,6 +180,8 @@ class CheckpointManager:
         return self._load_latest(load)
 
     def _load_latest(self, load: Callable[[Collective, Path], tuple[bool, bool]]) -> ResumeState | None:
+        self._resumed = True
+        self._failures = {}
         coll = self._coll()
         order = _compute_on_rank0(coll, self._load_order, f"listing checkpoints in {self.root}")
         dcp_touched = False
@@ -200,11 +213,15 @@ class CheckpointManager:
                 "torch.distributed.checkpoint.load, so the model and optimizer may be partly "
                 "overwritten; see the warnings above, move the broken directories aside and restart"
             )
-        if order and coll.rank == 0:
-            log.warning(
-                "no usable checkpoint in %s (tried %s); starting from scratch. The unusable "
-                "directories were left in place for inspection",
-                self.root, ", ".join(step_dir_name(s) for s in order),
+        if order:
+            tried = "; ".join(f"{step_dir_name(s)}: {self._failures.get(step_dir_name(s), 'did not load')}"
+                              for s in order)
+            raise NoUsableCheckpointError(
+                f"none of the complete checkpoints in {self.root} could be loaded ({tried}), so the run "
+                "stops rather than start over from step 0 and abandon them (they are left in place). Fix "
+                "the cause (a missing or unreadable file, a stale NFS handle: remount, or wait and retry) "
+                "and run again to resume; or start over from step 0 on purpose with `relax-hpc run "
+                "--start-over` (or [checkpoint] resume = false in the spec)"
             )
         return None
 
@@ -214,6 +231,13 @@ class CheckpointManager:
         return self._collective if self._collective is not None else default_collective()
 
     def _load_order(self) -> list[int]:
+        listing = list_root(self.root)
+        for step in listing.replaced:
+            if step not in listing.steps:  # a save of the same step crashed between its two renames
+                os.rename(self.root / replaced_dir_name(step), self.root / step_dir_name(step))
+                fsync_dir(self.root)
+                log.warning("restored %s from %s: a second save of that step was interrupted",
+                            self.root / step_dir_name(step), replaced_dir_name(step))
         listing = list_root(self.root)
         for name in listing.tmp_dirs:
             log.info("ignoring %s: an unfinished save, removed at the next successful save", self.root / name)
@@ -281,8 +305,10 @@ class CheckpointManager:
     def _usable(self, coll: Collective, local_error: str | None, path: Path) -> bool:
         errors = coll.all_gather(local_error)
         failed = [(rank, err) for rank, err in enumerate(errors) if err is not None]
+        if failed:
+            self._failures[path.name] = "; ".join(f"rank {rank}: {err}" for rank, err in failed)
         if failed and coll.rank == 0:
-            details = "; ".join(f"rank {rank}: {err}" for rank, err in failed)
+            details = self._failures[path.name]
             log.warning(
                 "checkpoint %s is unusable (%s); trying the previous one, if any. It was NOT "
                 "deleted: inspect it, then remove it by hand",
@@ -321,19 +347,36 @@ class CheckpointManager:
         write_resume_file(tmp, state, world_size)
         make_private_tree(tmp)  # DCP creates its files with the process umask
         fsync_tree(tmp)
-        replaced: Path | None = None
+        # Saving the same step twice (e.g. a preemption right after a periodic save): the old one
+        # is moved aside under a name that is not tmp_, since after a crash between the two
+        # renames it is the only complete copy: the next load renames it back, pruning keeps it.
+        replaced = self.root / replaced_dir_name(step)
         if final.exists():
-            # Saving the same step twice (e.g. a preemption right after a periodic save):
-            # move the old one aside under a tmp_ name so a crash leaves it to cleanup.
-            replaced = self.root / f"{TMP_PREFIX}replaced_{final.name}"
-            remove_tree(replaced)
+            remove_tree(replaced)  # a leftover whose step_<N> is complete: not the only copy
             os.rename(final, replaced)
+            fsync_dir(self.root)
         os.rename(tmp, final)
         fsync_dir(self.root)
-        atomic_write_text(self.root / LATEST_FILE, final.name + "\n")
-        if replaced is not None:
-            remove_tree(replaced)
+        self._point_latest(step)
+        remove_tree(replaced)
         self._prune(step)
+
+    def _point_latest(self, step: int) -> None:
+        """Point `latest` at ``step``, except in a resumed run when a newer complete step exists and
+        `latest` names one above ``step`` (it did not load at resume): moving it would abandon it."""
+        newer = [s for s in list_root(self.root).steps if s > step]
+        if self._resumed and newer:
+            latest = self.root / LATEST_FILE
+            pointer = parse_latest(latest.read_text(encoding="utf-8", errors="replace")) if latest.is_file() else None
+            if pointer is None or pointer > step:
+                log.warning(
+                    "saved %s, but %s keeps naming %s: the newest complete checkpoint, which did not load "
+                    "at resume (see the warnings then). The next resume tries it first; to continue from "
+                    "%s instead, write %s into %s", step_dir_name(step), latest,
+                    step_dir_name(pointer if pointer is not None else newer[-1]), step_dir_name(step),
+                    step_dir_name(step), latest)
+                return
+        atomic_write_text(self.root / LATEST_FILE, step_dir_name(step) + "\n")
 
     def _prune(self, step: int) -> None:
         try:

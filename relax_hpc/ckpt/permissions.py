@@ -9,8 +9,9 @@ read, a checkpoint where any path is writable by group or others or owned by ano
 from __future__ import annotations
 
 import os
-import stat
 from pathlib import Path
+
+from relax_hpc.ops.files import PRIVATE_DIR_MODE, PRIVATE_FILE_MODE, unsafe_paths
 
 __all__ = [
     "PRIVATE_DIR_MODE",
@@ -21,8 +22,6 @@ __all__ = [
     "unsafe_paths",
 ]
 
-PRIVATE_DIR_MODE = 0o700
-PRIVATE_FILE_MODE = 0o600
 _SHOWN = 5  # paths named in an error; the rest are counted
 
 
@@ -40,24 +39,6 @@ def make_private_tree(root: Path) -> None:
         os.chmod(dirpath, PRIVATE_DIR_MODE)
         for name in filenames:
             os.chmod(os.path.join(dirpath, name), PRIVATE_FILE_MODE)
-
-
-def unsafe_paths(paths: list[Path]) -> list[str]:
-    """One line per path that others could change: writable by group/others, or not ours.
-
-    Symlinks are followed (a checkpoint root may be a link to scratch space): the target is
-    what gets read. Root-owned paths count as ours; root can change anything anyway.
-    """
-    me = os.geteuid()
-    problems: list[str] = []
-    for path in paths:
-        info = path.stat()
-        mode = stat.S_IMODE(info.st_mode)
-        if mode & (stat.S_IWGRP | stat.S_IWOTH):
-            problems.append(f"{path} (mode {mode:04o}: writable by {_who(mode)})")
-        if info.st_uid not in (me, 0):
-            problems.append(f"{path} (owned by uid {info.st_uid}; you are uid {me})")
-    return problems
 
 
 def check_private(root: Path, checkpoint: Path, action: str = "resume from") -> None:
@@ -79,10 +60,5 @@ def check_private(root: Path, checkpoint: Path, action: str = "resume from") -> 
     raise UnsafeCheckpointError(
         f"refusing to {action} {checkpoint}: loading unpickles its files, and other users can "
         f"change these paths: {shown}. {fix[0].upper()}{fix[1:]}"
-        + (" (or set [checkpoint] resume = false to start from scratch)" if resuming else "")
+        + (" (or start over from step 0: `relax-hpc run --start-over`, or [checkpoint] resume = false)" if resuming else "")
     )
-
-
-def _who(mode: int) -> str:
-    both = (mode & stat.S_IWGRP) and (mode & stat.S_IWOTH)
-    return "group and others" if both else ("group" if mode & stat.S_IWGRP else "others")

@@ -26,6 +26,7 @@ so an installed wheel runs `relax-hpc run tiny_local` from any directory (relax_
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import sys
@@ -94,6 +95,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from relax_hpc.driver.run import run_job
 
     spec = with_embedded_inputs(load_spec(args.spec), args.spec)
+    if args.start_over:  # this run only: the next one resumes from what this one saves
+        spec = dataclasses.replace(spec, checkpoint=dataclasses.replace(spec.checkpoint, resume=False))
     report = run_job(spec, in_process=args.in_process, ray_address=args.ray_address,
                      progress=not args.no_progress, grow_submitter=_grow_submitter(spec, args.ray_address))
     print(report.summary_line())
@@ -209,7 +212,7 @@ def _cmd_serve_engine(args: argparse.Namespace) -> int:
     from relax_hpc.engines.native import NativeEngine
 
     chosen = {"request_timeout_s": args.request_timeout_s, "max_connections": args.max_connections,
-              "max_body_bytes": args.max_body_bytes, "max_prompts": args.max_prompts,
+              "max_untrusted_per_peer": args.max_untrusted_per_peer, "max_body_bytes": args.max_body_bytes, "max_prompts": args.max_prompts,
               "max_request_prompt_tokens": args.max_prompt_tokens,
               "max_request_new_tokens": args.max_new_tokens}
     limits = ServerLimits(**{k: v for k, v in chosen.items() if v is not None})  # the rest: its defaults
@@ -357,6 +360,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ray-address", default=None,
                    help="join an existing Ray cluster (default: start a local one)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--start-over", action="store_true",
+                   help="train from step 0 although JOBDIR/checkpoints has checkpoints (this run only, like "
+                        "[checkpoint] resume = false): without it a run whose checkpoints all fail to load "
+                        "stops with an error instead; the old checkpoints are not deleted, newer ones are kept")
     p.set_defaults(func=_cmd_run)
 
     p = sub.add_parser("validate", help="check a job spec; exit 2 with every problem listed")
@@ -416,7 +423,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--request-timeout-s", type=float, default=None,
                    help="seconds a request may take to arrive, headers and body; idle connections close after it")
     p.add_argument("--max-connections", type=int, default=None,
-                   help="open connections (one thread each); the next one is answered 503")
+                   help="open connections; the next one is answered 503 (clients retry a 503 within their timeout)")
+    p.add_argument("--max-untrusted-per-peer", type=int, default=None,
+                   help="connections one address may hold before showing the bearer token; a new one past "
+                        "this closes that address's oldest")
     p.add_argument("--max-body-bytes", type=int, default=None,
                    help="largest request body; larger ones get 413 unread")
     p.add_argument("--max-prompts", type=int, default=None, help="prompts in one /generate")

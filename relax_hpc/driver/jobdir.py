@@ -11,13 +11,14 @@ so a .lock file left behind never blocks: the next run takes the lock and overwr
 lock file is never deleted (a run that deleted it could lock a new file while another run still
 holds the old one).
 
-Directories created here are 0700 and files 0600; an existing directory keeps its mode.
+Directories created here are 0700 and files 0600; an existing directory keeps its mode, but one
+that group or others may write, or that another user owns, is refused (`UnsafePathError`): its
+files would be theirs to plant. The lock file is opened without following a symbolic link.
 See docs/security.md, "Job directory".
 """
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import json
 import logging
@@ -26,12 +27,14 @@ import socket
 import time
 from pathlib import Path
 
-from relax_hpc.ckpt.permissions import PRIVATE_DIR_MODE, PRIVATE_FILE_MODE
+from relax_hpc.ckpt.permissions import PRIVATE_DIR_MODE
+from relax_hpc.ops.files import NO_LOCKS, UnsafePathError, check_private_dir, open_private
 
 __all__ = [
     "LOCK_FILE",
     "JobDirBusyError",
     "JobDirLock",
+    "UnsafePathError",
     "create_private_file",
     "make_private_dir",
 ]
@@ -39,8 +42,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 LOCK_FILE = ".lock"
-# flock failures that mean "this filesystem has no locks" (Lustre mounted without -o flock).
-_NO_LOCKS = frozenset({errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP})
 
 
 class JobDirBusyError(ValueError):
@@ -51,15 +52,18 @@ class JobDirBusyError(ValueError):
     """
 
 
-def make_private_dir(path: Path) -> Path:
-    """Create ``path`` (and missing parents) if needed; the directory itself 0700 when created."""
+def make_private_dir(path: Path, what: str = "directory") -> Path:
+    """Create ``path`` (and missing parents) if needed, the directory itself 0700 when created;
+    UnsafePathError when it exists and group or others may write it, or another user owns it."""
     path.mkdir(parents=True, exist_ok=True, mode=PRIVATE_DIR_MODE)
+    check_private_dir(path, what)
     return path
 
 
 def create_private_file(path: Path) -> None:
-    """Create an empty ``path`` 0600 unless it exists, for a writer that opens it to append."""
-    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, PRIVATE_FILE_MODE))
+    """Create an empty ``path`` 0600 unless it exists, for a writer that opens it to append;
+    UnsafePathError for a symbolic link or a file others may write."""
+    os.close(open_private(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND))
 
 
 class JobDirLock:
@@ -79,9 +83,10 @@ class JobDirLock:
 
     def acquire(self) -> None:
         """Take the lock or raise JobDirBusyError naming the holder; never waits."""
-        make_private_dir(self.job_dir)
-        # No O_TRUNC: the holder's pid and host must survive until we own the lock.
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, PRIVATE_FILE_MODE)
+        make_private_dir(self.job_dir, "job directory")
+        # No O_TRUNC: the holder's pid and host must survive until we own the lock. No symbolic
+        # link either: a planted .lock -> a file of ours would be truncated below.
+        fd = open_private(self.path, os.O_RDWR | os.O_CREAT, "the job directory's lock file")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
@@ -92,7 +97,7 @@ class JobDirLock:
                     f"job directory {self.job_dir} is in use by another relax-hpc run ({holder}); "
                     "wait for it to finish (or stop it), or set [job] output_dir to another directory"
                 ) from None
-            if exc.errno not in _NO_LOCKS:
+            if exc.errno not in NO_LOCKS:
                 raise
             log.warning(
                 "cannot lock %s (%s): this filesystem does not support flock, so nothing stops a "

@@ -9,6 +9,7 @@ docs/federation.md.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from pathlib import Path
@@ -17,6 +18,10 @@ from relax_hpc.auth import SECRET_ENV
 from relax_hpc.auth.secret import write_private_text
 from relax_hpc.engines.elastic_api import CLUSTER_JSON, ElasticControl
 from relax_hpc.engines.rest_api import RestServer, make_rest_app, rest_token
+from relax_hpc.ops.files import UnsafePathError, read_private_text
+
+log = logging.getLogger(__name__)
+
 
 def serve_rest_api(job_dir: Path, control: ElasticControl, host: str) -> RestServer:
     """Start the API on `host` (a free port) and publish its URL."""
@@ -27,10 +32,16 @@ def serve_rest_api(job_dir: Path, control: ElasticControl, host: str) -> RestSer
 
 def publish_rest_url(job_dir: Path, url: str | None) -> None:
     """Set `rest_url` in JOBDIR/cluster.json (owner-only, write-then-rename), keeping what the
-    job script wrote there; None when the API stops (the run ended)."""
+    job script wrote there; None when the API stops (the run ended). A cluster.json that is not
+    a private file of ours (a symbolic link, another user's, writable by others) is not trusted:
+    it is replaced whole, with a warning."""
     path = job_dir / CLUSTER_JSON
     try:
-        content = json.loads(path.read_text()) if path.is_file() else {}
+        text = read_private_text(path, "cluster.json")
+        content = json.loads(text) if text is not None else {}
+    except UnsafePathError as exc:
+        log.warning("%s; replacing it with one of this run's own", exc)
+        content = {}
     except ValueError:
         content = {}  # a torn file from an older writer: rewritten whole below
     if not isinstance(content, dict):

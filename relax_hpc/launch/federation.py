@@ -23,6 +23,7 @@ import json
 import os
 import shlex
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -40,6 +41,7 @@ from relax_hpc.launch.container import render_wrapper
 # The renderer's quoting and filling, shared so both scripts follow the same rules (render.py).
 from relax_hpc.launch.render import _count, _fill, _option, _plain, output_pattern
 from relax_hpc.launch.slurm_client import SlurmClient
+from relax_hpc.ops.files import check_private_dir, exclusive_lock, read_private_text
 from relax_hpc.spec import ContainerSpec, JobSpec
 from relax_hpc.spec.constraints import slurm_time
 from relax_hpc.spec.text_checks import slurm_name, slurm_names
@@ -65,6 +67,7 @@ __all__ = [
 GROW_TEMPLATE = "grow.sbatch.in"
 FEDERATION_DIR = "federation"  # JOBDIR/federation: grow_jobs.json, grow scripts, the weights (roles/rollout.py)
 GROW_JOBS_FILE = "grow_jobs.json"
+GROW_LOCK_FILE = ".lock"  # JOBDIR/federation/.lock: one grow submission at a time (CLI and driver)
 DRAIN_TIMEOUT_S = 30  # how long engines that leave may finish their prompts (USR1 / TERM)
 SIGNAL_MARGIN_S = 30  # the time-limit USR1 comes this much before the drain must end
 OPERATION_DONE = ("done", "failed", "rolled_back")
@@ -239,41 +242,50 @@ def read_grow_jobs(job_dir: Path) -> list[dict[str, Any]]:
 
 
 def _record_grow_job(job_dir: Path, entry: dict[str, Any]) -> None:
+    """Add ``entry`` to grow_jobs.json; the caller holds the federation lock (read, add, write)."""
     jobs = read_grow_jobs(job_dir) + [entry]
     # Write-then-rename, 0600: a crash leaves the old record or the new one, never half of one.
     atomic_write_text(federation_dir(job_dir) / GROW_JOBS_FILE, json.dumps({"grow_jobs": jobs}, indent=2) + "\n")
 
 
 def prepare_federation_dir(job_dir: Path) -> Path:
-    """JOBDIR/federation and its weights/ (0700 when created); engines refuse a missing weights root."""
+    """JOBDIR/federation and its weights/ (0700 when created); engines refuse a missing weights root.
+    UnsafePathError when either exists writable by group/others or owned by another user."""
     weights = Path(job_dir) / FEDERATION_WEIGHTS
-    fed = make_private_dir(weights.parent)  # mkdir's mode reaches only the last directory
-    make_private_dir(weights)
+    fed = make_private_dir(weights.parent, "federation directory")  # mkdir's mode reaches only the last one
+    make_private_dir(weights, "federation weights directory")
     return fed
 
 
 def submit_grow(request: GrowRequest, client: SlurmClient, cwd: Path, now: float | None = None) -> str:
     """sbatch the grow job (from ``cwd``, like the main job from its submit directory), keep its
-    script as JOBDIR/federation/grow-<id>.sbatch and record it in grow_jobs.json; its id."""
+    script as JOBDIR/federation/grow-<id>.sbatch and record it in grow_jobs.json; its id.
+
+    `relax-hpc grow` and the driver's grow policy may submit at the same time: each holds
+    JOBDIR/federation/.lock from sbatch to the record, so neither submits the other's script
+    nor loses the other's record, and the script sbatch reads has a name of its own."""
     job_dir = Path(request.job_dir)
     text = render_grow_sbatch(request)  # refuses before anything is written
     fed = prepare_federation_dir(job_dir)
-    pending = fed / "grow-next.sbatch"
-    atomic_write_text(pending, text)
     env = dict(os.environ)
     if request.container.image is None:
         env["RELAX_HPC_PYTHON"] = sys.executable  # the Python that has relax_hpc installed
-    try:
-        grow_id = client.sbatch(pending, cwd, env)
-    finally:
-        pending.unlink(missing_ok=True)  # sbatch keeps its own copy
-    script = fed / f"grow-{grow_id}.sbatch"
-    atomic_write_text(script, text)
-    entry = {"job_id": grow_id, "main_job_id": request.main_job_id, "engines": request.engines,
-             "nodes": request.nodes, "partition": request.partition, "qos": request.qos, "time": request.time,
-             "preemptible": request.preemptible, "submitted_at": time.time() if now is None else now,
-             "script": str(script)}
-    _record_grow_job(job_dir, entry)
+    with exclusive_lock(fed / GROW_LOCK_FILE, "the federation directory's lock file"):
+        fd, pending_name = tempfile.mkstemp(dir=fed, prefix="grow-next.", suffix=".sbatch")  # 0600, O_EXCL
+        pending = Path(pending_name)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(text)
+            grow_id = client.sbatch(pending, cwd, env)
+        finally:
+            pending.unlink(missing_ok=True)  # sbatch keeps its own copy
+        script = fed / f"grow-{grow_id}.sbatch"
+        atomic_write_text(script, text)
+        entry = {"job_id": grow_id, "main_job_id": request.main_job_id, "engines": request.engines,
+                 "nodes": request.nodes, "partition": request.partition, "qos": request.qos, "time": request.time,
+                 "preemptible": request.preemptible, "submitted_at": time.time() if now is None else now,
+                 "script": str(script)}
+        _record_grow_job(job_dir, entry)
     return grow_id
 
 
@@ -306,14 +318,23 @@ class RestLike(Protocol):
 
 
 def read_cluster_json(job_dir: Path) -> dict[str, Any] | None:
-    """JOBDIR/cluster.json (written by `incluster wait`, rest_url filled by the driver); None when absent."""
-    path = Path(job_dir) / CLUSTER_JSON
+    """JOBDIR/cluster.json (written by `incluster wait`, rest_url filled by the driver); None when absent.
+
+    It names the URL the job's REST token is sent to, so it is trusted only in a job directory
+    nobody else may write and only as a regular file of ours that only we may write: anything
+    else raises UnsafePathError (a ValueError) naming the path and the fix."""
     try:
-        content = json.loads(path.read_text(encoding="utf-8"))
+        check_private_dir(Path(job_dir), "job directory")
     except FileNotFoundError:
         return None
+    path = Path(job_dir) / CLUSTER_JSON
+    text = read_private_text(path, "cluster.json")
+    if text is None:
+        return None
+    try:
+        content = json.loads(text)
     except ValueError:
-        return None  # being replaced right now (it is written by rename, so only a foreign file)
+        return None  # not JSON: written by rename, so never torn by our writers; no URL to use
     return content if isinstance(content, dict) else None
 
 

@@ -19,6 +19,8 @@ import time
 from typing import Any, Callable, Protocol, Sequence
 
 from relax_hpc.ckpt import ResumeState
+from relax_hpc.ckpt.errors import NoUsableCheckpointError
+from relax_hpc.ckpt.permissions import UnsafeCheckpointError
 from relax_hpc.engines.elastic_api import ElasticReply
 from relax_hpc.roles.actor import ActorConfig, ActorWorker, rendezvous_address
 from relax_hpc.roles.advantages import AdvantagesConfig, AdvantagesWorker
@@ -264,6 +266,9 @@ def _result_of(calls: Sequence[tuple[str, Any]], ref: Any, doing: str, results: 
         death = _death_among([(name, r) for name, r in calls if r != ref and r not in results], doing)
         if death is not None:
             raise death from failure
+        cause = getattr(failure, "cause", None)  # Ray's RayTaskError carries the role's own exception
+        if isinstance(cause, (NoUsableCheckpointError, UnsafeCheckpointError)):
+            raise cause from None  # one line that says what to do, not Ray's traceback of it
         failure.add_note(f"(raised by {who} while {doing})")
         raise
 

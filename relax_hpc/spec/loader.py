@@ -30,7 +30,7 @@ from relax_hpc.spec.cross_checks import CROSS_CHECKS, Resolved
 from relax_hpc.spec.errors import SpecError, SpecProblem, show_value
 from relax_hpc.spec.lines import LineIndex
 from relax_hpc.spec.schema import CHECKS, SECRET, JobSpec
-from relax_hpc.spec.secret_urls import redact_value
+from relax_hpc.spec.secret_urls import SECRET_ENV_KEYS, redact_env_value, redact_value
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -110,6 +110,9 @@ class _Walker:
         line = self.lines.line_of(key)
         if key.partition("[")[0] in self.secret_keys:
             value = redact_value(value)
+        elif key.partition("[")[0] in SECRET_ENV_KEYS:
+            message = _without_env_values(message, value)
+            value = redact_env_value(value)
         self.problems.append(SpecProblem(key, show_value(value), message, allowed, line))
         return INVALID
 
@@ -120,9 +123,14 @@ class _Walker:
         dot = f"{prefix}." if prefix else ""
         # A misspelt key of a table with secrets ("url" for "urls") may well hold one.
         has_secrets = any(f.metadata.get(SECRET) for f in fields.values())
+        has_env_secrets = any(f"{dot}{name}" in SECRET_ENV_KEYS for name in fields)
         self.secret_keys.update(f"{dot}{name}" for name, f in fields.items() if f.metadata.get(SECRET))
         for unknown in (name for name in raw if name not in fields):
-            shown = redact_value(raw[unknown]) if has_secrets else raw[unknown]
+            shown = raw[unknown]
+            if has_secrets:
+                shown = redact_value(shown)
+            elif has_env_secrets:
+                shown = redact_env_value(shown)
             self._unknown_key(f"{dot}{unknown}", unknown, shown, list(fields))
         values: dict[str, Any] = {}
         for name, spec_field in fields.items():
@@ -218,6 +226,15 @@ class _Walker:
                 return raw
             return self.problem(key, raw, f"expected a string, got {_toml_type(raw)}")
         raise TypeError(f"schema field {key} has unsupported type {hint!r}; see relax_hpc/spec/schema.py")
+
+
+def _without_env_values(message: str, value: object) -> str:
+    """``message`` with every assignment of ``value`` that it quotes (text_checks.items names the
+    element that fails as ``show_value(element)``) shown redacted."""
+    for item in value if isinstance(value, list) else [value]:
+        if isinstance(item, str):
+            message = message.replace(show_value(item), show_value(redact_env_value(item)))
+    return message
 
 
 def _finite(value: float) -> float | None:

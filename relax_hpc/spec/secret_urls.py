@@ -1,4 +1,5 @@
-"""Alert URLs that carry secrets ([notify] urls): their check, and how they are shown redacted.
+"""Spec values that carry secrets: alert URLs ([notify] urls), their check, and how they and the
+``[container] env`` values are shown redacted.
 
 An Apprise URL holds its credentials in every part: ``slack://TokenA/TokenB/TokenC`` (the
 tokens are the host and the path), ``mailto://user:password@example.com``, ``ntfy://topic``
@@ -16,6 +17,11 @@ A redacted URL is still a well-formed one, so a resolved spec written with redac
 for scrubbing them out of other libraries' log lines (relax_hpc/ops/notify.py). Nothing here
 imports apprise: whether Apprise knows a URL's scheme is checked by the adapter when the job
 starts (and by ``relax-hpc validate``).
+
+``[container] env`` holds ``NAME=VALUE`` assignments whose values are often tokens
+(``HF_TOKEN=hf_...``, ``WANDB_API_KEY=...``): a redacted one keeps its name and hides the value,
+``redact_env("HF_TOKEN=hf_abc")`` is ``"HF_TOKEN=***"``, which is still a valid assignment. The
+keys redacted that way are ``SECRET_ENV_KEYS``.
 """
 
 from __future__ import annotations
@@ -26,9 +32,13 @@ from urllib.parse import unquote
 
 from relax_hpc.spec.text_checks import control_character
 
-__all__ = ["HIDDEN", "notify_urls", "redact_url", "redact_value", "url_secrets"]
+__all__ = ["HIDDEN", "SECRET_ENV_KEYS", "notify_urls", "redact_env", "redact_env_value", "redact_url",
+           "redact_value", "url_secrets"]
 
 HIDDEN = "***"
+# Spec keys of "NAME=VALUE" assignments whose values are secrets: shown as "NAME=***".
+SECRET_ENV_KEYS = frozenset({"container.env"})
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 # "scheme://rest": the scheme as RFC 3986 spells it, then anything without whitespace.
 _URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://\S+")
@@ -104,6 +114,23 @@ def redact_value(value: object) -> object:
         return redact_url(value) if "://" in value else HIDDEN
     if isinstance(value, list):
         return [redact_value(item) for item in value]
+    return value
+
+
+def redact_env(assignment: str) -> str:
+    """``NAME=***`` for ``NAME=VALUE``; ``***`` for a string that is not an assignment (its
+    name may itself be the secret, as in a value pasted without ``NAME=``)."""
+    name, equals, _ = assignment.partition("=")
+    return f"{name}={HIDDEN}" if equals and _ENV_NAME.fullmatch(name) else HIDDEN
+
+
+def redact_env_value(value: object) -> object:
+    """A value of a ``SECRET_ENV_KEYS`` key as a report may show it: strings by ``redact_env``,
+    lists element by element, anything else (a number, a table) as it is."""
+    if isinstance(value, str):
+        return redact_env(value)
+    if isinstance(value, list):
+        return [redact_env_value(item) for item in value]
     return value
 
 

@@ -199,16 +199,16 @@ def test_only_checkpoint_damaged_inside_dcp_raises(tmp_path: Path) -> None:
         mgr.load_latest(dst.model, dst.optimizer)
 
 
-def test_nothing_usable_returns_none_with_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_nothing_usable_raises_and_keeps_the_checkpoints(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     mgr = CheckpointManager(tmp_path, keep_last=3)
     save_steps(mgr, [1, 2])
     _delete_metadata(tmp_path / "step_1")
     _garbage_resume_json(tmp_path / "step_2")
     dst = fresh()
     before = [p.detach().clone() for p in dst.model.parameters()]
-    with caplog.at_level(logging.WARNING, logger=WARN):
-        assert mgr.load_latest(dst.model, dst.optimizer) is None
-    assert "no usable checkpoint" in caplog.text
+    with caplog.at_level(logging.WARNING, logger=WARN), pytest.raises(ValueError, match="none of the complete"):
+        mgr.load_latest(dst.model, dst.optimizer)
+    assert "is unusable" in caplog.text
     assert all(torch.equal(a, b) for a, b in zip(before, dst.model.parameters(), strict=True))
     assert mgr.list_complete() == [1, 2]
 

@@ -23,6 +23,12 @@ class FakeRole:
     def fail(self) -> None:
         raise ValueError("bad rows")
 
+    def fail_to_resume(self) -> None:
+        from relax_hpc.ckpt.errors import NoUsableCheckpointError  # standard library only
+
+        raise NoUsableCheckpointError("no checkpoint of /j/checkpoints loads (step_3: resume.json is missing); "
+                                      "fix it, or relax-hpc run --start-over")
+
     def fail_when_gone(self, peer_pid: int) -> None:
         """Like a gloo collective whose peer died: raise once that process is gone."""
         while _alive(peer_pid):

@@ -111,3 +111,19 @@ def test_a_failed_rank_ends_the_step_with_its_own_error_named(ray_cluster: None)
         ticket.result()  # not after rank 0's 600 s
     assert "(raised by trainer rank 1 while training step 2)" in caught.value.__notes__
     ray.kill(ranks[0])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_checkpoint_refusal_reaches_the_driver_as_itself_not_wrapped(ray_cluster: None) -> None:
+    # The CLI prints a ValueError on one line: Ray's wrapper would print the role's traceback too.
+    from relax_hpc.ckpt.errors import NoUsableCheckpointError
+
+    role = FakeRole.remote()
+    with pytest.raises(NoUsableCheckpointError) as raised:
+        get_from_roles([("trainer rank 0", role.fail_to_resume.remote())], "loading the newest checkpoint", 60)
+    assert type(raised.value) is NoUsableCheckpointError
+    assert str(raised.value).splitlines() == ["no checkpoint of /j/checkpoints loads (step_3: resume.json is "
+                                              "missing); fix it, or relax-hpc run --start-over"]
+    ray.kill(role)
+
