@@ -5,7 +5,6 @@ within the deadline is cut (issue #33 item 7), and an integer too long to read g
 
 from __future__ import annotations
 
-import select
 import socket
 import time
 from contextlib import ExitStack
@@ -19,6 +18,7 @@ from relax_hpc.agents.service import AgenticRollout
 from relax_hpc.engines.base import SamplingParams
 from relax_hpc.engines.http_serving import ServingLimits
 from agent_doubles import ScriptedEngine, tiny_tokenizer
+from socket_waits import closed_by_server
 
 WAIT_S = 10.0  # a generous bound on anything that should happen within a fraction of a second
 TOK = tiny_tokenizer()
@@ -32,18 +32,7 @@ def _service() -> tuple[AgenticRollout, ScriptedEngine]:
 
 
 def _closed(sockets: list[socket.socket], expected: int) -> list[int]:
-    """The indices of `sockets` the proxy closed, once `expected` of them are (or WAIT_S passed)."""
-    closed: set[int] = set()
-    deadline = time.monotonic() + WAIT_S
-    while len(closed) < expected and time.monotonic() < deadline:
-        readable, _, _ = select.select([s for i, s in enumerate(sockets) if i not in closed], [], [], 0.1)
-        for sock in readable:
-            try:
-                assert sock.recv(1) == b""
-            except ConnectionResetError:
-                pass
-            closed.add(sockets.index(sock))
-    return sorted(closed)
+    return closed_by_server(sockets, expected, WAIT_S)
 
 
 def test_idle_sockets_and_half_sent_requests_cannot_hold_the_proxy(monkeypatch: pytest.MonkeyPatch) -> None:

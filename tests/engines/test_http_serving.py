@@ -30,6 +30,7 @@ from relax_hpc.engines.memory import ScriptedEngine
 from relax_hpc.engines.remote import RemoteEngineClient
 from relax_hpc.engines.rest_api import RestClient, RestServer, make_rest_app
 from relax_hpc.models.hf import load_tokenizer
+from socket_waits import closed_by_server
 
 WAIT_S = 10.0  # a generous bound on anything that should happen within a fraction of a second
 TOKEN = JobSecret.generate().token("engine-http")
@@ -54,19 +55,7 @@ def _idle(port: int, stack: ExitStack, count: int) -> list[socket.socket]:
 
 
 def _closed_by_server(sockets: list[socket.socket], expected: int) -> list[int]:
-    """The indices of `sockets` the server has closed, once `expected` of them are (or WAIT_S passed)."""
-    closed: set[int] = set()
-    deadline = time.monotonic() + WAIT_S
-    while len(closed) < expected and time.monotonic() < deadline:
-        readable, _, _ = select.select([s for i, s in enumerate(sockets) if i not in closed], [], [], 0.1)
-        for sock in readable:
-            try:
-                data = sock.recv(1)
-            except ConnectionResetError:
-                data = b""
-            assert data == b"", data  # nothing was asked, nothing is answered: only closed
-            closed.add(sockets.index(sock))
-    return sorted(closed)
+    return closed_by_server(sockets, expected, WAIT_S)
 
 
 def _still_open(sockets: list[socket.socket]) -> bool:
