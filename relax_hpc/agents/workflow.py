@@ -77,10 +77,10 @@ class AgentRunner:
         return SessionResult(list(records), result)
 
     async def _run_inline(self, data: Mapping[str, Any], api_key: str) -> Any:
-        import httpx
+        from relax_hpc.ops.http import async_http_client
 
         if self._http is None:
-            self._http = httpx.AsyncClient(timeout=httpx.Timeout(600.0))
+            self._http = async_http_client(600.0)  # the job's own proxy: no redirects, no HTTP(S)_PROXY
         agent = self.agent_class()
         out = agent.run(dict(data), base_url=self.proxy.base_url, api_key=api_key, http_client=self._http)
         if not inspect.isawaitable(out):

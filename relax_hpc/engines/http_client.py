@@ -15,21 +15,23 @@ backoff. With `busy_wait_s`, a server that answers 503 or 429 (busy: its connect
 a failure) is asked again, after its `Retry-After` or the backoff, for up to that long before the
 attempt counts as failed; a 401 (`EngineAuthError`) says the token does not match; other 4xx replies mean the
 request is wrong and fail at once with the server's message. Every error names the URL.
-Redirects are not followed, so the token goes to `base_url` only.
+Redirects are not followed, so the token goes to `base_url` only (relax_hpc/ops/http.py: the
+client and the retry policy every HTTP client of ours shares). Every request opens its own
+connection, so a restarted server or one closing an idle connection costs no attempt (a health
+check has one).
 """
 
 from __future__ import annotations
 
-import http.client
 import json
 import time
-import urllib.error
-import urllib.request
 from typing import Any, Iterable, Sequence
 
+import httpx
 import torch
 
 from relax_hpc.engines.base import FinishReason, Generation, SamplingParams
+from relax_hpc.ops.http import TRANSPORT_ERRORS, RetryPolicy, retry_after_s, retryable, thread_client
 
 __all__ = ["EngineAuthError", "EngineHttpError", "HttpEngine", "parse_generate_reply"]
 
@@ -42,23 +44,17 @@ class EngineAuthError(EngineHttpError):
     """The engine server refused this client's bearer token (HTTP 401)."""
 
 
-class _NoRedirect(urllib.request.HTTPRedirectHandler):
-    """Redirects become errors: following one would send the token to another address."""
+class _Reply(Exception):
+    """A reply other than 2xx, carried out of one attempt."""
 
-    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
-        return None
+    def __init__(self, reply: httpx.Response) -> None:
+        super().__init__(reply.status_code)
+        self.code, self.headers = reply.status_code, reply.headers
+        self.message = _error_message(reply)
 
 
-_OPENER = urllib.request.build_opener(_NoRedirect())
 BUSY_CODES = (429, 503)  # the server is busy (its connection limit, a queue): ask again later
-MAX_RETRY_AFTER_S = 60.0  # a longer Retry-After is read as this
 _clock, _sleep = time.monotonic, time.sleep  # patched by tests
-
-
-def _retry_after(error: urllib.error.HTTPError) -> float | None:
-    """The seconds of a reply's `Retry-After` header when it is a number of seconds (not a date)."""
-    value = (error.headers.get("Retry-After") or "").strip() if error.headers is not None else ""
-    return min(float(value), MAX_RETRY_AFTER_S) if value.isascii() and value.isdigit() else None
 
 
 def _weight_version(value: Any) -> int:
@@ -156,6 +152,7 @@ class HttpEngine:
         self._token = token
         self.timeout_s, self.retries = timeout_s, retries
         self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
+        self.policy = RetryPolicy(retries, backoff_s, max_backoff_s)
         self.busy_wait_s = busy_wait_s
         self._version = 0
 
@@ -206,45 +203,41 @@ class HttpEngine:
         self._version = max((g.weight_version for g in gens), default=self._version)
         return gens
 
-    def _backoff(self, retry: int) -> float:
-        return min(self.backoff_s * 2**retry, self.max_backoff_s)
-
     def send(self, method: str, path: str, payload: Any, attempts: int | None = None) -> Any:
         """One JSON request with this client's token, retries and errors; the decoded reply
         (also the transport of `SGLangEngine`)."""
         url = self.base_url + path
         data = None if payload is None else json.dumps(payload).encode("utf-8")
-        tries = self.retries + 1 if attempts is None else attempts
+        tries = self.policy.attempts if attempts is None else attempts
         busy_until, busy_waits = _clock() + self.busy_wait_s, 0
         last, attempt = "", 0
         while True:
             try:
                 return self._once(method, url, data)
-            except urllib.error.HTTPError as e:
-                last = f"HTTP {e.code}: {_error_message(e)}"
+            except _Reply as e:
+                last = f"HTTP {e.code}: {e.message}"
                 if e.code == 401:
-                    raise EngineAuthError(self._auth_problem(url, last)) from e
+                    raise EngineAuthError(self._auth_problem(url, last)) from None
                 if e.code in BUSY_CODES and self.busy_wait_s > 0:
-                    wait = _retry_after(e)
-                    wait = self._backoff(busy_waits) if wait is None else wait
+                    wait = retry_after_s(e.headers)
+                    wait = self.policy.wait_s(busy_waits) if wait is None else wait
                     if _clock() + wait <= busy_until:  # busy, not failed: ask again, this is no attempt
                         busy_waits += 1
                         _sleep(wait)
                         continue
                     last += f" (busy for {self.busy_wait_s} s)"
-                elif e.code not in BUSY_CODES and e.code < 500:
-                    raise EngineHttpError(f"engine at {url} rejected the request: {last}") from e
-            except (urllib.error.URLError, TimeoutError, ConnectionError, OSError, http.client.HTTPException) as e:
-                # HTTPException: a server that died while it sent its reply (IncompleteRead: a
-                # grow job's engine cancelled mid-step) is a failed attempt like a refused one.
-                reason = getattr(e, "reason", e)
-                last = f"{type(reason).__name__}: {reason}"
+                elif not retryable(e.code):
+                    raise EngineHttpError(f"engine at {url} rejected the request: {last}") from None
+            except TRANSPORT_ERRORS as e:
+                # Also a server that died while it sent its reply (a grow job's engine cancelled
+                # mid-step): a failed attempt like a refused one.
+                last = f"{type(e).__name__}: {e or 'no detail'}"
             except json.JSONDecodeError as e:
                 last = f"reply is not JSON ({e.msg})"
             attempt += 1
             if attempt >= tries:
                 break
-            _sleep(self._backoff(attempt - 1))
+            _sleep(self.policy.wait_s(attempt - 1))
         raise EngineHttpError(
             f"engine at {url} failed after {tries} attempt(s) (last error: {last}); is the server up and "
             f"reachable from here? timeout_s = {self.timeout_s}"
@@ -258,23 +251,22 @@ class HttpEngine:
 
     def _once(self, method: str, url: str, data: bytes | None) -> Any:
         headers = {"Content-Type": "application/json"} if data is not None else {}
-        if self._token is not None:
-            headers["Authorization"] = f"Bearer {self._token}"
-        request = urllib.request.Request(url, data=data, method=method, headers=headers)
-        with _OPENER.open(request, timeout=self.timeout_s) as reply:
-            raw = reply.read()
+        reply = thread_client(self.timeout_s, self._token).request(method, url, content=data, headers=headers)
+        if not 200 <= reply.status_code < 300:
+            raise _Reply(reply)
+        raw = reply.content
         return json.loads(raw.decode("utf-8")) if raw.strip() else {}
 
 
-def _error_message(error: urllib.error.HTTPError) -> str:
+def _error_message(reply: httpx.Response) -> str:
     """The server's own message from a JSON error body, else the HTTP reason."""
     try:
-        body = json.loads(error.read().decode("utf-8"))
-    except (OSError, ValueError):
-        return str(error.reason)
+        body = json.loads(reply.content.decode("utf-8"))
+    except ValueError:
+        return reply.reason_phrase
     if isinstance(body, dict):
         inner = body.get("error", body)
         message = inner.get("message") if isinstance(inner, dict) else inner
         if message:
             return str(message)[:500]
-    return str(error.reason)
+    return reply.reason_phrase

@@ -35,7 +35,6 @@ import socket
 from types import TracebackType
 from typing import Any, Self
 
-import httpx
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -49,6 +48,7 @@ from relax_hpc.auth import bearer_matches, job_secret
 from relax_hpc.engines.elastic_api import REST_TOKEN_PURPOSE, ElasticControl, ElasticReply
 from relax_hpc.engines.http_auth import check_token
 from relax_hpc.engines.http_body import RequestRefused, read_limited_body
+from relax_hpc.ops.http import TRANSPORT_ERRORS, http_client
 from relax_hpc.engines.http_serving import ServingError, ServingLimits, UvicornThread, bearer_trust, uvicorn_config
 
 __all__ = [
@@ -318,8 +318,7 @@ class RestClient:
                              "(the job directory's cluster.json has the job's)")
         self.url = url.rstrip("/")
         self.timeout_s = timeout_s
-        self._client = httpx.Client(timeout=timeout_s, follow_redirects=False, trust_env=False,
-                                    headers={"Authorization": f"Bearer {token}"})
+        self._client = http_client(timeout_s, token)
 
     def get(self, path: str) -> tuple[int, dict[str, Any]]:
         return self._request("GET", path, None)
@@ -333,7 +332,7 @@ class RestClient:
         target = self.url + path
         try:
             reply = self._client.request(method, target, json=body)
-        except httpx.TransportError as e:  # refused, reset, timed out, not HTTP
+        except TRANSPORT_ERRORS as e:  # refused, reset, timed out, not HTTP
             raise RestUnavailable(
                 f"the REST server at {self.url} did not answer {method} {path} ({type(e).__name__}: {e or 'no detail'}"
                 f"; timeout {self.timeout_s} s): is the job still running? Its URL is in the job directory's "

@@ -29,12 +29,11 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from types import TracebackType
 
 from relax_hpc.auth.secret import write_private_text
+from relax_hpc.ops.http import TRANSPORT_ERRORS, thread_client
 
 __all__ = ["CPU_FLAGS", "SGLangServer", "SGLangServerError", "free_port"]
 
@@ -185,9 +184,8 @@ class SGLangServer:
     def healthy(self, timeout_s: float = 10.0) -> bool:
         """True when GET /health answers 200 (SGLang runs a one-token generation for it when idle)."""
         try:
-            with urllib.request.urlopen(self.url + "/health", timeout=timeout_s) as reply:
-                return reply.status == 200
-        except (urllib.error.URLError, OSError):
+            return thread_client(timeout_s).get(self.url + "/health").status_code == 200
+        except TRANSPORT_ERRORS:
             return False
 
     def log_tail(self, chars: int = 3000) -> str:

@@ -4,7 +4,8 @@ Request body: {"prompt", "response", "label", "metadata"} (metadata values that 
 e.g. image bytes, are sent as a short description). Accepted replies: a bare number, or an
 object with "score" or "reward" (other numeric keys are logged as reward details).
 Connection errors, timeouts, HTTP 429 and 5xx are retried with exponential backoff; other 4xx
-replies are the caller's mistake and fail at once. Every error names the URL.
+replies are the caller's mistake and fail at once (relax_hpc/ops/http.py: the client and the
+retry policy every HTTP client of ours shares). Every error names the URL.
 """
 
 from __future__ import annotations
@@ -12,16 +13,21 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from typing import Any
 
 from relax_hpc.data.sample import Sample
+from relax_hpc.ops.http import TRANSPORT_ERRORS, RetryPolicy, retryable, thread_client
 
 
 class RemoteRewardError(RuntimeError):
     pass
+
+
+class _Reply(Exception):
+    def __init__(self, code: int, reason: str) -> None:
+        super().__init__(code)
+        self.code, self.reason = code, reason
 
 
 def _jsonable(value: Any) -> Any:
@@ -57,18 +63,22 @@ class RemoteRewardModel:
     backoff_s: float = 0.5  # first wait; doubles per retry
     max_backoff_s: float = 10.0
 
+    @property
+    def policy(self) -> RetryPolicy:
+        return RetryPolicy(self.max_retries, self.backoff_s, self.max_backoff_s)
+
     def backoff_s_before(self, retry: int) -> float:
-        return min(self.backoff_s * 2**retry, self.max_backoff_s)
+        return self.policy.wait_s(retry)
 
     def total_backoff_s(self) -> float:
-        return sum(self.backoff_s_before(i) for i in range(self.max_retries))
+        return self.policy.total_wait_s()
 
     def _post_once(self, payload: bytes) -> Any:
-        request = urllib.request.Request(
-            self.url, data=payload, method="POST", headers={"Content-Type": "application/json"}
-        )
-        with urllib.request.urlopen(request, timeout=self.timeout_s) as reply:
-            return json.loads(reply.read().decode("utf-8"))
+        client = thread_client(self.timeout_s)  # this thread's: the model travels to reward workers
+        reply = client.post(self.url, content=payload, headers={"Content-Type": "application/json"})
+        if not 200 <= reply.status_code < 300:
+            raise _Reply(reply.status_code, reply.reason_phrase)
+        return json.loads(reply.content.decode("utf-8"))
 
     def payload(self, sample: Sample) -> bytes:
         body = {
@@ -81,7 +91,7 @@ class RemoteRewardModel:
 
     async def __call__(self, sample: Sample) -> dict[str, float]:
         payload = self.payload(sample)
-        attempts = self.max_retries + 1
+        attempts = self.policy.attempts
         last = ""
         for attempt in range(attempts):
             try:
@@ -90,16 +100,15 @@ class RemoteRewardModel:
                 if not math.isfinite(score["score"]):
                     raise RemoteRewardError(f"reward model at {self.url} replied a non-finite score")
                 return score
-            except urllib.error.HTTPError as e:
+            except _Reply as e:
                 last = f"HTTP {e.code} {e.reason}"
-                if e.code != 429 and e.code < 500:
+                if not retryable(e.code):
                     raise RemoteRewardError(
                         f"reward model at {self.url} rejected the request: {last}; check [reward] remote_url "
                         "and what the server expects"
-                    ) from e
-            except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as e:
-                reason = getattr(e, "reason", e)
-                last = f"{type(reason).__name__}: {reason}"
+                    ) from None
+            except TRANSPORT_ERRORS as e:
+                last = f"{type(e).__name__}: {e or 'no detail'}"
             except json.JSONDecodeError as e:
                 last = f"reply is not JSON ({e.msg})"
             if attempt + 1 < attempts:

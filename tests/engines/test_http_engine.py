@@ -287,7 +287,8 @@ def test_a_server_that_dies_in_the_middle_of_its_reply_is_a_failed_attempt_not_a
     thread = threading.Thread(target=half_replies, daemon=True)
     thread.start()
     client = HttpEngine(f"http://127.0.0.1:{port}", token=TOKEN, retries=1, backoff_s=0.01)
-    with pytest.raises(EngineHttpError, match=r"failed after 2 attempt\(s\) \(last error: IncompleteRead"):
+    with pytest.raises(EngineHttpError, match=r"failed after 2 attempt\(s\) \(last error: RemoteProtocolError: peer closed connection without "
+                       r"sending complete message body \(received 0 bytes, expected 180\)"):
         client.generate([[1, 2]], SamplingParams())
     thread.join(timeout=10)
     listener.close()

@@ -80,7 +80,7 @@ def test_idle_sockets_from_one_address_do_not_starve_the_engines_clients(engine:
         gens = HttpEngine(server.url, token=TOKEN, retries=0).generate([[1, 2]], PARAMS)
         assert gens[0].text == "7" and len(engine.calls) == 1
         assert _still_open(idle[54:])
-        _wait_for(lambda: server.open_connections == 16)  # urllib closed its connection; the server sees it soon
+        _wait_for(lambda: server.open_connections == 16)  # the client kept no connection; the server sees it closed soon
 
 
 def test_a_connection_that_showed_the_token_is_not_counted_against_its_address(engine: ScriptedEngine) -> None:
