@@ -76,6 +76,12 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  
         outcome.get_result().user_properties.append((BUILD_WAIT_PROPERTY, waited))
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    # Only where the decision is made (xdist's controller, or a plain run's one process).
+    if not hasattr(session.config, "workerinput"):
+        _BUDGET.note_start()
+
+
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     _BUDGET.add(report)
 
