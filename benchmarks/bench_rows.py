@@ -30,7 +30,8 @@ import torch
 
 from relax_hpc.data.rows import sample_to_row, samples_to_rows
 from relax_hpc.data.sample import Sample
-from relax_hpc.transfer.wire import blocks_to_wire, encode_blocks, pack_header
+from relax_hpc.transfer.wire import pack_header
+from relax_hpc.transfer.wire_encode import blocks_to_wire, encode_blocks
 
 PROMPT_LEN = 32
 MEDIAN, SIGMA, MAX_NEW_TOKENS = 128.0, 1.0, 1024

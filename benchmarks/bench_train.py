@@ -40,7 +40,8 @@ sys.path.insert(0, str(REPO))
 import torch
 
 from relax_hpc.algos import LossConfig
-from relax_hpc.backends.torch_backend import OptimConfig, TorchBackend
+from relax_hpc.backends.base import OptimConfig
+from relax_hpc.backends.torch_backend import TorchBackend
 from relax_hpc.data.sample import Sample
 from relax_hpc.data.tiny_task import tiny_sum_rows
 from relax_hpc.models.hf import load_causal_lm, load_tokenizer

@@ -44,7 +44,8 @@ import torch
 import torch.distributed as dist
 
 from relax_hpc.algos import LossConfig
-from relax_hpc.backends.torch_backend import OptimConfig, TorchBackend
+from relax_hpc.backends.base import OptimConfig
+from relax_hpc.backends.torch_backend import TorchBackend
 from relax_hpc.data.sample import Sample
 from relax_hpc.models.tiny import TinyModelSize, vocab_size, write_tiny_model
 

@@ -4,29 +4,82 @@ Implementations: `TorchBackend` (HF model, AdamW, ddp or fsdp2 over torch.distri
 `MegatronBackend` (megatron-core with tensor / pipeline / expert parallelism, built through
 megatron-bridge; backends/megatron.py) and the in-memory twin `backends/memory.py:
 RecordingBackend` (records calls, for tests). `make_backend` builds the one `[train] backend`
-names, inside the trainer rank's own process.
+names, inside the trainer rank's own process. The types every backend shares live here too:
+`OptimConfig` (the optimizer's settings) and `StepStats` (one optimizer step's stats, summed
+over micro-batches and ranks).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import sys
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable, Iterator, Protocol
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Protocol
 
 import torch
 
+from relax_hpc.algos.losses import STEP_SUM_STATS
 from relax_hpc.backends.batch import TrainBatch
 from relax_hpc.data.sample import Sample
+from relax_hpc.spec.schema import TrainSpec
 
 if TYPE_CHECKING:  # annotations only: importing this module must not load torch's DCP (drivers, forward roles)
     from relax_hpc.algos import LossConfig
     from relax_hpc.backends.parallel import Strategy
-    from relax_hpc.backends.torch_backend import OptimConfig
     from relax_hpc.ckpt import CheckpointManager, ResumeState
     from relax_hpc.spec.schema import MegatronSpec
 
 BACKENDS: tuple[str, ...] = ("torch", "megatron")
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """The optimizer's settings from [train]; the defaults are TrainSpec's."""
+
+    lr: float = TrainSpec.lr
+    weight_decay: float = TrainSpec.weight_decay
+    adam_betas: tuple[float, float] = (0.9, 0.999)  # TrainSpec.adam_betas (a list: built per spec)
+    grad_clip: float = TrainSpec.grad_clip  # 0 disables clipping
+    micro_batch_size: int = TrainSpec.micro_batch_size
+    mini_batches: int = TrainSpec.mini_batches  # optimizer steps per rollout batch
+
+
+class StepStats:
+    """Stats of one optimizer step, summed over its micro-batches and then over ranks.
+
+    The aggregates (`STEP_SUM_STATS`: loss/policy, loss/kl, entropy, loss/total) are computed
+    with the step's denominator, so their sum is the whole step's value (after `rescale`, when
+    the micro-batches used a provisional denominator). The other stats are token means; each is
+    weighted by its micro-batch's trained tokens, which gives the step's token mean.
+    """
+
+    def __init__(self) -> None:
+        self.sums: dict[str, float] = {}
+        self.tokens = 0.0
+
+    def add(self, stats: dict[str, float], mask: torch.Tensor) -> None:
+        tokens = float(mask.to(torch.bool).sum().item())
+        self.tokens += tokens
+        for key, value in stats.items():
+            weight = 1.0 if key in STEP_SUM_STATS else tokens
+            self.sums[key] = self.sums.get(key, 0.0) + value * weight
+
+    def reduce(self, sum_over_ranks: Callable[[list[float]], list[float]],
+               rescale: float = 1.0, names: Iterable[str] | None = None) -> dict[str, float]:
+        """The step's stats, the aggregates multiplied by this rank's `rescale` first.
+
+        `sum_over_ranks` is a collective, so every rank must call this with the same `names`
+        (every rank's stat names: a rank that got no rows has none of its own).
+        """
+        keys = sorted(self.sums if names is None else names)
+        local = [self.sums.get(k, 0.0) * rescale if k in STEP_SUM_STATS else self.sums.get(k, 0.0)
+                 for k in keys]
+        *sums, tokens = sum_over_ranks([*local, self.tokens])
+        return {
+            k: v if k in STEP_SUM_STATS else (v / tokens if tokens > 0 else 0.0)
+            for k, v in zip(keys, sums)
+        }
 
 
 class TrainBackend(Protocol):

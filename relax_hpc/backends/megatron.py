@@ -34,6 +34,7 @@ import torch.distributed as dist
 from relax_hpc.algos import LossConfig, LossInputs, opd_advantages, policy_loss
 from relax_hpc.algos.aggregation import loss_denominator
 from relax_hpc.backends import megatron_ckpt
+from relax_hpc.backends.base import OptimConfig, StepStats
 from relax_hpc.backends.batch import TrainBatch, pack_samples
 from relax_hpc.backends.megatron_data import (
     MegatronLayout,
@@ -50,8 +51,6 @@ from relax_hpc.backends.megatron_model import (
 )
 from relax_hpc.backends.megatron_optim import make_optimizer
 from relax_hpc.backends.megatron_step import MicroBatch, run_schedule
-from relax_hpc.backends.torch_backend import OptimConfig
-from relax_hpc.backends.torch_backend import _StepStats as StepStats
 from relax_hpc.ckpt import CheckpointManager, ResumeState
 from relax_hpc.data.sample import Sample
 from relax_hpc.models.hf import load_tokenizer

@@ -18,9 +18,8 @@ sharded, autocast otherwise) and what its weights leave in for the engines (`nam
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, TypeVar
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -33,66 +32,18 @@ from relax_hpc.algos import (
     token_logprobs_and_entropy,
 )
 from relax_hpc.algos.aggregation import loss_denominator
-from relax_hpc.algos.losses import STEP_SUM_STATS
+from relax_hpc.backends.base import OptimConfig, StepStats
 from relax_hpc.backends.batch import TrainBatch, pack_samples
 from relax_hpc.backends.parallel import STRATEGIES, Strategy, full_weights, keep_float32_masters, shard_model
 from relax_hpc.backends.sharded_load import load_model
 from relax_hpc.data.sample import Sample
 from relax_hpc.media.processor import media_processor_for
 from relax_hpc.models.hf import is_multimodal, load_tokenizer
-from relax_hpc.spec.schema import TrainSpec
 
 if TYPE_CHECKING:  # annotations only: DCP loads when a checkpoint is saved or loaded, not with the backend
     from relax_hpc.ckpt import CheckpointManager, ResumeState
 
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class OptimConfig:
-    lr: float = TrainSpec.lr
-    weight_decay: float = TrainSpec.weight_decay
-    adam_betas: tuple[float, float] = (0.9, 0.999)  # TrainSpec.adam_betas (a list: built per spec)
-    grad_clip: float = TrainSpec.grad_clip  # 0 disables clipping
-    micro_batch_size: int = TrainSpec.micro_batch_size
-    mini_batches: int = TrainSpec.mini_batches  # optimizer steps per rollout batch
-
-
-class _StepStats:
-    """Stats of one optimizer step, summed over its micro-batches and then over ranks.
-
-    The aggregates (`STEP_SUM_STATS`: loss/policy, loss/kl, entropy, loss/total) are computed
-    with the step's denominator, so their sum is the whole step's value (after `rescale`, when
-    the micro-batches used a provisional denominator). The other stats are token means; each is
-    weighted by its micro-batch's trained tokens, which gives the step's token mean.
-    """
-
-    def __init__(self) -> None:
-        self.sums: dict[str, float] = {}
-        self.tokens = 0.0
-
-    def add(self, stats: dict[str, float], mask: torch.Tensor) -> None:
-        tokens = float(mask.to(torch.bool).sum().item())
-        self.tokens += tokens
-        for key, value in stats.items():
-            weight = 1.0 if key in STEP_SUM_STATS else tokens
-            self.sums[key] = self.sums.get(key, 0.0) + value * weight
-
-    def reduce(self, sum_over_ranks: Callable[[list[float]], list[float]],
-               rescale: float = 1.0, names: Iterable[str] | None = None) -> dict[str, float]:
-        """The step's stats, the aggregates multiplied by this rank's `rescale` first.
-
-        `sum_over_ranks` is a collective, so every rank must call this with the same `names`
-        (every rank's stat names: a rank that got no rows has none of its own).
-        """
-        keys = sorted(self.sums if names is None else names)
-        local = [self.sums.get(k, 0.0) * rescale if k in STEP_SUM_STATS else self.sums.get(k, 0.0)
-                 for k in keys]
-        *sums, tokens = sum_over_ranks([*local, self.tokens])
-        return {
-            k: v if k in STEP_SUM_STATS else (v / tokens if tokens > 0 else 0.0)
-            for k, v in zip(keys, sums)
-        }
 
 
 class TorchBackend:
@@ -281,7 +232,7 @@ class TorchBackend:
         if rows == 0:  # the same answer on every rank: all skip together
             return None
         denominator = max(count, 1.0)  # no trained token at all: the loss is 0 whatever we divide by
-        stats = _StepStats()
+        stats = StepStats()
         step = self.optim_cfg.micro_batch_size
         for i in self._in_lockstep(range(start, stop, step), self.model):
             if i is None or batch is None:
@@ -311,7 +262,7 @@ class TorchBackend:
         the current policy's (one optimizer step per rollout batch).
         """
         self.optimizer.zero_grad(set_to_none=True)
-        stats = _StepStats()
+        stats = StepStats()
         rows, count = 0, 0.0
         provisional: float | None = None
         for packed in self._in_lockstep(micro_batches, self.model):

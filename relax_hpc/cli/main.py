@@ -253,8 +253,8 @@ def _cmd_serve_engine(args: argparse.Namespace) -> int:
 
 def _cmd_faults(args: argparse.Namespace) -> int:
     """Exit 0 when every fault that ran was recovered, 1 otherwise (2, via main, on a bad spec)."""
-    from relax_hpc.launch.fault_suite import run_suite
-    from relax_hpc.launch.faults import FAULTS, default_out, fault_named, suite_ok
+    from relax_hpc.faults.fault import FAULTS, default_out, fault_named, suite_ok
+    from relax_hpc.faults.suite import run_suite
 
     spec = with_embedded_inputs(load_spec(args.spec), args.spec)
     faults = [fault_named(name) for name in dict.fromkeys(args.only)] if args.only else list(FAULTS)
@@ -264,7 +264,7 @@ def _cmd_faults(args: argparse.Namespace) -> int:
 
 
 def _add_faults_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    from relax_hpc.launch.faults import (
+    from relax_hpc.faults.fault import (
         DEFAULT_STEPS,
         DEFAULT_TIMEOUT_S,
         FAULTS,

@@ -12,7 +12,7 @@ a round trip. The broadcast overlaps step N+1. The staleness bound is unchanged 
 (and ActorFwd) wait at their batch boundary for the version the bound requires
 (`relax_hpc.weights.base.required_weight_version`). A failed broadcast fails the loop with the
 channel's error. A role that dies (a trainer rank, rollout, ActorFwd...) fails it at once with
-`RoleDiedError`, which names it; every call to a role has a deadline (`roles.handles`).
+`RoleDiedError`, which names it; every call to a role has a deadline (`roles.supervision`).
 
 When step N's result is back the loop clears it first (a rollout held by the staleness bound
 may start its next step), waits for the broadcast before it (long finished: a whole step went

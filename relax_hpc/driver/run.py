@@ -36,9 +36,8 @@ from typing import Any
 from relax_hpc.agents.config import agentic_from_spec
 from relax_hpc.algos import LossConfig, normalizes_std
 from relax_hpc.auth import SECRET_ENV
-from relax_hpc.backends.base import require_backend
+from relax_hpc.backends.base import OptimConfig, require_backend
 from relax_hpc.backends.spec_checks import check_backend_support
-from relax_hpc.backends.torch_backend import OptimConfig
 from relax_hpc.ckpt.fs import atomic_write_text
 from relax_hpc.ckpt.permissions import PRIVATE_FILE_MODE
 from relax_hpc.driver.alerts import (

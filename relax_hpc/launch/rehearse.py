@@ -202,7 +202,7 @@ def _stages(rehearsal: Rehearsal, work: Path, steps: int, timeout_s: float,
 def _run_stage(stage: str, command: list[str], work: Path, job: Path, other_env: bool, timeout_s: float,
                echo: Callable[[str], None]) -> Failure | None:
     """`command` in a session of its own (every process it starts is ended afterwards)."""
-    from relax_hpc.launch.fault_process import JobProcess, MetricsTail
+    from relax_hpc.faults.process import JobProcess, MetricsTail
 
     env = dict(os.environ)
     if other_env:  # another venv's python: nothing of this one's path may leak into it
@@ -256,7 +256,7 @@ def failed_role(log: Path) -> str:
     except OSError:
         return "driver"
     found = (re.search(r"RoleDiedError: (.+?) (?:could not start|died|became unreachable)", text)
-             or re.search(r"^\(raised by (.+?) while ", text, re.MULTILINE))  # the note roles/handles.py adds
+             or re.search(r"^\(raised by (.+?) while ", text, re.MULTILINE))  # the note roles/supervision.py adds
     if found:
         return found[1]
     error = error_line(log)

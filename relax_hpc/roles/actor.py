@@ -26,10 +26,9 @@ import torch.distributed as dist
 
 from relax_hpc.algos import LossConfig
 from relax_hpc.auth import JobSecret, job_secret
-from relax_hpc.backends.base import TrainBackend, make_backend
+from relax_hpc.backends.base import OptimConfig, TrainBackend, make_backend
 from relax_hpc.backends.batch import pack_rows
 from relax_hpc.backends.parallel import Strategy, rank_device, ray_gpu_ids
-from relax_hpc.backends.torch_backend import OptimConfig
 from relax_hpc.ckpt.resume_state import ResumeState
 from relax_hpc.data.rows import (
     ARCHIVE_FIELDS,
@@ -61,7 +60,7 @@ RENDEZVOUS_TIMEOUT = timedelta(minutes=10)
 # process). Longer than the transfer queue's wait for rows (10 min by default): under fsdp2 a
 # rank waits inside a collective while a peer waits for its next rows, and the queue's timeout
 # names the partition that starved it. A rank that dies is reported at once by the driver
-# (`roles.handles`), not after this.
+# (`roles.supervision`), not after this.
 COLLECTIVE_TIMEOUT = timedelta(minutes=30)
 
 

@@ -1,34 +1,45 @@
 """Role handles: what the driver calls. Each hides where its role runs (Ray actors or in process).
 
-`RayRoles` places one Rollout actor and `train.num_processes` Actor ranks on the Ray cluster and
-serves the transfer queue over ZMQ; `LocalRoles` runs the same workers in this process with an
-in-memory queue (fast tests, debugging).
+`RayRoles` places one Rollout actor and `train.num_processes` Actor ranks on the Ray cluster
+(where each goes: roles/placement.py) and serves the transfer queue over ZMQ; `LocalRoles` runs
+the same workers in this process with an in-memory queue (fast tests, debugging).
 
-Every call the driver makes to a Ray role has a deadline (`STATUS_TIMEOUT_S`, `ROLE_START_TIMEOUT_S`,
-`CHECKPOINT_TIMEOUT_S`; a training step is polled instead). A role that dies ends the call at once
-with `RoleDiedError`, one that does not answer in time with `RoleTimeoutError`; both name the role
-("trainer rank 1", "rollout", "actor_fwd"), what it was doing, and where its log is.
+Every call the driver makes to a Ray role has a deadline, and a role that dies or hangs ends the
+call at once with `RoleDiedError` or `RoleTimeoutError`, naming the role, what it was doing and
+where its log is (roles/supervision.py); a training step is polled instead, rank by rank
+(`_RayTicket`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import re
 import time
 from typing import Any, Callable, Protocol, Sequence
 
 from relax_hpc.ckpt import ResumeState
-from relax_hpc.ckpt.errors import NoUsableCheckpointError
-from relax_hpc.ckpt.permissions import UnsafeCheckpointError
 from relax_hpc.engines.elastic_api import ElasticReply
-from relax_hpc.roles.actor import ActorConfig, ActorWorker, rendezvous_address
-from relax_hpc.roles.advantages import AdvantagesConfig, AdvantagesWorker
-from relax_hpc.roles.engine_host import EngineHost
+from relax_hpc.roles.actor import ActorConfig, ActorWorker
 from relax_hpc.roles.errors import RoleDiedError, RoleTimeoutError, short_cause
-from relax_hpc.roles.forward import ForwardConfig, ForwardWorker
+from relax_hpc.roles.forward import ForwardConfig
 from relax_hpc.roles.healing import RoleHealer
+from relax_hpc.roles.placement import (
+    RoleConfig,
+    place_queue_role,
+    place_rollout,
+    place_trainer_ranks,
+    worker_class,
+)
 from relax_hpc.roles.rollout import RolloutConfig, RolloutWorker, engine_role_name
+from relax_hpc.roles.supervision import (
+    CHECKPOINT_TIMEOUT_S,
+    PROBE_WAIT_S,
+    ROLE_START_TIMEOUT_S,
+    STATUS_TIMEOUT_S,
+    get_from_roles,
+    guarded_step,
+    result_of,
+)
 from relax_hpc.transfer.memory import InMemoryTransferQueue
 from relax_hpc.transfer.queue import partition_name
 from relax_hpc.weights.base import InProcessWeightSync, PendingWeights, WeightSync
@@ -37,24 +48,6 @@ from relax_hpc.weights.ray_sync import DistributedWeightSync
 log = logging.getLogger(__name__)
 
 __all__ = ["LocalRoles", "RayRoles", "RoleDiedError", "RoleTimeoutError", "Roles", "TrainTicket", "get_from_roles"]
-
-# The roles that read and write fields of queued rows beside Rollout and Actor.
-RoleConfig = ForwardConfig | AdvantagesConfig
-
-# Deadlines of the driver's calls to Ray roles.
-STATUS_TIMEOUT_S = 60.0  # status and control: producer errors, step reports, start and stop
-ROLE_START_TIMEOUT_S = 1800.0  # a role's first answer: Ray places it, it loads its model
-CHECKPOINT_TIMEOUT_S = 3600.0  # a collective save or load of the weights and optimizer state
-# After one trainer rank fails, how long to look for a rank that died: a dead peer makes the
-# others fail in their collective too, and the death is the cause to report.
-DEATH_GRACE_S = 5.0
-# How long one poll waits for a role's error report; a role that does not answer by then is
-# asked again at the next poll (with the same call), and the stale check decides if it hangs.
-PROBE_WAIT_S = 0.5
-
-
-def _worker_class(cfg: RoleConfig) -> type[ForwardWorker] | type[AdvantagesWorker]:
-    return AdvantagesWorker if isinstance(cfg, AdvantagesConfig) else ForwardWorker
 
 
 class TrainTicket(Protocol):
@@ -105,7 +98,7 @@ class LocalRoles:
                  capacity: int | None = None, timeout_s: float = 600.0) -> None:
         self.queue = InMemoryTransferQueue(capacity=capacity)
         self.rollout = RolloutWorker(rollout)
-        self.queue_roles = [_worker_class(f)(f) for f in queue_roles]
+        self.queue_roles = [worker_class(f)(f) for f in queue_roles]
         self.actor = ActorWorker(actor)
         receivers = [self.rollout, *(f for f in self.queue_roles if f.cfg.kind == "actor_fwd")]
         self.weights: WeightSync = InProcessWeightSync(self.actor, receivers)
@@ -123,7 +116,7 @@ class LocalRoles:
     def start_train(self, step: int, publish_version: int) -> TrainTicket:
         # Lazy: in one process the step runs when the loop asks for it, after the clear that
         # lets a strictly on-policy rollout produce it; its weights are handed over right after.
-        return _LazyTicket(lambda: _guard(self._errors, lambda: self.actor.train_from_queue(
+        return _LazyTicket(lambda: guarded_step(self._errors, lambda: self.actor.train_from_queue(
             self.queue, step, self.timeout_s)), lambda: self.weights.start(publish_version))
 
     def clear_step(self, step: int) -> None:
@@ -199,7 +192,7 @@ class _RayTicket:
         while pending:
             ready, pending = ray.wait(pending, num_returns=len(pending), timeout=self._poll_s)
             for ref in ready:
-                results[ref] = _guard(self._errors, lambda ref=ref: _result_of(calls, ref, self._doing, results))
+                results[ref] = guarded_step(self._errors, lambda ref=ref: result_of(calls, ref, self._doing, results))
             if pending:
                 error = self._errors()
                 if error:
@@ -213,136 +206,6 @@ class _RayTicket:
         if not self.done or self._publish is None:
             raise RuntimeError("published() needs a finished step submitted with a publish_version")
         return self._publish()
-
-
-def _guard(producer_error: Any, train: Any) -> dict[str, float]:
-    """Run a train step; if it fails because a producing role failed, say so instead of a queue
-    timeout. A role that died is the cause itself."""
-    try:
-        return train()
-    except RoleDiedError:
-        raise
-    except Exception as e:
-        error = producer_error()
-        if error:
-            raise RuntimeError(error) from e
-        raise
-
-
-def get_from_roles(calls: Sequence[tuple[str, Any]], doing: str, timeout_s: float) -> list[Any]:
-    """The results of Ray calls, one per named role (`(name, ObjectRef)`), in order, within `timeout_s`.
-
-    The first role that dies or fails ends the wait at once, whatever the others do (they may
-    wait for it in a collective): `RoleDiedError` for a death, the role's own exception (with a
-    note naming it) for a failure. `RoleTimeoutError` names the roles that did not answer."""
-    import ray
-
-    results: dict[Any, Any] = {}
-    pending = [ref for _, ref in calls]
-    deadline = time.monotonic() + timeout_s
-    while pending:
-        ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
-        if not ready:
-            late = " and ".join(name for name, ref in calls if ref in pending)
-            raise RoleTimeoutError(f"{late} did not answer within {timeout_s:g} s while {doing} "
-                                   f"(hung or overloaded); {_log_hint()}")
-        for ref in ready:
-            results[ref] = _result_of(calls, ref, doing, results)
-    return [results[ref] for _, ref in calls]
-
-
-def _result_of(calls: Sequence[tuple[str, Any]], ref: Any, doing: str, results: dict[Any, Any]) -> Any:
-    """The result of the finished call `ref`; a dead role or a failure raises (see get_from_roles).
-    When the role failed, another role without a result in `results` that died meanwhile (its
-    peer in a collective, say) is reported instead."""
-    import ray
-
-    who = next(name for name, r in calls if r == ref)
-    try:
-        return ray.get(ref)
-    except ray.exceptions.RayActorError as e:
-        raise _died(who, doing, e) from e
-    except Exception as failure:
-        death = _death_among([(name, r) for name, r in calls if r != ref and r not in results], doing)
-        if death is not None:
-            raise death from failure
-        cause = getattr(failure, "cause", None)  # Ray's RayTaskError carries the role's own exception
-        if isinstance(cause, (NoUsableCheckpointError, UnsafeCheckpointError)):
-            raise cause from None  # one line that says what to do, not Ray's traceback of it
-        failure.add_note(f"(raised by {who} while {doing})")
-        raise
-
-
-def _death_among(calls: Sequence[tuple[str, Any]], doing: str) -> RoleDiedError | None:
-    """The death of a role among `calls` that Ray reports within DEATH_GRACE_S, if any."""
-    import ray
-
-    if not calls:
-        return None
-    refs = [ref for _, ref in calls]
-    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=DEATH_GRACE_S)
-    for name, ref in calls:
-        if ref in ready:
-            try:
-                ray.get(ref)
-            except ray.exceptions.RayActorError as e:
-                return _died(name, doing, e)
-            except Exception:  # noqa: BLE001, S110 - a failure, not a death: the caller raises its own
-                pass
-    return None
-
-
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")
-
-
-def _died(who: str, doing: str, error: BaseException) -> RoleDiedError:
-    """`who` died: Ray's reason in one line, with the process id and host its text carries."""
-    text = _ANSI.sub("", str(error))
-    lines = [line.strip() for line in text.splitlines() if line.strip()] or [type(error).__name__]
-    pid = re.search(r"\bpid[:=]\s*(\d+)", text)
-    host = re.search(r"\bip[:=]\s*([\w.:-]+?)[,)\s]", text + " ")
-    where = f" (pid {pid[1]}{f' on {host[1]}' if host else ''})" if pid else ""
-    hint = f"{_log_hint(pid[1] if pid else None)}; an out-of-memory kill shows in dmesg on that host"
-    if getattr(error, "actor_init_failed", False) or "creation task" in lines[0]:
-        return _named(RoleDiedError(f"{who} could not start{where}: {lines[-1]}; {hint}"), who)
-    # Ray's text: "The actor died unexpectedly ...", then the reason, then generic advice.
-    reason = next((line for line in lines if line.startswith("The actor is dead because")), lines[0])
-    reason = reason.split(" Some common causes")[0].rstrip(". ")
-    # Ray's ActorUnavailableError: the process may live, but Ray lost it (a network failure).
-    verb = "became unreachable" if type(error).__name__ == "ActorUnavailableError" else "died"
-    return _named(RoleDiedError(f"{who} {verb} while {doing}{where}: {reason}; {hint}"), who)
-
-
-def _named(error: RoleDiedError, who: str) -> RoleDiedError:
-    error.role = health_name(who)
-    return error
-
-
-def health_name(who: str) -> str:
-    """A role's name in health files and events: "trainer rank 1" -> "trainer_rank_1"."""
-    return who.replace(" ", "_")
-
-
-def _log_hint(pid: str | None = None) -> str:
-    """Where a role's log is: Ray's worker log on its host, and the job's logs under Slurm."""
-    worker = f"worker-*-{pid}.err" if pid else "worker-*.err"
-    return (f"check its log: Ray's {worker} in the session's logs directory on its host "
-            f"({_ray_logs_dir()} on this one) and, under Slurm, JOBDIR/logs/restart-<n>/")
-
-
-def _ray_logs_dir() -> str:
-    try:  # no public Ray API names the session directory
-        from ray._private import worker
-
-        return str(worker._global_node.get_logs_dir_path())
-    except Exception:  # noqa: BLE001 - only a hint in an error message
-        return "<Ray's temp dir, default /tmp/ray>/session_latest/logs"
-
-
-def _node_and_rendezvous() -> tuple[str, str]:
-    import ray
-
-    return ray.get_runtime_context().get_node_id(), rendezvous_address()
 
 
 class RayRoles:
@@ -378,40 +241,10 @@ class RayRoles:
         if healer is not None:  # engines started at run time beat too
             rollout = dataclasses.replace(rollout, engine_heartbeat_interval_s=healer.cfg.heartbeat_s)
         self._rollout_cfg = rollout
-        # N > 1 engines run in actors of their own (a GPU each on GPUs), behind rollout's router.
-        host_options = {**self._placement("rollout"), **_gpus(rollout.device, shared)}
-        self._engines = [
-            ray.remote(EngineHost).options(**host_options).remote(
-                rollout.engine, rollout.model_path, rollout.dtype, rollout.device, rollout.num_threads,
-                rollout.routing_replay)
-            # SGLang engines are server processes that the rollout role starts itself.
-            for _ in range(rollout.num_engines if rollout.num_engines > 1 and rollout.engine == "native" else 0)
-        ]
-        # max_concurrency: new weights and status calls must reach rollout while it produces.
-        self._rollout = ray.remote(RolloutWorker).options(
-            max_concurrency=4, **self._placement("rollout"),
-            **({} if self._engines else _rollout_gpus(rollout, shared)),
-        ).remote(rollout, engine_hosts=self._engines or None, engine_host_options=host_options)
-        # Rank 0's node hosts the TCP store of the trainer's process group: a task on a trainer
-        # node picks the address, and rank 0 is pinned to that node.
-        placement = self._placement("trainer")
-        master, rank0 = "", placement
-        if num_processes > 1:
-            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-            task = ray.remote(_node_and_rendezvous).options(**placement).remote()
-            node_id, master = get_from_roles([("a task on a trainer node", task)],
-                                             "picking the trainer's rendezvous address", ROLE_START_TIMEOUT_S)[0]
-            rank0 = {**placement, "scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=False)}
-        self._actors = [
-            ray.remote(ActorWorker).options(**(rank0 if rank == 0 else placement),
-                                            **_gpus(actor.device, shared)).remote(
-                actor, rank, num_processes, master)
-            for rank in range(num_processes)
-        ]
-        # ActorFwd / Reference / Advantages go to the forward component when the cluster has one.
+        self._rollout, self._engines = place_rollout(rollout, shared)
+        self._actors = place_trainer_ranks(actor, num_processes, shared)
         self._queue_role_cfgs = list(queue_roles)
-        self._queue_roles = [self._new_queue_role(f) for f in queue_roles]
+        self._queue_roles = [place_queue_role(f) for f in queue_roles]
         self._queue_role_names = [f.kind for f in queue_roles]
         # Every role answers once it is placed and built: a role that cannot start is named now.
         started = get_from_roles(
@@ -432,11 +265,6 @@ class RayRoles:
             receiver_devices=[rollout.device, *(f.device for _, f in fwd)],
             labels=["rollout 0", *("actor_fwd" for _ in fwd)],
         )
-
-    def _new_queue_role(self, cfg: RoleConfig) -> Any:
-        import ray
-
-        return ray.remote(_worker_class(cfg)).options(max_concurrency=4, **self._placement("forward")).remote(cfg)
 
     def _named_roles(self) -> list[tuple[str, Any]]:
         """Every role actor by health name (relax_hpc/ops/health.py)."""
@@ -461,7 +289,7 @@ class RayRoles:
         name, cfg = self._queue_role_names[index], self._queue_role_cfgs[index]
         ray.kill(self._queue_roles[index])
         self._probes.pop(name, None)
-        worker = self._new_queue_role(cfg)
+        worker = place_queue_role(cfg)
         self._queue_roles[index] = worker
         get_from_roles([(name, worker.weight_version.remote())], "restarting (loading its model)", ROLE_START_TIMEOUT_S)
         get_from_roles([(name, worker.start.remote(self.queue_address, self._next_uncleared, self._total_steps,
@@ -473,14 +301,6 @@ class RayRoles:
                            "starting its heartbeat", STATUS_TIMEOUT_S)
             self._healer.watch(name)
         log.info("%s restarted in place from step %d", name, self._next_uncleared)
-
-    @staticmethod
-    def _placement(component: str) -> dict[str, Any]:
-        import ray
-
-        if ray.cluster_resources().get(component, 0) > 0:
-            return {"num_cpus": 0, "resources": {component: 0.01}}
-        return {"num_cpus": 0}
 
     def _all(self, doing: str, timeout_s: float, method: str, *args: Any) -> list[Any]:
         calls = [(f"trainer rank {rank}", getattr(a, method).remote(*args)) for rank, a in enumerate(self._actors)]
@@ -659,25 +479,6 @@ class RayRoles:
                 self._all("shutting down", STATUS_TIMEOUT_S, "shutdown")
         except Exception as e:  # noqa: BLE001 - a role that already died; the loop's own error matters
             log.warning("roles did not shut down cleanly (%s: %s); killing them", type(e).__name__, e)
-
-
-def _gpus(device: str, shared: bool = False) -> dict[str, float]:
-    """One GPU for an actor whose role runs on CUDA (Ray then sets its CUDA_VISIBLE_DEVICES);
-    half of one where engines and trainer ranks share devices ([cluster] colocate), so that
-    Ray puts an engine and a trainer rank on each GPU."""
-    if not device.startswith("cuda"):
-        return {}
-    return {"num_gpus": 0.5 if shared else 1}
-
-
-def _rollout_gpus(rollout: RolloutConfig, shared: bool) -> dict[str, float]:
-    """The rollout actor's GPUs: its engine's, or with SGLang every server's (`tp_size` each;
-    the servers it starts see the actor's CUDA_VISIBLE_DEVICES)."""
-    gpus = _gpus(rollout.device, shared)
-    if gpus and rollout.engine == "sglang":
-        tp_size = rollout.sglang_spec.tp_size if rollout.sglang_spec else 1
-        return {"num_gpus": gpus["num_gpus"] * rollout.num_engines * tp_size}
-    return gpus
 
 
 def _merge_rank_stats(per_rank: list[dict[str, float]]) -> dict[str, float]:

@@ -6,7 +6,7 @@ and then joined again column by column by the wire encoder, they cost the rollou
 docs/benchmarks.md, "Fleet simulation"). `ColumnRows` keeps every field as one column: a list of scalars, or one flat
 tensor or array holding every row's values back to back (`ArrayColumn`). It is a
 ``Sequence[Row]`` (indexing builds the row as a dict of views), so every queue accepts it; the
-ZMQ client sends its columns as they are (`relax_hpc.transfer.wire.encode_blocks`).
+ZMQ client sends its columns as they are (`relax_hpc.transfer.wire_encode.encode_blocks`).
 
 The columns are checked once, here: names, lengths, dtypes and the scalars' types, with the
 same rules and messages as a row of dicts (`relax_hpc.transfer.queue.check_value`).

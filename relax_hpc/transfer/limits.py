@@ -13,7 +13,7 @@ error reply naming the limit (docs/transfer-queue.md, "Limits"):
   and ``MAX_REQUEST_VALUES`` field values, counted from the header alone before any row is
   built (decoding costs ~0.3-0.5 KB per value, measured);
 - every array's bytes are checked against the frame it names, each frame named once
-  (:func:`relax_hpc.transfer.wire.decode_blocks`).
+  (:func:`relax_hpc.transfer.wire_decode.decode_blocks`).
 
 Clients read ``max_frame_bytes`` and ``max_header_bytes`` from the ping reply and keep within
 them (:func:`fit_frames`), so a legitimate put never trips the connection drop. Pure: no
@@ -26,7 +26,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from relax_hpc.transfer.queue import TransferQueueError
-from relax_hpc.transfer.wire import Block, block_sizes, column_views
+from relax_hpc.transfer.wire import Block, column_views
+from relax_hpc.transfer.wire_decode import block_sizes
 
 DEFAULT_MAX_FRAME_BYTES = 256 * 1024 * 1024
 # A rollout step of 16k rows of 11 fields has a header of about 1 MiB; 4 MiB bounds the cost

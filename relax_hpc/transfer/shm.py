@@ -54,7 +54,8 @@ from typing import Any
 import numpy as np
 
 from relax_hpc.transfer.queue import Value
-from relax_hpc.transfer.wire import Buffer, Encoded, EncodedRow, WireError, materialize_blocks
+from relax_hpc.transfer.wire import Buffer, Encoded, EncodedRow, WireError
+from relax_hpc.transfer.wire_decode import materialize_blocks
 
 SHM_ROOT = "/dev/shm"
 DIR_PREFIX = "relax-tq-"
@@ -200,7 +201,7 @@ def _fill(target: memoryview, views: list[memoryview], offsets: list[int]) -> No
 
 # --------------------------------------------------------------------------- consumer side
 class ShmMaps:
-    """A consumer's read-only mappings of payload files, kept across gets (a :data:`wire.ShmReader`).
+    """A consumer's read-only mappings of payload files, kept across gets (a :data:`wire_decode.ShmReader`).
 
     Producers refill the same segments under new names, so a consumer meets the same few
     inodes again and again: it keeps each mapped, keyed by (device, inode), and a read is one

@@ -63,15 +63,9 @@ from relax_hpc.transfer.shm import (
     same_host_endpoint,
     shm_enabled_by_env,
 )
-from relax_hpc.transfer.wire import (
-    Block,
-    Buffer,
-    WireError,
-    array_buffers,
-    blocks_to_wire,
-    encode_blocks,
-    materialize_blocks,
-)
+from relax_hpc.transfer.wire import Block, Buffer, WireError
+from relax_hpc.transfer.wire_decode import materialize_blocks
+from relax_hpc.transfer.wire_encode import array_buffers, blocks_to_wire, encode_blocks
 from relax_hpc.transfer.zmq_requests import Reply, RequestPipe, unreachable_message
 
 

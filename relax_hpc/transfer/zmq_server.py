@@ -4,9 +4,10 @@ The driver runs it (a background thread by default); clients
 (:class:`~relax_hpc.transfer.zmq_client.TransferQueueClient`) talk to it with DEALER sockets.
 Requests that cannot be answered yet (a get waiting for rows, a put against a full queue, a
 staleness wait) are parked and answered when a later request changes the state, or with a
-timeout error at their deadline: the loop itself never blocks on one client. Stored tensors
-stay as the received frames and are re-sent zero-copy. A malformed message gets an error reply
-and is otherwise ignored; what one request may cost is bounded before it is decoded
+timeout error at their deadline: the loop itself never blocks on one client (what each op
+does to the queue: :mod:`relax_hpc.transfer.zmq_ops`). Stored tensors stay as the received
+frames and are re-sent zero-copy. A malformed message gets an error reply and is otherwise
+ignored; what one request may cost is bounded before it is decoded
 (:mod:`relax_hpc.transfer.limits`).
 
 A client that vanishes leaves no parked request behind: ZMQ heartbeats close the connection of
@@ -38,8 +39,6 @@ import socket as pysocket
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
@@ -51,28 +50,13 @@ from relax_hpc.transfer.limits import (
     DEFAULT_MAX_HEADER_BYTES,
     HEARTBEAT_S,
     HEARTBEAT_TIMEOUT_S,
-    MAX_REQUEST_ROWS,
-    request_rows,
 )
-from relax_hpc.transfer.queue import TransferQueueError, check_name
+from relax_hpc.transfer.queue import TransferQueueError
 from relax_hpc.transfer.sessions import ConsumerMismatchError, SessionConsumers
 from relax_hpc.transfer.shm import ShmStore, shm_enabled_by_env
-from relax_hpc.transfer.state import Owner, QueueState
-from relax_hpc.transfer.wire import (
-    WIRE_VERSION,
-    Buffer,
-    Encoded,
-    WireError,
-    arg,
-    decode_blocks,
-    int_list_arg,
-    name_arg,
-    name_list_arg,
-    pack_header,
-    shm_files,
-    stored_to_wire,
-    unpack_header,
-)
+from relax_hpc.transfer.state import QueueState
+from relax_hpc.transfer.wire import WIRE_VERSION, Encoded, WireError, arg, pack_header, unpack_header
+from relax_hpc.transfer.zmq_ops import Handler, QueueOps, Refused, Request
 
 log = logging.getLogger(__name__)
 
@@ -81,34 +65,12 @@ MAX_SESSIONS_REMEMBERED = 4096
 # request still unanswered; older replies are dropped. Clients keep at most MAX_IN_FLIGHT
 # (zmq_client.py) requests unanswered, far below this bound.
 MAX_REPLIES_PER_SESSION = 64
-MAX_TIMEOUT_S = 7 * 24 * 3600.0
 MAX_SESSION_LEN = 128  # session ids key the reply cache; clients send 32 hex digits
 MAX_ERROR_CHARS = 2000  # an error reply quotes the request: it stays small
 # Sent to the peer of a parked request to learn whether it is still connected; clients drop
 # any message whose id matches no request of theirs.
 PROBE = pack_header({"id": None, "probe": True})
 
-
-@dataclass
-class _Request:
-    identity: bytes
-    header: dict[str, Any]
-    frames: list[Buffer]
-    session: str | None
-    req_id: int | None
-    deadline: float = 0.0
-    started: float = field(default_factory=time.monotonic)
-    attempt: Callable[[], list[Any] | None] | None = None  # parked: returns a reply or None
-    timeout_message: Callable[[float], str] | None = None
-    files: set[str] = field(default_factory=set)  # shm payloads named by a put/write not yet applied
-
-
-class _Refused(Exception):
-    """Internal: reply with an error of the given kind."""
-
-    def __init__(self, kind: str, message: str) -> None:
-        super().__init__(message)
-        self.kind = kind
 
 
 class TransferQueueServer:
@@ -157,7 +119,8 @@ class TransferQueueServer:
         self._heartbeat_s = heartbeat_s
         self._heartbeat_timeout_s = heartbeat_timeout_s
         self._poll_interval_s = poll_interval_s
-        self._parked: list[_Request] = []
+        self._parked: list[Request] = []
+        self._queue_ops = QueueOps(self._state, self._parked)
         # session -> request id -> reply frames (None while the request is parked)
         self._replies: OrderedDict[str, OrderedDict[int, list[Any] | None]] = OrderedDict()
         self._address: str | None = None
@@ -227,7 +190,7 @@ class TransferQueueServer:
             return
         if self._want_shm:
             try:
-                self._shm = ShmStore(self._shm_root)
+                self._shm = self._queue_ops.shm = ShmStore(self._shm_root)
             except OSError as exc:  # no tmpfs here: every client stays on TCP
                 log.warning("transfer queue: no shared-memory path (%s); clients use TCP only", exc)
             else:
@@ -286,7 +249,7 @@ class TransferQueueServer:
     def _handle(self, sock: zmq.Socket[Any], frames: list[Any]) -> bool:
         """Answer or park one message; returns whether the state may have changed."""
         identity = frames[0].bytes
-        req = _Request(identity, {}, frames[2:], None, None)
+        req = Request(identity, {}, frames[2:], None, None)
         try:
             if len(frames) < 2:
                 raise WireError("empty message: expected [header, buffers...]")
@@ -321,171 +284,23 @@ class TransferQueueServer:
             self._send_error(sock, req, "invalid", f"malformed request: {exc}")
         except (TransferQueueError, ValueError) as exc:
             self._send_error(sock, req, "refused", str(exc))
-        except _Refused as exc:
+        except Refused as exc:
             self._send_error(sock, req, exc.kind, str(exc))
         except Exception as exc:  # never let one request take the server down
             log.exception("transfer queue: internal error on %r", req.header.get("op"))
             self._send_error(sock, req, "internal", f"{type(exc).__name__}: {exc}")
         return True
 
-    def _ops(self) -> dict[str, Callable[[_Request], list[Any] | None]]:
+    def _ops(self) -> dict[str, Handler]:
         return {
             "ping": lambda r: [{"capacity": self._state.capacity, "ipc": self._ipc,
                                 "limits": {"frame": self._max_frame_bytes, "header": self._max_header_bytes},
                                 **(self._shm.describe() if self._shm else {})}],
-            "put": self._op_put,
-            "write": self._op_write,
-            "get": self._op_get,
-            "ack": self._op_ack,
-            "complete": self._op_complete,
-            "clear": self._op_clear,
-            "partitions": self._op_partitions,
-            "oldest": lambda r: [{"step": self._state.oldest_uncleared()}],
-            "may_start": self._op_may_start,
-            "wait_start": self._op_wait_start,
+            **self._queue_ops.handlers(),
         }
 
-    # ----------------------------------------------------------------- operations
-    # Each returns the reply as [header-dict, *frames], or None after setting req.attempt to
-    # park the request until it can be answered.
-    def _op_put(self, req: _Request) -> list[Any] | None:
-        partition = check_name("partition", name_arg(req.header, "p"))
-        blocks = arg(req.header, "blocks", list)
-        # Counted from the header, no row built yet; check_put refuses more than the capacity.
-        n_rows = request_rows(blocks, MAX_REQUEST_ROWS if self._state.capacity is None else None)
-        self._state.check_put(partition, n_rows)
-        rows = self._decode_rows(req, partition, blocks)
-
-        def attempt() -> list[Any] | None:
-            self._state.check_put(partition, n_rows)
-            if not self._state.has_room(n_rows):
-                return None
-            indices = self._state.put(partition, rows)
-            self._adopt(req, partition)
-            return [{"idx": indices}]
-
-        return self._now_or_park(req, attempt, lambda waited: self._state.capacity_message(partition, n_rows, waited))
-
-    def _op_write(self, req: _Request) -> list[Any]:
-        partition = name_arg(req.header, "p")
-        blocks = arg(req.header, "blocks", list)
-        indices = int_list_arg(req.header, "idx")
-        n_rows = request_rows(blocks, self._state.capacity or MAX_REQUEST_ROWS)
-        if n_rows != len(indices):
-            raise TransferQueueError(
-                f"write to {partition!r}: {len(indices)} indices but {n_rows} rows; pass one row dict per index"
-            )
-        self._state.write(partition, indices, self._decode_rows(req, partition, blocks))
-        self._adopt(req, partition)
-        return [{}]
-
-    def _decode_rows(self, req: _Request, partition: str, blocks: list[Any]) -> list[Any]:
-        """Rows of a put/write; shm references are checked against the directory."""
-        rows = decode_blocks(blocks, req.frames)
-        if shm_files(rows):
-            if self._shm is None:
-                raise WireError("shm references sent to a server without a shared-memory directory")
-            req.files = self._shm.check(rows, partition)
-        return rows
-
-    def _adopt(self, req: _Request, partition: str) -> None:
-        if req.files and self._shm is not None:
-            self._shm.adopt(partition, req.files)
-            req.files = set()
-
-    def _op_clear(self, req: _Request) -> list[Any]:
-        partition = name_arg(req.header, "p")
-        freed = self._state.clear(partition)
-        if self._shm is not None:
-            self._shm.release(partition, {f for r in self._parked for f in r.files})
-        return [{"n": freed}]
-
-    def _op_get(self, req: _Request) -> list[Any] | None:
-        partition = name_arg(req.header, "p")
-        task = name_arg(req.header, "task")
-        fields = name_list_arg(req.header, "fields")
-        batch_size = arg(req.header, "n", int)
-        owner = self._owner(req)
-        reads_shm = req.header.get("m") is True
-        if "ack" in req.header:  # applied once: a retry of this request is answered from the reply cache
-            self._state.ack(partition, task, int_list_arg(req.header, "ack"), owner)
-
-        def attempt() -> list[Any] | None:
-            taken = self._state.try_get(partition, task, fields, batch_size, owner)
-            if taken is None:
-                return None
-            rows = taken.rows
-            if self._shm is not None and not reads_shm:
-                rows = self._shm.inline(rows)  # another host: the bytes must travel over TCP
-            frames: list[Buffer] = []
-            descs = stored_to_wire(rows, frames)
-            return [{"idx": taken.indices, "blocks": descs, "end": taken.end}, *frames]
-
-        return self._now_or_park(
-            req,
-            attempt,
-            lambda waited: (
-                f"get of {batch_size} rows with fields {fields} from {partition!r} for task "
-                f"{task!r} timed out after {waited:.1f}s; is the producer of those fields running?"
-            ),
-        )
-
-    def _op_ack(self, req: _Request) -> list[Any]:
-        partition = name_arg(req.header, "p")
-        task = name_arg(req.header, "task")
-        n = self._state.ack(partition, task, int_list_arg(req.header, "idx"), self._owner(req))
-        return [{"n": n}]
-
-    def _op_complete(self, req: _Request) -> list[Any]:
-        self._state.complete(name_arg(req.header, "p"), arg(req.header, "total", int))
-        return [{}]
-
-    def _op_partitions(self, req: _Request) -> list[Any]:
-        parts = [[p.name, p.rows, p.expected_rows, p.complete, p.fields] for p in self._state.partitions()]
-        return [{"parts": parts}]
-
-    def _op_may_start(self, req: _Request) -> list[Any]:
-        allowed = self._state.may_start(arg(req.header, "step", int), arg(req.header, "max_staleness", int))
-        return [{"allowed": allowed}]
-
-    def _op_wait_start(self, req: _Request) -> list[Any] | None:
-        step = arg(req.header, "step", int)
-        max_staleness = arg(req.header, "max_staleness", int)
-
-        def attempt() -> list[Any] | None:
-            return [{}] if self._state.may_start(step, max_staleness) else None
-
-        return self._now_or_park(
-            req,
-            attempt,
-            lambda waited: (
-                f"rollout step {step} waited {waited:.1f}s for the staleness bound "
-                f"(max_staleness={max_staleness}, oldest uncleared partition "
-                f"{self._state.oldest_uncleared()}); the actor has not cleared it"
-            ),
-        )
-
     # ----------------------------------------------------------------- parking
-    def _now_or_park(
-        self,
-        req: _Request,
-        attempt: Callable[[], list[Any] | None],
-        timeout_message: Callable[[float], str],
-    ) -> list[Any] | None:
-        reply = attempt()
-        if reply is not None:
-            return reply
-        timeout = arg(req.header, "timeout", float)
-        if not 0 <= timeout <= MAX_TIMEOUT_S:
-            raise WireError(f"timeout {timeout} must be within 0..{MAX_TIMEOUT_S} s")
-        if timeout == 0:
-            raise _Refused("timeout", timeout_message(0.0))
-        req.deadline = req.started + timeout
-        req.attempt = attempt
-        req.timeout_message = timeout_message
-        return None
-
-    def _park(self, req: _Request) -> None:
+    def _park(self, req: Request) -> None:
         self._parked.append(req)
         if req.session is not None and req.req_id is not None:
             self._remember(req.session, req.req_id, None)
@@ -549,12 +364,7 @@ class TransferQueueServer:
             log.info("transfer queue: dropped %d parked request(s) of %d vanished client(s)", len(dropped), len(gone))
 
     # ----------------------------------------------------------------- replies
-    def _owner(self, req: _Request) -> Owner:
-        if req.session is None:
-            raise WireError("header field 's' (session id) is required for get and ack")
-        return (req.header.get("c", ""), req.session)  # checked and bound in _handle
-
-    def _is_duplicate(self, sock: zmq.Socket[Any], req: _Request) -> bool:
+    def _is_duplicate(self, sock: zmq.Socket[Any], req: Request) -> bool:
         """A client retry of a request it has not had the answer to: resend it, or wait for it."""
         if req.session is None or req.req_id is None:
             return False
@@ -587,14 +397,14 @@ class TransferQueueServer:
         while len(self._replies) > MAX_SESSIONS_REMEMBERED:
             self._replies.popitem(last=False)
 
-    def _send(self, sock: zmq.Socket[Any], req: _Request, reply: list[Any]) -> None:
+    def _send(self, sock: zmq.Socket[Any], req: Request, reply: list[Any]) -> None:
         header = {"id": req.req_id, "ok": True, **reply[0]}
         payload = [pack_header(header), *reply[1:]]
         if req.session is not None and req.req_id is not None:
             self._remember(req.session, req.req_id, payload)
         sock.send_multipart([req.identity, *payload], copy=False)
 
-    def _discard_files(self, req: _Request) -> None:
+    def _discard_files(self, req: Request) -> None:
         """The request was not applied: the shm payloads it named go back to their producer."""
         if req.files and self._shm is not None:
             files, req.files = req.files, set()
@@ -603,7 +413,7 @@ class TransferQueueServer:
             except OSError as exc:  # the orphan sweep removes them later
                 log.warning("transfer queue: could not release shm payloads %s: %s", sorted(files), exc)
 
-    def _send_error(self, sock: zmq.Socket[Any], req: _Request, kind: str, message: str) -> None:
+    def _send_error(self, sock: zmq.Socket[Any], req: Request, kind: str, message: str) -> None:
         self._discard_files(req)
         if len(message) > MAX_ERROR_CHARS:
             message = message[:MAX_ERROR_CHARS] + " [...]"

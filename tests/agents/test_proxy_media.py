@@ -20,7 +20,8 @@ from relax_hpc.agents.config import AgenticConfig
 from relax_hpc.agents.multiturn import GenerateArgs, generate_with_env, run_generate
 from relax_hpc.agents.service import AgenticRollout
 from relax_hpc.algos.loss_types import LossConfig
-from relax_hpc.backends.torch_backend import OptimConfig, TorchBackend
+from relax_hpc.backends.base import OptimConfig
+from relax_hpc.backends.torch_backend import TorchBackend
 from relax_hpc.data.dataset import PromptRow
 from relax_hpc.data.rows import row_to_sample, sample_to_row
 from relax_hpc.data.sample import Sample

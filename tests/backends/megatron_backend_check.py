@@ -61,7 +61,7 @@ def make(kind: str, model: str, tp: int, pp: int, routing_replay: bool = False, 
          dtype: str = "float32", lr: float = 1e-2) -> Any:
     from relax_hpc.algos import LossConfig
     from relax_hpc.backends.base import make_backend
-    from relax_hpc.backends.torch_backend import OptimConfig
+    from relax_hpc.backends.base import OptimConfig
     from relax_hpc.spec.schema import MegatronSpec
 
     optim = OptimConfig(lr=lr, grad_clip=0.0, micro_batch_size=2, weight_decay=0.01)

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from relax_hpc.algos import LossConfig
-from relax_hpc.backends.base import TrainBackend, make_backend
-from relax_hpc.backends.torch_backend import OptimConfig, TorchBackend
+from relax_hpc.backends.base import OptimConfig, TrainBackend, make_backend
+from relax_hpc.backends.torch_backend import TorchBackend
 from relax_hpc.data.sample import Sample
 
 SETTINGS = dict(dtype="float32", device="cpu", temperature=1.0, teacher_path=None, opd_coef=1.0,

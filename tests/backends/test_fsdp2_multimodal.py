@@ -37,7 +37,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from relax_hpc.algos import LossConfig
-from relax_hpc.backends.torch_backend import OptimConfig, TorchBackend
+from relax_hpc.backends.base import OptimConfig
+from relax_hpc.backends.torch_backend import TorchBackend
 from relax_hpc.data.rows import row_to_sample, sample_to_row
 from relax_hpc.data.sample import Sample
 from relax_hpc.media.canonical import fit_image
@@ -220,10 +221,16 @@ def test_fsdp2_trains_multimodal_like_one_process(runs: tuple[dict, dict], arch:
         for key in w:
             assert g[key] == pytest.approx(w[key], abs=TOLERANCE), (step, key)
         assert _max_diff(got["grads"][step], want["grads"][step]) <= TOLERANCE, step
-    # AdamW divides by the root of the second moment, which magnifies the gradients' 1e-6
-    # differences of summation order for near-zero elements; a gradient missing on a rank would
-    # move its parameters by about lr (1e-2).
-    assert _max_diff(got["weights"], want["weights"]) <= 10 * TOLERANCE
+    # AdamW divides by the root of the second moment, so an element whose gradient sits at the
+    # 1e-6 noise of summation order moves by up to lr (1e-2) in either direction: the weights are
+    # held equal where each step's gradient is well above that noise (>= 1e-4; 40% of the VL's
+    # elements, more of the omni's), and a gradient missing on a rank moves those by about lr.
+    # (a weight with no gradient of its own, e.g. a tied head, is held equal everywhere)
+    firm = {n: torch.stack([w[n].abs() >= 1e-4 for w in want["grads"]]).all(0) if n in want["grads"][0]
+            else torch.ones_like(want["weights"][n], dtype=torch.bool) for n in want["weights"]}
+    assert sum(int(m.sum()) for m in firm.values()) >= 0.3 * sum(m.numel() for m in firm.values())
+    gaps = [(got["weights"][n] - want["weights"][n])[firm[n]].abs() for n in firm]
+    assert max(float(g.max()) for g in gaps if g.numel()) <= 10 * TOLERANCE
     # The log-probs of each rank's rows: rank 0's three, then rank 1's one.
     flat_got = [x for r in ("rank0", "rank1") for row in ranks[r][arch]["logprobs"] for x in row]
     flat_want = [x for row in want["logprobs"] for x in row]

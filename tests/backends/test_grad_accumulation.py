@@ -24,7 +24,8 @@ import torch.multiprocessing as mp
 from relax_hpc.algos import LOSS_AGG_MODES, LossConfig
 from relax_hpc.backends.batch import pack_rows
 from relax_hpc.backends.parallel import STRATEGIES, Strategy
-from relax_hpc.backends.torch_backend import OptimConfig, TorchBackend
+from relax_hpc.backends.base import OptimConfig
+from relax_hpc.backends.torch_backend import TorchBackend
 from relax_hpc.data.rows import sample_to_row
 from relax_hpc.data.sample import Sample
 from relax_hpc.models.tiny import vocab_size

@@ -22,7 +22,8 @@ import pytest
 import torch
 
 from relax_hpc.algos import LossConfig
-from relax_hpc.backends.torch_backend import OptimConfig, TorchBackend
+from relax_hpc.backends.base import OptimConfig
+from relax_hpc.backends.torch_backend import TorchBackend
 from relax_hpc.ckpt import CheckpointManager, ResumeState
 from relax_hpc.data.sample import Sample
 from relax_hpc.models.hf import load_policy_model

@@ -38,7 +38,8 @@ from relax_hpc.algos import LossConfig
 from relax_hpc.backends.batch import pack_rows
 from relax_hpc.backends.parallel import full_weights, shard_model
 from relax_hpc.backends.sharded_load import load_sharded
-from relax_hpc.backends.torch_backend import OptimConfig, TorchBackend
+from relax_hpc.backends.base import OptimConfig
+from relax_hpc.backends.torch_backend import TorchBackend
 from relax_hpc.data.rows import sample_to_row
 from relax_hpc.data.sample import Sample
 from relax_hpc.models.hf import load_policy_model

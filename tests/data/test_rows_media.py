@@ -19,7 +19,8 @@ from relax_hpc.data.rows import (
 )
 from relax_hpc.data.sample import Sample
 from relax_hpc.media.items import MediaItem, PromptMedia
-from relax_hpc.transfer.wire import blocks_to_wire, encode_blocks, materialize_blocks
+from relax_hpc.transfer.wire_decode import materialize_blocks
+from relax_hpc.transfer.wire_encode import blocks_to_wire, encode_blocks
 
 PAD = 0
 

@@ -13,7 +13,8 @@ from relax_hpc.data.rows import ROUTED_EXPERTS_FIELD, sample_to_row, samples_to_
 from relax_hpc.data.sample import Sample
 from relax_hpc.media.items import MediaItem, PromptMedia
 from relax_hpc.transfer.columns import ColumnRows
-from relax_hpc.transfer.wire import blocks_to_wire, encode_blocks, materialize_blocks
+from relax_hpc.transfer.wire_decode import materialize_blocks
+from relax_hpc.transfer.wire_encode import blocks_to_wire, encode_blocks
 
 
 def _sample(i: int, response: int, **extra: Any) -> Sample:

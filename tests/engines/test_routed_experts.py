@@ -24,7 +24,8 @@ from relax_hpc.engines.routed_experts import (
 )
 from relax_hpc.models.hf import load_causal_lm
 from relax_hpc.models.tiny_moe import write_tiny_moe_model
-from relax_hpc.transfer.wire import blocks_to_wire, encode_blocks, materialize_blocks
+from relax_hpc.transfer.wire_decode import materialize_blocks
+from relax_hpc.transfer.wire_encode import blocks_to_wire, encode_blocks
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from relax_hpc.jobspecs import embedded_dir, with_embedded_inputs
-from relax_hpc.launch.faults import REPORT
+from relax_hpc.faults.fault import REPORT
 from relax_hpc.spec import load_spec, spec_to_toml
 
 
@@ -56,7 +56,7 @@ class SuiteResult:
     faults: tuple[str, ...]
 
 
-# In the order of relax_hpc/launch/fault_chain.py's ONE_RUN_ORDER (the order the table shows).
+# In the order of relax_hpc/faults/chain.py's ONE_RUN_ORDER (the order the table shows).
 # On a quiet 2-core machine (2026-11-28) four faults in one run took 115 s (the in-place ones) and
 # 146 s (the global ones and the reruns), against about 75 s for each fault in a run of its own.
 GROUPS: dict[str, tuple[str, ...]] = {

@@ -15,16 +15,16 @@ from pathlib import Path
 import pytest
 
 from relax_hpc.jobspecs import embedded_dir, with_embedded_inputs
-from relax_hpc.launch.fault_inject import (
+from relax_hpc.faults.inject import (
     BALLAST,
     SmallFilesystem,
     corrupt_checkpoint,
     newest_and_previous,
     small_fs_bytes,
 )
-from relax_hpc.launch.fault_process import JobProcess, MetricsTail, StepRecord, log_tail
-from relax_hpc.launch.fault_scenarios import Injection
-from relax_hpc.launch.faults import (
+from relax_hpc.faults.process import JobProcess, MetricsTail, StepRecord, log_tail
+from relax_hpc.faults.scenarios import Injection
+from relax_hpc.faults.fault import (
     FAULT_NAMES,
     FAULT_SPEC,
     FAULTS,
@@ -209,11 +209,11 @@ def test_the_suite_passes_only_when_every_fault_that_ran_recovered_and_one_ran()
     assert not suite_ok([row("b", False, False)])
 
 
-# -- faults in one run (relax_hpc/launch/fault_chain.py) ---------------------------------------
+# -- faults in one run (relax_hpc/faults/chain.py) ---------------------------------------
 
 
 def test_faults_in_one_run_go_in_the_fixed_order_and_disk_full_gets_a_run_of_its_own() -> None:
-    from relax_hpc.launch.fault_chain import ONE_RUN_ORDER, split_for_one_run
+    from relax_hpc.faults.chain import ONE_RUN_ORDER, split_for_one_run
 
     asked = [fault_named(n) for n in ("corrupt-checkpoint", "disk-full", "kill-reference", "kill-reference-3x")]
     chained, alone = split_for_one_run(asked)
@@ -224,7 +224,7 @@ def test_faults_in_one_run_go_in_the_fixed_order_and_disk_full_gets_a_run_of_its
 
 
 def test_a_run_of_several_faults_has_every_role_they_need_and_room_for_each(tmp_path: Path) -> None:
-    from relax_hpc.launch.fault_chain import FAULT_GAP, one_run_steps
+    from relax_hpc.faults.chain import FAULT_GAP, one_run_steps
 
     faults = [fault_named(n) for n in ("kill-engine", "kill-reference", "kill-actor-fwd", "kill-trainer-rank")]
     derived = parse_spec(checked_spec_text(derive_spec(tiny_spec(), faults, tmp_path, 15), faults))
@@ -236,7 +236,7 @@ def test_a_run_of_several_faults_has_every_role_they_need_and_room_for_each(tmp_
 
 
 def test_what_each_fault_of_one_run_cost_is_read_from_the_restart_counters_around_it() -> None:
-    from relax_hpc.launch.fault_chain import restart_between
+    from relax_hpc.faults.chain import restart_between
 
     def record(step: int, in_place: int, global_: int) -> StepRecord:
         return StepRecord(float(step), step, {"health/in_place_restarts": in_place, "health/global_restarts": global_})

@@ -14,7 +14,8 @@ import torch
 
 from relax_hpc.algos.loss_types import LossConfig
 from relax_hpc.backends.batch import pack_rows
-from relax_hpc.backends.torch_backend import OptimConfig, TorchBackend
+from relax_hpc.backends.base import OptimConfig
+from relax_hpc.backends.torch_backend import TorchBackend
 from relax_hpc.data.rows import row_to_sample, sample_to_row
 from relax_hpc.data.sample import Sample
 from relax_hpc.engines.base import Generation, SamplingParams

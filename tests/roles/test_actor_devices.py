@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 
 from relax_hpc.algos import LossConfig
 from relax_hpc.backends.parallel import rank_device
-from relax_hpc.backends.torch_backend import OptimConfig
+from relax_hpc.backends.base import OptimConfig
 from relax_hpc.roles.actor import ActorConfig, ActorWorker, local_rank_on_node
 
 

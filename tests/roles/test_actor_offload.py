@@ -10,7 +10,7 @@ import pytest
 
 from relax_hpc.algos import LossConfig
 from relax_hpc.backends.memory import RecordingBackend
-from relax_hpc.backends.torch_backend import OptimConfig
+from relax_hpc.backends.base import OptimConfig
 from relax_hpc.ckpt import ResumeState
 from relax_hpc.data.rows import sample_to_row
 from relax_hpc.data.sample import Sample

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from relax_hpc.algos import LossConfig
-from relax_hpc.backends.torch_backend import OptimConfig
+from relax_hpc.backends.base import OptimConfig
 from relax_hpc.data.rows import sample_to_row
 from relax_hpc.data.sample import Sample
 from relax_hpc.ops.archive import archive_dir, read_archive

@@ -13,7 +13,8 @@ from collections.abc import Iterator
 import pytest
 import ray
 
-from relax_hpc.roles.handles import RoleDiedError, RoleTimeoutError, _died, _RayTicket, get_from_roles
+from relax_hpc.roles.handles import RoleDiedError, RoleTimeoutError, _RayTicket
+from relax_hpc.roles.supervision import _died, get_from_roles
 from role_fakes import BrokenRole, FakeRole
 
 

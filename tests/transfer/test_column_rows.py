@@ -12,7 +12,8 @@ from transfer_harness import QueueHarness
 
 from relax_hpc.transfer import TransferQueueError
 from relax_hpc.transfer.columns import ArrayColumn, ColumnRows
-from relax_hpc.transfer.wire import array_buffers, blocks_to_wire, encode_blocks, materialize_blocks
+from relax_hpc.transfer.wire_decode import materialize_blocks
+from relax_hpc.transfer.wire_encode import array_buffers, blocks_to_wire, encode_blocks
 
 
 def _columns() -> ColumnRows:

@@ -17,17 +17,9 @@ from relax_hpc.transfer import (
     staleness_allows,
 )
 from relax_hpc.transfer.queue import check_rows
-from relax_hpc.transfer.wire import (
-    JOIN_BELOW_BYTES,
-    WireError,
-    blocks_to_wire,
-    decode_blocks,
-    encode_blocks,
-    materialize_blocks,
-    pack_header,
-    stored_to_wire,
-    unpack_header,
-)
+from relax_hpc.transfer.wire import JOIN_BELOW_BYTES, WireError, pack_header, unpack_header
+from relax_hpc.transfer.wire_decode import decode_blocks, materialize_blocks
+from relax_hpc.transfer.wire_encode import blocks_to_wire, encode_blocks, stored_to_wire
 
 
 @pytest.mark.parametrize(

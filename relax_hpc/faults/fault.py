@@ -7,11 +7,11 @@ the run recovered with every planned sample trained exactly once.
 Each fault gets a fresh job directory, OUT/<fault>/ (default OUT: runs/faults-<spec name>),
 holding fault-spec.toml (SPEC with a few steps, frequent checkpoints, the trajectory archive,
 fast heartbeats and the roles the fault needs), the run's log fault.log, and the run's own
-files. The run is `relax-hpc run fault-spec.toml` as a subprocess (relax_hpc/launch/
-fault_scenarios.py says how each fault is injected; fault_suite.py runs the faults, fault_chain.py
-several in one run: --in-one-run). Afterwards the exactly-once check of the
-trajectory archive (relax_hpc/ops/exactly_once.py) counts duplicated and lost samples, and
-summary.json gives the samples trained and the restarts. The table and OUT/faults.json hold a
+files. The run is `relax-hpc run fault-spec.toml` as a subprocess (relax_hpc/faults/
+scenarios.py says how each fault is injected; suite.py runs the faults, chain.py several in one
+run: --in-one-run). Afterwards the exactly-once check of the trajectory archive
+(relax_hpc/ops/exactly_once.py) counts duplicated and lost samples, and summary.json gives the
+samples trained and the restarts. The table and OUT/faults.json hold a
 row per fault; the exit status is 0 only when every fault that ran was recovered.
 docs/operations.md, "Fault suite".
 """
@@ -31,8 +31,8 @@ from typing import TYPE_CHECKING, Any
 from relax_hpc.spec import JobSpec, NotifySpec, parse_spec, spec_to_toml
 
 if TYPE_CHECKING:
-    from relax_hpc.launch.fault_process import StepRecord
-    from relax_hpc.launch.fault_scenarios import FaultJob, Injection
+    from relax_hpc.faults.process import StepRecord
+    from relax_hpc.faults.scenarios import FaultJob, Injection
 
 DEFAULT_STEPS = 8
 MIN_STEPS = 6  # a save that fails (step 4), one after it that succeeds, and the last
@@ -262,7 +262,7 @@ def default_out(spec: JobSpec) -> Path:
 def fresh_job_dir(path: Path) -> Path:
     """An empty directory for one fault; one left by an earlier suite (it holds fault-spec.toml)
     is replaced, anything else refused."""
-    from relax_hpc.launch.fault_inject import unmount
+    from relax_hpc.faults.inject import unmount
 
     if path.exists():
         if not (path / FAULT_SPEC).is_file():
@@ -276,7 +276,7 @@ def fresh_job_dir(path: Path) -> Path:
 
 def run_fault(spec: JobSpec, fault: Fault, job_dir: Path, steps: int, timeout_s: float) -> FaultRow:
     """Run the fault's spec with the fault injected, then check it (FaultRow)."""
-    from relax_hpc.launch.fault_scenarios import FaultJob
+    from relax_hpc.faults.scenarios import FaultJob
 
     derived = derive_spec(spec, fault, job_dir, steps)
     text = checked_spec_text(derived, fault)
@@ -292,7 +292,7 @@ def run_fault(spec: JobSpec, fault: Fault, job_dir: Path, steps: int, timeout_s:
 
 def _inject(fault: Fault, job: FaultJob, spec: JobSpec) -> Injection:
     # Imported here: the scenarios import the checkpoint package (torch), `relax-hpc --help` does not.
-    from relax_hpc.launch import fault_scenarios as scenarios
+    from relax_hpc.faults import scenarios
 
     if fault.role:
         return scenarios.role_fault(job, fault.role, fault.sig, fault.times)

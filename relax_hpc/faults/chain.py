@@ -26,7 +26,7 @@ import signal
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from relax_hpc.launch.faults import (
+from relax_hpc.faults.fault import (
     FAULT_SPEC,
     INJECT_AFTER,
     Fault,
@@ -40,8 +40,8 @@ from relax_hpc.launch.faults import (
     restart_kind,
     time_to_recover,
 )
-from relax_hpc.launch.fault_process import JobProcess, StepRecord
-from relax_hpc.launch.fault_scenarios import (
+from relax_hpc.faults.process import JobProcess, StepRecord
+from relax_hpc.faults.scenarios import (
     FaultJob,
     Injection,
     continue_stopped,

@@ -1,8 +1,8 @@
 """How each fault of the suite is injected into a live `relax-hpc run`, and what it left behind.
 
-Every scenario starts the run (relax_hpc/launch/fault_process.py), waits until it has trained
+Every scenario starts the run (relax_hpc/faults/process.py), waits until it has trained
 `inject_after` steps, injects its fault, waits for the run to end and ends whatever the run
-left. It returns an `Injection`: what was done and when, which relax_hpc/launch/faults.py turns
+left. It returns an `Injection`: what was done and when, which relax_hpc/faults/fault.py turns
 into a row of the table. A scenario never raises for what the run did; only for a bug of its own.
 """
 
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from relax_hpc.ckpt.layout import step_dir_name
-from relax_hpc.launch.fault_inject import (
+from relax_hpc.faults.inject import (
     MountError,
     SmallFilesystem,
     corrupt_checkpoint,
@@ -27,7 +27,7 @@ from relax_hpc.launch.fault_inject import (
     newest_and_previous,
     small_fs_bytes,
 )
-from relax_hpc.launch.fault_process import (
+from relax_hpc.faults.process import (
     POLL_S,
     JobProcess,
     MetricsTail,

@@ -1,5 +1,5 @@
-"""The fault suite's driver: every fault in a run of its own (relax_hpc/launch/faults.py), or the
-faults that can share a run in one (relax_hpc/launch/fault_chain.py); the table, the last line
+"""The fault suite's driver: every fault in a run of its own (relax_hpc/faults/fault.py), or the
+faults that can share a run in one (relax_hpc/faults/chain.py); the table, the last line
 and OUT/faults.json. `relax-hpc faults` calls `run_suite`."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from relax_hpc.launch.fault_chain import one_run_steps, run_in_one_run, split_for_one_run
-from relax_hpc.launch.faults import (
+from relax_hpc.faults.chain import one_run_steps, run_in_one_run, split_for_one_run
+from relax_hpc.faults.fault import (
     INJECT_AFTER,
     MIN_STEPS,
     ONE_RUN,
@@ -31,7 +31,7 @@ from relax_hpc.spec import JobSpec
 def run_suite(spec: JobSpec, out: Path, faults: Sequence[Fault], steps: int, timeout_s: float,
               echo: Callable[[str], None] = print, in_one_run: bool = False) -> list[FaultRow]:
     """Every fault in turn, each in a run of its own; with `in_one_run` the faults that can share
-    a run in one (relax_hpc/launch/fault_chain.py) and the others each in its own. Prints a line
+    a run in one (relax_hpc/faults/chain.py) and the others each in its own. Prints a line
     per fault as it ends, then the table and the last line, and writes OUT/faults.json."""
     if steps < MIN_STEPS:
         raise ValueError(f"--steps {steps}: the suite needs at least {MIN_STEPS} (a fault after step "

@@ -1,0 +1,113 @@
+"""Where each role of a Ray run goes: its node, its GPUs, its component's resources.
+
+A cluster started by the job script carries a resource per component (`trainer`, `rollout`,
+`forward`: docs/slurm.md); an actor asks for a sliver of its component's, so it lands on that
+component's nodes, and for nothing of the kind on a cluster without them. An actor whose role
+runs on CUDA takes one GPU (Ray then sets its CUDA_VISIBLE_DEVICES), half of one where engines
+and trainer ranks take turns on the devices ([cluster] colocate). Trainer rank 0 is pinned to
+the node that hosts its process group's TCP store. `RayRoles` (roles/handles.py) places its
+roles through these functions.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from relax_hpc.roles.actor import ActorConfig, ActorWorker, rendezvous_address
+from relax_hpc.roles.advantages import AdvantagesConfig, AdvantagesWorker
+from relax_hpc.roles.engine_host import EngineHost
+from relax_hpc.roles.forward import ForwardConfig, ForwardWorker
+from relax_hpc.roles.rollout import RolloutConfig, RolloutWorker
+from relax_hpc.roles.supervision import ROLE_START_TIMEOUT_S, get_from_roles
+
+# The roles that read and write fields of queued rows beside Rollout and Actor.
+RoleConfig = ForwardConfig | AdvantagesConfig
+
+
+def worker_class(cfg: RoleConfig) -> type[ForwardWorker] | type[AdvantagesWorker]:
+    return AdvantagesWorker if isinstance(cfg, AdvantagesConfig) else ForwardWorker
+
+
+def component_placement(component: str) -> dict[str, Any]:
+    """Ray options that put an actor on `component`'s nodes when the cluster has that resource."""
+    import ray
+
+    if ray.cluster_resources().get(component, 0) > 0:
+        return {"num_cpus": 0, "resources": {component: 0.01}}
+    return {"num_cpus": 0}
+
+
+def gpus(device: str, shared: bool = False) -> dict[str, float]:
+    """One GPU for an actor whose role runs on CUDA (Ray then sets its CUDA_VISIBLE_DEVICES);
+    half of one where engines and trainer ranks share devices ([cluster] colocate), so that
+    Ray puts an engine and a trainer rank on each GPU."""
+    if not device.startswith("cuda"):
+        return {}
+    return {"num_gpus": 0.5 if shared else 1}
+
+
+def rollout_gpus(rollout: RolloutConfig, shared: bool) -> dict[str, float]:
+    """The rollout actor's GPUs: its engine's, or with SGLang every server's (`tp_size` each;
+    the servers it starts see the actor's CUDA_VISIBLE_DEVICES)."""
+    found = gpus(rollout.device, shared)
+    if found and rollout.engine == "sglang":
+        tp_size = rollout.sglang_spec.tp_size if rollout.sglang_spec else 1
+        return {"num_gpus": found["num_gpus"] * rollout.num_engines * tp_size}
+    return found
+
+
+def place_rollout(rollout: RolloutConfig, shared: bool) -> tuple[Any, list[Any]]:
+    """The rollout actor and the engine actors behind its router (none for one engine).
+
+    N > 1 native engines run in actors of their own (a GPU each on GPUs); SGLang engines are
+    server processes that the rollout role starts itself."""
+    import ray
+
+    host_options = {**component_placement("rollout"), **gpus(rollout.device, shared)}
+    engines = [
+        ray.remote(EngineHost).options(**host_options).remote(
+            rollout.engine, rollout.model_path, rollout.dtype, rollout.device, rollout.num_threads,
+            rollout.routing_replay)
+        for _ in range(rollout.num_engines if rollout.num_engines > 1 and rollout.engine == "native" else 0)
+    ]
+    # max_concurrency: new weights and status calls must reach rollout while it produces.
+    worker = ray.remote(RolloutWorker).options(
+        max_concurrency=4, **component_placement("rollout"),
+        **({} if engines else rollout_gpus(rollout, shared)),
+    ).remote(rollout, engine_hosts=engines or None, engine_host_options=host_options)
+    return worker, engines
+
+
+def place_trainer_ranks(actor: ActorConfig, num_processes: int, shared: bool) -> list[Any]:
+    """The trainer's ranks, by rank. Rank 0's node hosts the TCP store of the trainer's process
+    group: a task on a trainer node picks the address, and rank 0 is pinned to that node."""
+    import ray
+
+    placement = component_placement("trainer")
+    master, rank0 = "", placement
+    if num_processes > 1:
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        task = ray.remote(_node_and_rendezvous).options(**placement).remote()
+        node_id, master = get_from_roles([("a task on a trainer node", task)],
+                                         "picking the trainer's rendezvous address", ROLE_START_TIMEOUT_S)[0]
+        rank0 = {**placement, "scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=False)}
+    return [
+        ray.remote(ActorWorker).options(**(rank0 if rank == 0 else placement),
+                                        **gpus(actor.device, shared)).remote(
+            actor, rank, num_processes, master)
+        for rank in range(num_processes)
+    ]
+
+
+def place_queue_role(cfg: RoleConfig) -> Any:
+    """An ActorFwd, Reference or Advantages worker, on the forward component when the cluster has one."""
+    import ray
+
+    return ray.remote(worker_class(cfg)).options(max_concurrency=4, **component_placement("forward")).remote(cfg)
+
+
+def _node_and_rendezvous() -> tuple[str, str]:
+    import ray
+
+    return ray.get_runtime_context().get_node_id(), rendezvous_address()
