@@ -160,6 +160,7 @@ def role_configs(spec: JobSpec, job_dir: Path, device: str) -> tuple[RolloutConf
         agentic=agentic_from_spec(r), advantages_role=spec.train.advantages_role,
         release_between_steps=shares_devices(spec),
         sglang_spec=sglang_spec_resolved(r.sglang), job_dir=str(job_dir), routing_replay=a.routing_replay,
+        algorithm=a,
     )
     loss = LossConfig(
         name=a.name, clip_eps_low=a.clip_eps_low, clip_eps_high=a.clip_eps_high,
@@ -197,7 +198,8 @@ def queue_role_configs(spec: JobSpec, device: str) -> list[ForwardConfig | Advan
                       num_threads=1) for k in kinds]
     if spec.train.advantages_role:
         a = spec.algorithm
-        roles.append(AdvantagesConfig(normalize_std=a.normalize_std and normalizes_std(a.name)))
+        roles.append(AdvantagesConfig(normalize_std=a.normalize_std and normalizes_std(a.name),
+                                      estimator=a.advantage))
     return roles
 
 

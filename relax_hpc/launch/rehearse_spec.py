@@ -173,6 +173,7 @@ def rehearsal_spec(spec: JobSpec, machine: Machine) -> Rehearsal:
     if cpu:
         train, rollout, data = _fit_cpu(spec, train, rollout, data, arch, changes)
     rollout = _sglang_python(spec, rollout, machine, changes)
+    algorithm = _fit_overlong_buffer(spec, algorithm, rollout, changes)
     if spec.train.backend == "megatron" and machine.megatron_python is not None:
         runner = machine.megatron_python
         changes.append(Change("(interpreter)", "relax-hpc's", runner, "megatron-core and megatron-bridge live in "
@@ -303,6 +304,17 @@ def _fit_ranks(spec: JobSpec, train: Any, changes: list[Change]) -> Any:
         _changed(changes, "train.megatron.distributed_optimizer", True, False,
                  "needs CUDA; on CPU Megatron trains with torch's AdamW (--device cuda keeps it)")
     return dataclasses.replace(train, num_processes=ranks, megatron=megatron)
+
+
+def _fit_overlong_buffer(spec: JobSpec, algorithm: Any, rollout: Any, changes: list[Change]) -> Any:
+    """DAPO's soft overlong buffer keeps its share of max_new_tokens when the rehearsal shortens them."""
+    buffer, before, after = algorithm.overlong_buffer_len, spec.rollout.max_new_tokens, rollout.max_new_tokens
+    if buffer == 0 or after == before:
+        return algorithm
+    scaled = min(after, max(1, round(buffer * after / before)))
+    _changed(changes, "algorithm.overlong_buffer_len", buffer, scaled,
+             f"the same share of the shorter max_new_tokens ({after}): the penalty still falls over the last tokens")
+    return dataclasses.replace(algorithm, overlong_buffer_len=scaled)
 
 
 def _sglang_python(spec: JobSpec, rollout: Any, machine: Machine, changes: list[Change]) -> Any:

@@ -2,7 +2,9 @@
 
 With `[train] advantages_role = true` rollout puts rows with `rewards` and `group_id` but no
 `advantages`; this worker reads each step's rows, computes the advantage of every row from the
-rewards of its group (samples sharing a `group_id`) and writes `advantages` back. The trainer
+rewards of its group (samples sharing a `group_id`) by `[algorithm] advantage`
+(relax_hpc/algos/estimators.py; the whitened ones also read each row's `loss_mask`, for its
+trained tokens) and writes `advantages` back. The trainer
 asks for `advantages` among its fields, so it waits for them (the queue wakes a consumer when
 another role writes the field it lacks).
 
@@ -18,7 +20,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from relax_hpc.algos.advantages import advantages_by_group
+import torch
+
+from relax_hpc.algos.estimators import WHITENED_ESTIMATORS, outcome_advantages
 from relax_hpc.roles.heartbeat import Heartbeats
 from relax_hpc.roles.step_loop import StepLoopWorker
 from relax_hpc.spec.schema import AlgorithmSpec
@@ -33,6 +37,7 @@ WHOLE_STEP = 1 << 30
 @dataclass(frozen=True)
 class AdvantagesConfig:
     normalize_std: bool = AlgorithmSpec.normalize_std  # False for Dr.GRPO
+    estimator: str = AlgorithmSpec.advantage  # [algorithm] advantage
     kind: str = "advantages"  # the queue task name, and how the role handles tell it apart
 
 
@@ -42,6 +47,7 @@ class AdvantagesWorker(StepLoopWorker, Heartbeats):
     def __init__(self, cfg: AdvantagesConfig) -> None:
         super().__init__(cfg.kind)
         self.cfg = cfg
+        self._fields = INPUT_FIELDS + (("loss_mask",) if cfg.estimator in WHITENED_ESTIMATORS else ())
 
     def weight_version(self) -> int:
         """Advantages need no model: always 0 (the role handles ask every worker once it is up)."""
@@ -52,13 +58,16 @@ class AdvantagesWorker(StepLoopWorker, Heartbeats):
         partition = partition_name(step)
         while not self._stop.is_set():
             try:
-                batch = queue.get(partition, self.cfg.kind, INPUT_FIELDS, WHOLE_STEP, timeout=1.0)
+                batch = queue.get(partition, self.cfg.kind, self._fields, WHOLE_STEP, timeout=1.0)
             except TimeoutError:
                 continue
             if batch.rows:
-                rewards = [float(r) for r in batch.column("rewards")]  # type: ignore[arg-type]
+                rewards = torch.tensor([float(r) for r in batch.column("rewards")])  # type: ignore[arg-type]
                 groups = [int(g) for g in batch.column("group_id")]  # type: ignore[arg-type]
-                values = advantages_by_group(rewards, groups, self.cfg.normalize_std)
+                trained = (torch.tensor([float(sum(m)) for m in batch.column("loss_mask")])  # type: ignore[arg-type]
+                           if "loss_mask" in self._fields else torch.zeros(len(groups)))
+                values = outcome_advantages(self.cfg.estimator, rewards, groups, trained,
+                                            self.cfg.normalize_std).tolist()
                 queue.write(partition, batch.indices, [{OUTPUT_FIELD: v} for v in values])
                 queue.ack(partition, self.cfg.kind, batch.indices)
                 self.rows_done += len(batch.indices)

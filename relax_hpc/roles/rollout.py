@@ -24,7 +24,7 @@ import torch
 
 from relax_hpc.agents.config import AgenticConfig
 from relax_hpc.algos import group_advantages
-from relax_hpc.algos.advantages import advantages_by_group
+from relax_hpc.algos.estimators import outcome_advantages, overlong_penalty
 from relax_hpc.data.dataset import DataCursor, DataSettings, load_dataset
 from relax_hpc.data.rows import samples_to_rows
 from relax_hpc.data.sample import Sample, assign_sample_ids
@@ -74,6 +74,8 @@ class RolloutConfig:
     num_engines: int = RolloutSpec.num_engines  # engines behind the router (built here when in process)
     chunks_per_engine: int = RolloutSpec.chunks_per_engine  # pieces of a step per serving engine
     normalize_std: bool = AlgorithmSpec.normalize_std  # group advantages: False is Dr.GRPO
+    # The spec's [algorithm] table: the advantage estimator and DAPO's overlong shaping (None: its defaults).
+    algorithm: AlgorithmSpec | None = None
     dtype: str = ModelSpec.dtype
     device: str = "cpu"
     num_threads: int = 0  # 0: leave torch's default
@@ -228,6 +230,7 @@ class RolloutWorker(WeightReceiverEndpoint, Heartbeats):
         tok = self.engine.tokenizer
         stop_ids = tuple(cfg.sampling.stop_token_ids) + (self.engine.eos_id,)
         self.sampling = SamplingParams(**{**cfg.sampling.__dict__, "stop_token_ids": stop_ids})
+        self.algorithm = cfg.algorithm if cfg.algorithm is not None else AlgorithmSpec()
         # A multimodal model: every sample carries its prompt's media (empty for a text prompt),
         # and the media travel with the prompts to the engines.
         self.media_processor = media_processor_for(cfg.model_path)
@@ -476,13 +479,32 @@ class RolloutWorker(WeightReceiverEndpoint, Heartbeats):
 
     def _set_advantages(self, samples: list[Sample]) -> None:
         rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
-        if self.agentic is not None:  # agent sessions export a varying number of samples
-            advantages = torch.tensor(advantages_by_group(
-                rewards.tolist(), [s.group_id for s in samples], self.cfg.normalize_std))
-        else:
+        estimator = self.algorithm.advantage
+        if estimator == "group" and self.agentic is None:  # consecutive groups of n_samples_per_prompt
             advantages = group_advantages(rewards, self.cfg.n_samples_per_prompt, self.cfg.normalize_std)
+        else:  # by group id: agent sessions export a varying number of samples per prompt
+            trained = torch.tensor([sum(s.mask()) for s in samples], dtype=torch.float32)
+            advantages = outcome_advantages(estimator, rewards, [s.group_id for s in samples], trained,
+                                            self.cfg.normalize_std)
         for sample, adv in zip(samples, advantages.tolist()):
             sample.advantage = adv
+
+    def _shape_overlong(self, samples: list[Sample]) -> None:
+        """DAPO's overlong shaping, before anything reads the rewards (dynamic sampling, advantages):
+        the soft penalty joins each reward (reward_info["overlong_penalty"]), and with the filter a
+        truncated sample keeps its place in its group but trains no token."""
+        algo = self.algorithm
+        if algo.overlong_buffer_len > 0:
+            penalties = overlong_penalty([s.response_length for s in samples], self.sampling.max_new_tokens,
+                                         algo.overlong_buffer_len, algo.overlong_penalty)
+            for sample, penalty in zip(samples, penalties):
+                sample.reward += penalty
+                sample.reward_info["overlong_penalty"] = penalty
+        if algo.overlong_filter:
+            for sample in samples:
+                if sample.finish_reason == "length":
+                    sample.loss_mask = [0] * len(sample.response_ids)
+                    sample.reward_info["overlong_filtered"] = 1.0
 
     def generate(self, step: int) -> tuple[list[Sample], dict[str, float]]:
         """Generate and score one step's groups: prompts_per_step prompts x n_samples_per_prompt.
@@ -523,6 +545,12 @@ class RolloutWorker(WeightReceiverEndpoint, Heartbeats):
         })
         for job, count in self.engine.serving_by_job().items():
             stats[f"rollout/engines_by_job/{job}"] = float(count)
+        if self.algorithm.overlong_buffer_len > 0:
+            stats["rollout/overlong_penalty_mean"] = sum(
+                s.reward_info.get("overlong_penalty", 0.0) for s in samples) / len(samples)
+        if self.algorithm.overlong_filter:
+            stats["rollout/overlong_filtered_frac"] = sum(
+                s.reward_info.get("overlong_filtered", 0.0) for s in samples) / len(samples)
         if self.cfg.dynamic_sampling:
             stats["rollout/dropped_groups"] = float(dropped)
             stats["rollout/sampling_rounds"] = float(rounds)
@@ -562,6 +590,7 @@ class RolloutWorker(WeightReceiverEndpoint, Heartbeats):
             ))
         t1 = time.perf_counter()
         reward_stats = self.rewards.score([s for g in groups for s in g])
+        self._shape_overlong([s for g in groups for s in g])
         if media is not None:
             reward_stats.update(reward_by_media([s for g in groups for s in g]))
         return groups, {**reward_stats, "time/generate_s": t1 - t0, "time/reward_s": time.perf_counter() - t1}

@@ -75,14 +75,45 @@ def _samples_split_into_mini_batches(spec: Resolved) -> list[SpecProblem]:
 
 
 def _groups_have_two_samples(spec: Resolved) -> list[SpecProblem]:
-    got = spec.get("algorithm.name", "rollout.n_samples_per_prompt")
-    if got is None or got[0] not in GROUP_NORMALISED_ALGORITHMS or got[1] >= 2:
+    got = spec.get("algorithm.name", "algorithm.advantage", "rollout.n_samples_per_prompt")
+    if got is None or got[0] not in GROUP_NORMALISED_ALGORITHMS or got[1] == "reinforce_pp" or got[2] >= 2:
         return []
     message = (
-        f'must be >= 2 with algorithm.name = "{got[0]}": its advantage compares the samples of one prompt, '
-        "and a group of one has no baseline"
+        f'must be >= 2 with algorithm.name = "{got[0]}" and advantage = "{got[1]}": the advantage compares the '
+        'samples of one prompt, and a group of one has no baseline (advantage = "reinforce_pp" needs no group)'
     )
-    return [SpecProblem(key="rollout.n_samples_per_prompt", value=show_value(got[1]), message=message)]
+    return [SpecProblem(key="rollout.n_samples_per_prompt", value=show_value(got[2]), message=message)]
+
+
+def _reinforce_pp_kl_in_the_reward(spec: Resolved) -> list[SpecProblem]:
+    got = spec.get("algorithm.advantage", "algorithm.kl_coef")
+    if got is None or got[0] != "reinforce_pp" or got[1] == 0:
+        return []
+    message = ('with advantage = "reinforce_pp" would be a KL loss, while REINFORCE++ puts its KL in the reward, '
+               'which is not built yet: set kl_coef = 0, or use advantage = "reinforce_pp_baseline", whose '
+               "authors take the KL as a loss (docs/algorithms/reinforce_pp.md)")
+    return [SpecProblem(key="algorithm.kl_coef", value=show_value(got[1]), message=message)]
+
+
+def _overlong_buffer_fits(spec: Resolved) -> list[SpecProblem]:
+    got = spec.get("algorithm.overlong_buffer_len", "rollout.max_new_tokens")
+    if got is None or got[0] <= got[1]:
+        return []
+    message = (f"must be <= rollout.max_new_tokens = {got[1]}: the penalty falls over the last overlong_buffer_len "
+               "tokens before that limit")
+    return [SpecProblem(key="algorithm.overlong_buffer_len", value=show_value(got[0]), message=message)]
+
+
+def _overlong_shaping_needs_one_turn(spec: Resolved) -> list[SpecProblem]:
+    got = spec.get("algorithm.overlong_filter", "algorithm.overlong_buffer_len", "rollout.env",
+                   "rollout.generate", "rollout.agent")
+    if got is None or not (got[0] or got[1] > 0) or not any(got[2:]):
+        return []
+    key = "algorithm.overlong_filter" if got[0] else "algorithm.overlong_buffer_len"
+    message = ("measures a response against rollout.max_new_tokens, which bounds one generation; a multi-turn "
+               "episode (rollout.env, generate or agent) is bounded by max_total_tokens and its turns: "
+               "turn it off for agentic rollouts")
+    return [SpecProblem(key=key, value="true" if got[0] else show_value(got[1]), message=message)]
 
 
 def _fits_on_gpus(spec: Resolved, count_key: str, component: str, reason: str) -> list[SpecProblem]:
@@ -344,6 +375,9 @@ CROSS_CHECKS: tuple[Callable[[Resolved], list[SpecProblem]], ...] = (
     _clip_floor_is_positive,
     _samples_split_into_mini_batches,
     _groups_have_two_samples,
+    _reinforce_pp_kl_in_the_reward,
+    _overlong_buffer_fits,
+    _overlong_shaping_needs_one_turn,
     _trainer_processes_fit,
     _shared_gpus_take_turns,
     _rollout_engines_fit,

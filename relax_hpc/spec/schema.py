@@ -86,6 +86,8 @@ SECRET = "secret"
 # algorithm.name) follow from this one line.
 AlgorithmName = Literal["grpo", "dr_grpo", "gspo", "sapo", "opd"]
 ALGORITHMS: tuple[str, ...] = get_args(AlgorithmName)
+# How a step's rewards become advantages ([algorithm] advantage; relax_hpc/algos/estimators.py).
+AdvantageEstimator = Literal["group", "rloo", "reinforce_pp", "reinforce_pp_baseline"]
 # How trainer ranks hold the model ([train] strategy; relax_hpc/backends/parallel.py).
 TrainStrategy = Literal["ddp", "fsdp2"]
 # Algorithms whose advantage compares samples of the same prompt, so a group needs >= 2.
@@ -218,6 +220,8 @@ class AlgorithmSpec:
     """[algorithm]: advantage estimator and policy loss."""
 
     name: AlgorithmName = setting("grpo")
+    # group (GRPO's), rloo, reinforce_pp, reinforce_pp_baseline (docs/algorithms/)
+    advantage: AdvantageEstimator = setting("group")
     normalize_std: bool = setting(True)  # False gives Dr.GRPO's advantage
     clip_eps_low: float = setting(0.2, at_least(0))
     clip_eps_high: float = setting(0.2, at_least(0))
@@ -233,6 +237,12 @@ class AlgorithmSpec:
     opd_teacher_path: str | None = setting(None, non_empty, plain_text)  # HF dir of the teacher (name = "opd")
     opd_coef: float = setting(1.0, at_least(0))  # lambda of A_t - lambda*(logp_student - logp_teacher)
     routing_replay: bool = setting(False)  # R3: the trainer replays the experts the engine routed to (MoE)
+    # DAPO's overlong shaping (docs/algorithms/dapo_overlong.md): truncated samples get loss mask 0,
+    overlong_filter: bool = setting(False)
+    # and a penalty falling linearly to -overlong_penalty over the last overlong_buffer_len tokens
+    # before rollout.max_new_tokens (0: no penalty)
+    overlong_buffer_len: int = setting(0, within(0, MAX_TOKENS))
+    overlong_penalty: float = setting(1.0, at_least(0))
 
 
 @dataclass(frozen=True, kw_only=True)

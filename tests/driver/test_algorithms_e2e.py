@@ -1,4 +1,5 @@
-"""Each policy-loss family lifts the tiny task's reward; on-policy distillation pulls toward a teacher."""
+"""Each policy-loss family and advantage estimator lifts the tiny task's reward; on-policy distillation
+pulls toward a teacher."""
 
 from __future__ import annotations
 
@@ -27,7 +28,12 @@ def _run(model_dir: Path, job: Path, steps: int, algorithm: str, extra_algorithm
         ("gspo", "clip_eps_low = 0.0003\nclip_eps_high = 0.0004"),
         ("sapo", ""),
         ("dr_grpo", 'normalize_std = false\nloss_agg = "token_mean"'),
+        # The advantage estimators beside group normalisation, under GRPO's clipped loss.
+        ("grpo", 'advantage = "rloo"'),
+        ("grpo", 'advantage = "reinforce_pp"'),
+        ("grpo", 'advantage = "reinforce_pp_baseline"'),
     ],
+    ids=["gspo", "sapo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"],
 )
 def test_algorithm_lifts_the_reward_like_grpo(tiny_model_dir: Path, tmp_path: Path, algorithm: str, extra: str) -> None:
     rewards = _run(tiny_model_dir, tmp_path / algorithm, LEARN_STEPS, algorithm, extra)
@@ -38,7 +44,8 @@ def test_algorithm_lifts_the_reward_like_grpo(tiny_model_dir: Path, tmp_path: Pa
 
 def _reverse_kl_to_teacher(student_dir: Path, teacher_dir: Path, job_ckpt: Path | None) -> float:
     """Mean over sampled response tokens of logp_student - logp_teacher (a k1 estimate of KL)."""
-    from relax_hpc.backends.torch_backend import OptimConfig, TorchBackend
+    from relax_hpc.backends.base import OptimConfig
+    from relax_hpc.backends.torch_backend import TorchBackend
     from relax_hpc.algos import LossConfig
     from relax_hpc.ckpt import CheckpointManager
     from relax_hpc.data.sample import Sample

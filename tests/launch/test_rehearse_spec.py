@@ -57,10 +57,13 @@ def test_rehearsal_keeps_the_layout_and_loads_back(name: str) -> None:
     r = rehearsal.spec
     parse_spec(spec_to_toml(r), "rehearsal")  # a valid spec, as rehearse.py writes it
     kept = lambda s: (s.job.mode, s.cluster.colocate, s.train.strategy, s.train.backend, s.rollout.engine,  # noqa: E731
-                      s.algorithm, s.reward, s.data.prompt_key, s.data.label_key, s.data.image_key,
+                      dataclasses.replace(s.algorithm, overlong_buffer_len=0), s.reward, s.data.prompt_key, s.data.label_key, s.data.image_key,
                       s.data.audio_key, s.rollout.dynamic_sampling, s.train.micro_batch_size,
                       s.train.mini_batches, s.model.dtype, s.train.lr)
     assert kept(r) == kept(spec)
+    # DAPO's overlong buffer keeps its share of the rehearsal's shorter responses
+    share = spec.algorithm.overlong_buffer_len / spec.rollout.max_new_tokens
+    assert r.algorithm.overlong_buffer_len == (0 if share == 0 else max(1, round(share * r.rollout.max_new_tokens)))
     assert r.train.device == "cpu" and r.train.steps == 3
     assert r.train.num_processes == 2 and r.rollout.num_engines == 2  # >= 2: sharding, a router
     assert r.rollout.n_samples_per_prompt == 2

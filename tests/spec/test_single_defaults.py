@@ -27,6 +27,7 @@ OTHER_SETTINGS = {
     ("ForwardConfig", "device"): "the resolved device, as above",
     ("ActorConfig", "device"): "the resolved device, as above",
     ("Sample", "reward"): "a sample's reward, not the [reward] table",
+    ("Sample", "advantage"): "a sample's advantage value, not the [algorithm] advantage estimator",
     ("EngineServers", "urls"): "a grow job's engine servers, not [notify] urls",
 }
 
