@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from relax_hpc.jobspecs import with_embedded_inputs
+from relax_hpc.jobspecs.spec_args import add_spec_arguments, load_spec_args
 from relax_hpc.launch.federation import (
     DRAIN_TIMEOUT_S,
     ElasticApi,
@@ -31,6 +31,7 @@ from relax_hpc.launch.federation import (
 from relax_hpc.launch.jobs import (
     JOB_ID_FILE,
     SUBMIT_SPEC,
+    dry_run,
     find_job,
     job_status,
     submit_spec,
@@ -39,12 +40,15 @@ from relax_hpc.launch.render import render_sbatch
 from relax_hpc.launch.slurm_client import SlurmClient, SubprocessSlurmClient
 from relax_hpc.ops.run_status import status_lines
 from relax_hpc.spec import load_spec
+from relax_hpc.spec.slurm_values import SLURM_TIME_FORMATS, slurm_time_to_seconds
 
 __all__ = ["cmd_cancel", "cmd_convert", "cmd_grow", "cmd_logs", "cmd_render", "cmd_shrink", "cmd_status",
            "cmd_submit", "make_api", "make_client", "watch"]
 
 SHRINK_WAIT_MARGIN_S = 60.0  # shrink waits for the drain's own timeout plus this
 WATCH_EVERY_S = 5.0  # `relax-hpc status --watch` without --every
+FOLLOW_LINES = 50  # `relax-hpc logs -f` without -n
+CONVERT_TIME_MIN = 30  # `relax-hpc convert --slurm` without --time
 CLEAR_SCREEN = "\033[H\033[2J"
 
 
@@ -62,16 +66,17 @@ _GROW_FLAGS = ("engines", "nodes", "partition", "qos", "time", "account", "cpus_
 
 def cmd_render(args: argparse.Namespace) -> int:
     if args.grow is not None:
-        if args.spec is not None:
-            raise ValueError(f"pass either SPEC ({args.spec}) or --grow JOB, not both")
+        if args.spec or args.overrides:
+            given = " ".join(args.spec + [f"--set {o}" for o in args.overrides])
+            raise ValueError(f"pass either SPEC ({given}) or --grow JOB, not both")
         print(render_grow_sbatch(_grow_request(args, args.grow, make_client())), end="")
         return 0
-    if args.spec is None:
+    if not args.spec:
         raise ValueError("pass a SPEC to render the job's script, or --grow JOB --engines N for a grow job's")
     given = [f"--{name.replace('_', '-')}" for name in _GROW_FLAGS if getattr(args, name) is not None]
     if given or args.preemptible:
         raise ValueError(f"{', '.join(given) or '--preemptible'} only go with --grow JOB")
-    spec = load_spec(args.spec)
+    spec = load_spec_args(args).spec
     job_dir = args.job_dir or str(spec.job_dir())
     print(render_sbatch(spec, job_dir, str(Path(job_dir) / SUBMIT_SPEC)), end="")
     return 0
@@ -116,7 +121,7 @@ def cmd_grow(args: argparse.Namespace) -> int:
     print(f"submitted grow job {grow_id}: {request.engines} engine(s) on {request.nodes} node(s) for job {job_id}"
           + (f" ({where}{', preemptible' if request.preemptible else ''})" if where else ""))
     print(f"  relax-hpc status {job_id}                # the grow jobs and every engine")
-    print(f"  relax-hpc shrink {job_id} --job {grow_id}   # drain its engines, then end it")
+    print(f"  relax-hpc shrink {job_id} --grow-job {grow_id}   # drain its engines, then end it")
     print(f"  its log: {job_dir}/logs/grow-{grow_id}.out and grow-{grow_id}-node-*.log")
     return 0
 
@@ -126,7 +131,8 @@ def cmd_shrink(args: argparse.Namespace) -> int:
     if job_dir is None:
         raise FileNotFoundError(f"no job directory found for job {job_id} under ./runs; pass the job directory instead")
     if args.grow_job is not None and not args.grow_job.isdigit():
-        raise ValueError(f"--job {args.grow_job!r}: expected the grow job's Slurm id (digits)")
+        raise ValueError(f"--grow-job {args.grow_job!r}: expected the grow job's Slurm id (digits), as "
+                         f"`relax-hpc status {job_id}` lists it")
     body: dict[str, object] = {"job": args.grow_job} if args.grow_job is not None else {"num_engines": args.engines}
     if args.force:
         body["force"] = True
@@ -149,8 +155,15 @@ def cmd_shrink(args: argparse.Namespace) -> int:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
-    spec = with_embedded_inputs(load_spec(args.spec), args.spec)
-    done = submit_spec(spec, Path(args.spec), make_client(), check_cluster=not args.no_preflight)
+    composed = load_spec_args(args)
+    spec, source = composed.spec, Path(composed.label)
+    if args.dry_run:  # Slurm's answer for the rendered script; nothing written, nothing submitted
+        print(dry_run(spec, source, make_client(), check_cluster=not args.no_preflight))
+        print("dry run: nothing was submitted or written (`relax-hpc render SPEC` prints the script)")
+        return 0
+    # The job runs spec.submit.toml, written from ``spec``: the overrides are in it.
+    done = submit_spec(spec, source, make_client(), check_cluster=not args.no_preflight,
+                       original_text=composed.original_text())
     print(f"submitted job {done.job_id}: {spec.job.name}, job dir {done.job_dir}")
     print(f"  relax-hpc status {done.job_id}      # Slurm state of each component, step, reward")
     print(f"  relax-hpc logs {done.job_id} -f     # follow the driver log")
@@ -226,19 +239,25 @@ def cmd_logs(args: argparse.Namespace) -> int:
         found = ", ".join(sorted(p.name for p in log_dir.glob("*.log"))) or "none"
         print(f"relax-hpc logs: {path} does not exist yet; logs there: {found}", file=sys.stderr)
         return 1
+    if args.lines is not None and args.lines < 0:
+        raise ValueError(f"-n {args.lines}: pass the number of last lines to print, >= 0")
     if args.follow:
         import os
 
-        os.execvp("tail", ["tail", "-n", "50", "-F", str(path)])
+        lines = FOLLOW_LINES if args.lines is None else args.lines
+        os.execvp("tail", ["tail", "-n", str(lines), "-F", str(path)])
     print(f"==> {path} <==")
-    print(path.read_text(errors="replace"), end="")
+    text = path.read_text(errors="replace")
+    if args.lines is not None:
+        text = "".join(text.splitlines(keepends=True)[-args.lines:] if args.lines else [])
+    print(text, end="")
     return 0
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
     job_id, _ = _job(args)
     client = make_client()
-    if args.checkpoint:
+    if args.requeue:
         # The batch script traps USR1: the driver checkpoints and stops, then the job requeues.
         client.cancel(job_id, signal="USR1", batch_only=True)
         print(f"asked job {job_id} to checkpoint and requeue (USR1 to its batch script)")
@@ -256,10 +275,34 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 def cmd_convert(args: argparse.Namespace) -> int:
     from relax_hpc.launch.convert import convert_checkpoint
 
+    time_min = _time_minutes(args)
+    if args.time is not None and not args.slurm:
+        raise ValueError("--time is the Slurm job's time limit: it goes with --slurm")
     result = convert_checkpoint(Path(args.job_dir), Path(args.out), step=args.step, on_slurm=args.slurm,
-                                partition=args.partition, time_min=args.time_min, device=args.device)
+                                partition=args.partition, time_min=time_min or CONVERT_TIME_MIN,
+                                device=args.device)
     print(result)
     return 0
+
+
+def _time_minutes(args: argparse.Namespace) -> int | None:
+    """convert's --time (Slurm's forms: 30, 00:30:00, 1-00:00) in whole minutes, rounded up; the
+    deprecated --time-min N still counts as N minutes."""
+    if args.time_min is not None:
+        if args.time is not None:
+            raise ValueError(f"--time-min {args.time_min} and --time {args.time}: pass only --time")
+        print(f"relax-hpc convert: --time-min is deprecated; pass --time {args.time_min} (minutes, or any "
+              "Slurm time limit such as 00:30:00)", file=sys.stderr)
+        if args.time_min <= 0:
+            raise ValueError(f"--time-min {args.time_min}: pass a positive number of minutes")
+        return int(args.time_min)
+    if args.time is None:
+        return None
+    try:
+        seconds = slurm_time_to_seconds(args.time)
+    except ValueError as e:
+        raise ValueError(f"--time {args.time}: not a Slurm time limit ({e}); forms: {SLURM_TIME_FORMATS}") from None
+    return -(-seconds // 60)
 
 
 def _add_grow_options(p: argparse.ArgumentParser, engines_required: bool) -> None:
@@ -268,7 +311,9 @@ def _add_grow_options(p: argparse.ArgumentParser, engines_required: bool) -> Non
     p.add_argument("--nodes", type=int, default=None, help="nodes of the grow job (default 1)")
     p.add_argument("--partition", default=None, help="default: the rollout component's (with its QOS)")
     p.add_argument("--qos", default=None, help="default: the rollout component's, unless --partition is given")
-    p.add_argument("--time", default=None, help="time limit, e.g. 02:00:00 (default: the rollout component's)")
+    p.add_argument("--time", default=None,
+                   help="the grow job's time limit in Slurm's forms (90 minutes, 02:00:00, 1-00:00; default: the "
+                        "rollout component's)")
     p.add_argument("--account", default=None, help="default: the rollout component's")
     p.add_argument("--cpus-per-node", type=int, default=None, help="default: the rollout component's")
     p.add_argument("--gpus-per-node", type=int, default=None,
@@ -280,16 +325,21 @@ def _add_grow_options(p: argparse.ArgumentParser, engines_required: bool) -> Non
 def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     """Register the Slurm subcommands on the `relax-hpc` parser."""
     p = sub.add_parser("render", help="print the sbatch script of a spec, or of a grow job (no side effects)")
-    p.add_argument("spec", nargs="?", default=None, help="the job spec (or --grow JOB instead)")
-    p.add_argument("--job-dir", default=None, help="job directory to render for (default: the spec's)")
+    add_spec_arguments(p, optional=True, help="the job spec, as for `run` (or --grow JOB instead)")
+    p.add_argument("--job-dir", default=None, metavar="JOBDIR",
+                   help="job directory to render for (default: the spec's)")
     p.add_argument("--grow", default=None, metavar="JOB",
                    help="print the script `relax-hpc grow JOB` would submit (with --engines N ...)")
     _add_grow_options(p, engines_required=False)
     p.set_defaults(func=cmd_render)
 
     p = sub.add_parser("submit", help="submit a spec as one heterogeneous Slurm job")
-    p.add_argument("spec")
+    add_spec_arguments(p)
     p.add_argument("--no-preflight", action="store_true", help="skip the checks against sinfo")
+    p.add_argument("--dry-run", action="store_true",
+                   help="check the spec as a submission would, then ask Slurm (sbatch --test-only) when and on "
+                        "which nodes the rendered job would start, and print its answer; submits nothing and "
+                        "writes nothing, not even the job directory")
     p.set_defaults(func=cmd_submit)
 
     p = sub.add_parser("status", help="a run's state, step, reward, samples/s, roles' heartbeats, engines, "
@@ -309,17 +359,22 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     p.set_defaults(func=cmd_status)
 
     p = sub.add_parser("logs", help="print (or follow) a log of the job's latest attempt")
-    p.add_argument("job", help="Slurm job id or job directory")
+    p.add_argument("job", metavar="JOB", help="Slurm job id or job directory")
     p.add_argument("--which", default="driver", choices=["driver", "batch"], help="which log (default driver)")
-    p.add_argument("-f", "--follow", action="store_true")
+    p.add_argument("-n", "--lines", type=int, default=None, metavar="N",
+                   help=f"only the last N lines (default: the whole log; with -f, the last {FOLLOW_LINES})")
+    p.add_argument("-f", "--follow", action="store_true",
+                   help="keep printing what is appended, across the log being replaced (tail -F), until Ctrl-C")
     p.set_defaults(func=cmd_logs)
 
-    p = sub.add_parser("cancel", help="cancel a job (or --checkpoint: checkpoint and requeue it; --stop: "
+    p = sub.add_parser("cancel", help="cancel a job (or --requeue: checkpoint and requeue it; --stop: "
                                       "checkpoint and end it)")
-    p.add_argument("job", help="Slurm job id or job directory")
+    p.add_argument("job", metavar="JOB", help="Slurm job id or job directory")
     how = p.add_mutually_exclusive_group()
-    how.add_argument("--checkpoint", action="store_true",
-                     help="send USR1 to the batch script instead: checkpoint the step in progress, then requeue")
+    how.add_argument("--requeue", "--checkpoint", dest="requeue", action="store_true",
+                     help="instead of cancelling: checkpoint the step in progress, then put the job back in the "
+                          "queue, where it resumes from that checkpoint when it starts again (USR1 to its batch "
+                          "script; --checkpoint is the old name)")
     how.add_argument("--stop", action="store_true",
                      help="send USR2 to the batch script instead: checkpoint the step in progress, then end the "
                           "job without a requeue (submitting the spec again resumes from that checkpoint)")
@@ -327,28 +382,34 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
 
     p = sub.add_parser("grow", help="add rollout engines to a running job, as a separate Slurm job "
                                     "(docs/federation.md)")
-    p.add_argument("job", help="the running job's Slurm id or job directory")
+    p.add_argument("job", metavar="JOB", help="the running job's Slurm id or job directory")
     _add_grow_options(p, engines_required=True)
     p.set_defaults(func=cmd_grow)
 
     p = sub.add_parser("shrink", help="remove rollout engines from a running job: --engines N, or a grow job's")
-    p.add_argument("job", help="the running job's Slurm id or job directory")
+    p.add_argument("job", metavar="JOB", help="the running job's Slurm id or job directory")
     which = p.add_mutually_exclusive_group(required=True)
     which.add_argument("--engines", type=int, default=None, help="drain this many engines (the newest first)")
-    which.add_argument("--job", dest="grow_job", default=None, metavar="GROWJOB",
-                       help="drain every engine of this grow job, then scancel it")
+    which.add_argument("--grow-job", "--job", dest="grow_job", default=None, metavar="GROWJOB",
+                       help="drain every engine of this grow job (its Slurm id), then scancel it (--job is the "
+                            "old name)")
     p.add_argument("--force", action="store_true", help="the job's own engines may go too (they are protected)")
-    p.add_argument("--timeout-s", type=float, default=None,
+    p.add_argument("--timeout-s", type=float, default=None, metavar="S",
                    help=f"how long each engine may finish its prompts before they go to others (default {DRAIN_TIMEOUT_S})")
     p.set_defaults(func=cmd_shrink)
 
     p = sub.add_parser("convert", help="export a DCP checkpoint to a Hugging Face model directory")
-    p.add_argument("job_dir")
-    p.add_argument("out")
-    p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
+    p.add_argument("job_dir", metavar="JOBDIR", help="the job directory whose checkpoints/ to read")
+    p.add_argument("out", metavar="OUT", help="the Hugging Face model directory to write")
+    p.add_argument("--step", type=int, default=None,
+                   help="checkpoint step, as in metrics.jsonl and `relax-hpc status` (default: the latest)")
     p.add_argument("--slurm", action="store_true", help="run as a Slurm job through submitit")
-    p.add_argument("--partition", default=None)
-    p.add_argument("--time-min", type=int, default=30)
+    p.add_argument("--partition", default=None, help="the Slurm partition of --slurm (default: Slurm's default)")
+    p.add_argument("--time", default=None,
+                   help=f"time limit of the --slurm job in Slurm's forms (30 minutes, 00:30:00, 1-00:00; default "
+                        f"{CONVERT_TIME_MIN} minutes)")
+    p.add_argument("--time-min", type=int, default=None, metavar="MINUTES",
+                   help="deprecated: --time MINUTES says the same")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                    help="where a megatron backend checkpoint's model is built for the conversion (default cpu; "
                         "cuda with Transformer Engine for mixture-of-experts models)")

@@ -2,7 +2,7 @@
 
 Job directory of a submitted job (``[job] output_dir``, default runs/<name>, made absolute):
 
-    spec.original.toml   the spec file as the user wrote it
+    spec.original.toml   the spec file as the user wrote it (several files: each, then the --set list)
     spec.submit.toml     the resolved spec the job runs (absolute paths)
     job.sbatch           the rendered batch script that was submitted
     container.env        the [container] env assignments (only with an image and env)
@@ -41,7 +41,8 @@ from relax_hpc.spec import JobSpec, load_spec, spec_to_toml
 from relax_hpc.media.plan import check_media_plan
 from relax_hpc.spec.model_fit import check_model_fit
 
-__all__ = ["JobStatus", "Submission", "find_job", "is_finished_state", "job_status", "pin_paths", "submit_spec"]
+__all__ = ["JobStatus", "Submission", "checked_script", "dry_run", "find_job", "is_finished_state", "job_status",
+           "pin_paths", "submit_spec"]
 
 JOB_ID_FILE = "slurm_job_id"
 SUBMIT_SPEC = "spec.submit.toml"
@@ -76,9 +77,43 @@ class Submission:
 
 
 def submit_spec(spec: JobSpec, spec_path: Path, client: SlurmClient, base: Path | None = None,
-                check_cluster: bool = True) -> Submission:
-    """Preflight, write the job directory (owner-only), sbatch the rendered script; the submission."""
+                check_cluster: bool = True, original_text: str | None = None) -> Submission:
+    """Preflight, write the job directory (owner-only), sbatch the rendered script; the submission.
+
+    ``original_text`` is what spec.original.toml keeps (default: the file at ``spec_path``): for a
+    spec composed of several files and --set overrides, each of them as written.
+    """
     base = base or Path.cwd()
+    pinned, text = checked_script(spec, spec_path, client, base, check_cluster)
+    job_dir = pinned.job_dir()
+    # JobDirBusyError (one line, exit 2) while a `relax-hpc run` holds the directory: rewriting
+    # spec.submit.toml under it would change what its next attempt runs. Free, the lock is only
+    # looked at: the job's own run takes it.
+    with JobDirLock(job_dir):  # creates the directory 0700 when it is missing
+        pass
+    refuse_if_job_active(job_dir, client)
+    make_private_dir(job_dir / "logs")
+    if original_text is None:
+        original_text = spec_path.read_text(encoding="utf-8")
+    atomic_write_text(job_dir / "spec.original.toml", original_text)
+    # The job reads its alert URLs back from this file (owner-only), so they are kept as written.
+    atomic_write_text(job_dir / SUBMIT_SPEC, spec_to_toml(pinned, redact=False))
+    if spec.container.image is not None and spec.container.env:
+        atomic_write_text(job_dir / ENV_FILE, env_file_text(spec.container))
+    else:
+        (job_dir / ENV_FILE).unlink(missing_ok=True)  # an earlier submission's values, unused now
+    write_job_secret(job_dir, JobSecret.generate())  # read by path in the job, never on a command line
+    script = job_dir / SCRIPT
+    atomic_write_text(script, text)
+    job_id = client.sbatch(script, base, _submit_env(spec))
+    atomic_write_text(job_dir / JOB_ID_FILE, job_id + "\n")
+    return Submission(job_id, job_dir, script)
+
+
+def checked_script(spec: JobSpec, spec_path: Path, client: SlurmClient, base: Path,
+                   check_cluster: bool = True) -> tuple[JobSpec, str]:
+    """Every check a submission makes before it writes anything, then what it would submit: the
+    spec with its paths pinned, and the rendered script. Writes nothing."""
     if check_cluster:
         problems = preflight_problems(spec, client.nodes())
         if problems:
@@ -89,30 +124,24 @@ def submit_spec(spec: JobSpec, spec_path: Path, client: SlurmClient, base: Path 
     check_notify(spec)  # [notify] URLs Apprise refuses, a urls_file others can read
     pinned = pin_paths(spec, base)
     job_dir = pinned.job_dir()
-    text = render_sbatch(pinned, str(job_dir), str(job_dir / SUBMIT_SPEC))  # refuses before anything is written
-    # JobDirBusyError (one line, exit 2) while a `relax-hpc run` holds the directory: rewriting
-    # spec.submit.toml under it would change what its next attempt runs. Free, the lock is only
-    # looked at: the job's own run takes it.
-    with JobDirLock(job_dir):  # creates the directory 0700 when it is missing
-        pass
-    refuse_if_job_active(job_dir, client)
-    make_private_dir(job_dir / "logs")
-    atomic_write_text(job_dir / "spec.original.toml", spec_path.read_text(encoding="utf-8"))
-    # The job reads its alert URLs back from this file (owner-only), so they are kept as written.
-    atomic_write_text(job_dir / SUBMIT_SPEC, spec_to_toml(pinned, redact=False))
-    if spec.container.image is not None and spec.container.env:
-        atomic_write_text(job_dir / ENV_FILE, env_file_text(spec.container))
-    else:
-        (job_dir / ENV_FILE).unlink(missing_ok=True)  # an earlier submission's values, unused now
-    write_job_secret(job_dir, JobSecret.generate())  # read by path in the job, never on a command line
-    script = job_dir / SCRIPT
-    atomic_write_text(script, text)
+    return pinned, render_sbatch(pinned, str(job_dir), str(job_dir / SUBMIT_SPEC))
+
+
+def dry_run(spec: JobSpec, spec_path: Path, client: SlurmClient, base: Path | None = None,
+            check_cluster: bool = True) -> str:
+    """`relax-hpc submit --dry-run`: the submission's checks, then Slurm's answer to the rendered
+    script under `sbatch --test-only` (when and where it would start). Writes nothing, submits nothing."""
+    base = base or Path.cwd()
+    pinned, text = checked_script(spec, spec_path, client, base, check_cluster)
+    refuse_if_job_active(pinned.job_dir(), client)  # the submission would refuse: say so now
+    return client.test_only(text, base, _submit_env(spec))
+
+
+def _submit_env(spec: JobSpec) -> dict[str, str]:
     env = dict(os.environ)
     if spec.container.image is None:
         env["RELAX_HPC_PYTHON"] = sys.executable  # the Python that has relax_hpc installed
-    job_id = client.sbatch(script, base, env)
-    atomic_write_text(job_dir / JOB_ID_FILE, job_id + "\n")
-    return Submission(job_id, job_dir, script)
+    return env
 
 
 # Slurm states after which a job never runs again (squeue keeps showing them for MinJobAge).

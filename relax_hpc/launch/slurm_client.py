@@ -2,8 +2,8 @@
 
 Everything in relax_hpc that talks to Slurm goes through :class:`SlurmClient`, so the submit,
 status and cancel logic is tested without a cluster (:class:`FakeSlurmClient`) and against
-the real one (:class:`SubprocessSlurmClient`, which runs sbatch / squeue --json / sinfo --json
-/ sacct --json / scontrol / scancel).
+the real one (:class:`SubprocessSlurmClient`, which runs sbatch / sbatch --test-only / squeue --json
+/ sinfo --json / sacct --json / scontrol / scancel).
 """
 
 from __future__ import annotations
@@ -51,6 +51,12 @@ class SlurmClient(Protocol):
 
     def nodes(self) -> list[dict[str, Any]]:
         """``sinfo --json``'s node records (name, cpus, gres, partitions, state, ...)."""
+        ...
+
+    def test_only(self, script_text: str, cwd: Path, env: Mapping[str, str]) -> str:
+        """Ask Slurm whether and when it would start ``script_text`` (``sbatch --test-only``),
+        submitting nothing; Slurm's own answer ("Job N to start at ... on nodes ..."), or
+        SlurmError carrying its refusal."""
         ...
 
     def requeue(self, job_id: str) -> None: ...
@@ -116,9 +122,14 @@ class SubprocessSlurmClient:
     def _run(self, args: Sequence[str], cwd: Path | None = None,
              env: Mapping[str, str] | None = None, query: bool = False) -> str:
         """Run one client command; a `query` is asked again after a transient failure."""
+        return self._complete(args, cwd, env, query).stdout
+
+    def _complete(self, args: Sequence[str], cwd: Path | None = None, env: Mapping[str, str] | None = None,
+                  query: bool = False, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+        """The finished command (exit 0), or SlurmError naming it with its stderr."""
         for attempt in range(1, QUERY_ATTEMPTS + 1):
             try:
-                done = subprocess.run(list(args), capture_output=True, text=True, timeout=self._timeout_s,
+                done = subprocess.run(list(args), capture_output=True, text=True, timeout=self._timeout_s, input=stdin,
                                       cwd=cwd, env=dict(env) if env is not None else self._env, check=False)
             except FileNotFoundError:
                 raise SlurmError(f"{args[0]} not found on PATH: run this on a Slurm login node "
@@ -126,7 +137,7 @@ class SubprocessSlurmClient:
             except subprocess.TimeoutExpired:
                 raise SlurmError(f"{' '.join(args)} did not answer within {self._timeout_s:.0f} s") from None
             if done.returncode == 0:
-                return done.stdout
+                return done
             if not (query and attempt < QUERY_ATTEMPTS and transient_failure(done.returncode, done.stderr)):
                 break
             time.sleep(QUERY_RETRY_S * attempt)
@@ -136,6 +147,14 @@ class SubprocessSlurmClient:
         out = self._run(["sbatch", "--parsable", str(script)], cwd=cwd, env=env)
         # --parsable prints "ID" or "ID;cluster".
         return out.strip().split(";")[0]
+
+    def test_only(self, script_text: str, cwd: Path, env: Mapping[str, str]) -> str:
+        # The script goes on stdin: a dry run writes no file. sbatch prints its answer on stderr:
+        # "sbatch: Job 12 to start at 2026-12-02T10:00:00 using 2 processors on n[1-2]" for a
+        # hetjob (Slurm asks for each component in turn and answers for all of them together),
+        # "... on nodes n1 in partition debug" for a plain job.
+        done = self._complete(["sbatch", "--test-only"], cwd=cwd, env=env, stdin=script_text)
+        return (done.stderr + done.stdout).strip()
 
     def job_components(self, job_id: str) -> list[JobComponent]:
         try:
@@ -186,6 +205,11 @@ class FakeSlurmClient:
         groups = script.read_text().count("#SBATCH hetjob") + 1
         self.jobs[job_id] = [JobComponent(str(int(job_id) + k), k, "PENDING", "") for k in range(groups)]
         return job_id
+
+    def test_only(self, script_text: str, cwd: Path, env: Mapping[str, str]) -> str:
+        self.actions.append(("test_only", str(cwd)))
+        groups = script_text.count("#SBATCH hetjob") + 1
+        return f"sbatch: Job {self.next_id} to start now using {groups} component(s) (fake Slurm, nothing submitted)"
 
     def job_components(self, job_id: str) -> list[JobComponent]:
         return list(self.jobs.get(job_id, []))

@@ -330,13 +330,15 @@ def summarize_step(step: int, rows: Sequence[TrajectoryRow]) -> StepSummary:
 
 
 def format_summaries(summaries: Sequence[StepSummary]) -> str:
+    """One line per step, the step counted as metrics.jsonl and `relax-hpc status` count it (from 1:
+    the archive's step + 1)."""
     header = (f"{'step':>6} {'rows':>6} {'ranks':>5} {'reward':>8} {'raw':>8} {'resp_len':>8}  "
               f"{'versions':<12} staleness min/mean/max")
     lines = [header]
     for s in summaries:
         versions = ",".join(str(v) for v in s.weight_versions)
         lines.append(
-            f"{s.step:>6} {s.rows:>6} {s.ranks:>5} {s.mean_reward:>8.3f} {s.mean_raw_reward:>8.3f} "
+            f"{s.step + 1:>6} {s.rows:>6} {s.ranks:>5} {s.mean_reward:>8.3f} {s.mean_raw_reward:>8.3f} "
             f"{s.mean_response_length:>8.2f}  {versions:<12} "
             f"{s.staleness_min}/{s.staleness_mean:.2f}/{s.staleness_max}"
         )
@@ -352,7 +354,7 @@ def format_samples(rows: Sequence[TrajectoryRow], decode: Callable[[list[int]], 
     lines = []
     for r in rows:
         lines += [
-            f"[step {r.step} rank {r.rank} group {r.group_id} prompt {r.prompt_index} "
+            f"[step {r.step + 1} rank {r.rank} group {r.group_id} prompt {r.prompt_index} "
             f"v{r.weight_version}] reward {r.reward:.3f} (raw {r.raw_reward:.3f}) "
             f"advantage {r.advantage:+.3f}, {len(r.response_ids)} response tokens "
             f"({sum(r.loss_mask)} trained)",
@@ -365,17 +367,24 @@ def format_samples(rows: Sequence[TrajectoryRow], decode: Callable[[list[int]], 
 def inspect_report(job_dir: Path, step: int | None = None, samples: int = 0,
                    decode: Callable[[list[int]], str] | None = None) -> str:
     """What `relax-hpc inspect` prints: per-step summaries (all steps, or `step`), then `samples`
-    example rows of `step` (default: the last archived step)."""
-    by_step = read_archive(job_dir, None if step is None else [step])
+    example rows of `step` (default: the last archived step). Steps are counted as metrics.jsonl and
+    `relax-hpc status` count them, from 1: ``step`` N is the archive's step N - 1."""
+    if step is not None:
+        archived = sorted(step_files(archive_dir(job_dir)))
+        if step < 1 or (archived and step - 1 not in archived):
+            raise ArchiveError(f"step {step} is not in the trajectory archive of {job_dir}; archived steps "
+                               f"(counted from 1, as in metrics.jsonl): {format_ranges([s + 1 for s in archived])}")
+    by_step = read_archive(job_dir, None if step is None else [step - 1])
     summaries = [summarize_step(s, rows) for s, rows in by_step.items()]
     total = sum(s.rows for s in summaries)
     out = [f"trajectory archive {archive_dir(job_dir)}: {len(summaries)} step(s) "
-           f"({format_ranges(sorted(by_step))}), {total} rows; step = rollout step from 0 "
-           "(metrics.jsonl step - 1), staleness = step - weight_version",
+           f"({format_ranges([s + 1 for s in sorted(by_step)])}), {total} rows; step = training step as in "
+           "metrics.jsonl and `relax-hpc status` (its file is step_<step - 1>.h5), staleness = step - 1 - "
+           "weight_version",
            format_summaries(summaries)]
     if samples > 0:
-        shown = step if step is not None else max(by_step)
-        out += ["", f"{min(samples, len(by_step[shown]))} example sample(s) of step {shown}:",
+        shown = step - 1 if step is not None else max(by_step)
+        out += ["", f"{min(samples, len(by_step[shown]))} example sample(s) of step {shown + 1}:",
                 format_samples(by_step[shown][:samples], decode)]
     return "\n".join(out)
 

@@ -266,8 +266,10 @@ def _state_text(status: dict[str, Any], now: float) -> tuple[str, bool]:
     driver = status.get("driver") or {}
     pid, host = driver.get("pid"), driver.get("host")
     text = state + (f": {note}" if note else "")
-    if state not in LIVE_STATES:
-        return f"{text}  (updated {_ago(status.get('updated'), now)})", False
+    if state not in LIVE_STATES:  # finished, stopped or failed: when, not a driver that looks alive
+        ended = status.get("updated")
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ended)) if isinstance(ended, (int, float)) else "?"
+        return f"{state} at {stamp} ({_ago(ended, now)})" + (f": {note}" if note else ""), False
     alive = driver_alive(status)
     if alive is False:
         return (f"{text} (driver pid {pid} is gone: the run was killed; `relax-hpc run` again resumes it "
@@ -321,10 +323,10 @@ def _role_lines(roles: dict[str, Any], beats: dict[str, dict[str, Any]], job_dir
         fields = [f"    {name:<16} {health:<10}"]
         if beat is not None:
             where = beat.get("node") or beat.get("host")  # the Slurm node: dev-slurm's nodes share one host
-            fields.append(f"pid {beat.get('pid')!s:<7} {where!s:<12} "
-                          f"beat {'?' if age is None else format_duration(age)} ago")
-            if beat.get("doing"):
-                fields.append(str(beat["doing"]))
+            fields.append(f"pid {beat.get('pid')!s:<7} {where!s:<12} {'beat' if live else 'last beat'} "
+                          f"{'?' if age is None else format_duration(age)} ago")
+            if beat.get("doing"):  # an ended run's role is doing nothing now: what it did last
+                fields.append(str(beat["doing"]) if live else f"last: {beat['doing']}")
         if info.get("restarts"):
             fields.append(f"restarts {info['restarts']}")
         out.append("  ".join(fields))

@@ -3,10 +3,12 @@
     from relax_hpc.spec import load_spec, SpecError
     spec = load_spec("jobspecs/tiny_local.toml")   # SpecError lists every problem at once
     spec.rollout.top_p, spec.job_dir(), spec_to_toml(spec)
+    compose_spec(["base.toml", "overlay.toml"], ["train.lr=1e-6"]).spec   # files merged, then --set
 
 docs/spec.md describes every table and key.
 """
 
+from relax_hpc.spec.compose import ComposedSpec, compose_spec
 from relax_hpc.spec.errors import SpecError, SpecProblem
 from relax_hpc.spec.loader import load_spec, parse_spec
 from relax_hpc.spec.render import redact_secrets, spec_to_dict, spec_to_toml
@@ -41,6 +43,7 @@ __all__ = [
     "CheckpointSpec",
     "ClusterSpec",
     "ComponentSpec",
+    "ComposedSpec",
     "ContainerSpec",
     "DataSpec",
     "JobInfoSpec",
@@ -55,6 +58,7 @@ __all__ = [
     "SpecError",
     "SpecProblem",
     "TrainSpec",
+    "compose_spec",
     "load_spec",
     "parse_spec",
     "redact_secrets",

@@ -38,6 +38,9 @@ class SpecProblem:
     message: what is wrong and, where it helps, what to do.
     allowed: the allowed values when they form a finite set (``'"colocate", "async"'``).
     line:    1-based line in the file where the key is written, or None when unknown.
+    where:   where the value was given, when that is not ``source:line`` of the report: a spec
+             composed of several files names the file (``overlay.toml:3``), an override its
+             ``--set KEY=VALUE``; None for one file.
     """
 
     key: str
@@ -45,10 +48,13 @@ class SpecProblem:
     message: str
     allowed: str | None = None
     line: int | None = None
+    where: str | None = None
 
     def format(self, source: str) -> str:
         """One report line: ``source:line: key = value: message; allowed: ...``."""
-        where = source if self.line is None else f"{source}:{self.line}"
+        where = self.where
+        if where is None:
+            where = source if self.line is None else f"{source}:{self.line}"
         what = self.key
         if self.value is not None:
             what = f"{self.key} = {self.value}" if self.key else self.value

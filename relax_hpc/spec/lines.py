@@ -11,8 +11,9 @@ only claims lines it recognises.
 from __future__ import annotations
 
 import re
+from typing import Protocol
 
-__all__ = ["LineIndex"]
+__all__ = ["KeyLocator", "LineIndex"]
 
 _HEADER = re.compile(r"^\s*\[\[?\s*([^\[\]]+?)\s*\]\]?\s*(#.*)?$")
 # One part of a key: bare, "double-quoted" or 'single-quoted'.
@@ -20,6 +21,16 @@ _KEY_PART = r"""(?:[A-Za-z0-9_-]+|"[^"]*"|'[^']*')"""
 _ASSIGNMENT = re.compile(rf"^\s*({_KEY_PART}(?:\s*\.\s*{_KEY_PART})*)\s*=")
 _PART = re.compile(_KEY_PART)
 _INDEX = re.compile(r"\[\d+\]$")
+
+
+class KeyLocator(Protocol):
+    """Where a key path was written: what a problem report needs to place each problem."""
+
+    def line_of(self, key: str) -> int | None: ...
+
+    def where_of(self, key: str) -> str | None: ...
+
+    def position(self, key: str) -> tuple[int, int] | None: ...
 
 
 def _parts(dotted: str) -> tuple[str, ...]:
@@ -51,6 +62,19 @@ class LineIndex:
             assignment = _ASSIGNMENT.match(line)
             if assignment is not None:
                 self._keys.setdefault(table + _parts(assignment.group(1)), number)
+
+    def where_of(self, key: str) -> str | None:
+        """None: in a report of one file, ``source:line`` names the place (KeyLocator)."""
+        return None
+
+    def position(self, key: str) -> tuple[int, int] | None:
+        """(0, line) of ``key`` for ordering a report by place in the file; None without a line."""
+        line = self.line_of(key)
+        return None if line is None else (0, line)
+
+    def exact_line(self, key: str) -> int | None:
+        """Line of the assignment of exactly ``key`` (no parent, no table header); None if not written."""
+        return self._keys.get(tuple(key.split(".")))
 
     def line_of(self, key: str) -> int | None:
         """Line where ``key`` (or, for keys inside inline tables, its parent) is written.

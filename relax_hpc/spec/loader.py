@@ -22,13 +22,15 @@ import math
 import re
 import sys
 import types
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 from relax_hpc.spec.constraints import Check
 from relax_hpc.spec.cross_checks import CROSS_CHECKS, Resolved
 from relax_hpc.spec.errors import SpecError, SpecProblem, show_value
-from relax_hpc.spec.lines import LineIndex
+from relax_hpc.spec.lines import KeyLocator, LineIndex
+from relax_hpc.spec.peer_keys import peer_hint
 from relax_hpc.spec.schema import CHECKS, SECRET, JobSpec
 from relax_hpc.spec.secret_urls import SECRET_ENV_KEYS, redact_env_value, redact_value
 
@@ -37,7 +39,8 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised only on Python 3.10
     import tomli as tomllib
 
-__all__ = ["MAX_NESTING", "MAX_SPEC_BYTES", "load_spec", "parse_spec"]
+__all__ = ["MAX_NESTING", "MAX_SPEC_BYTES", "check_tables", "load_spec", "parse_spec", "parse_toml",
+           "read_spec_text"]
 
 # A job spec is a few kilobytes; a file larger than this is the wrong file (or /dev/zero), and
 # is refused before more of it is read.
@@ -99,7 +102,7 @@ def _table_class(hint: Any) -> type | None:
 class _Walker:
     """One pass over the parsed TOML; collects problems and resolved values."""
 
-    def __init__(self, lines: LineIndex) -> None:
+    def __init__(self, lines: KeyLocator) -> None:
         self.lines = lines
         self.problems: list[SpecProblem] = []
         self.resolved: dict[str, Any] = {}
@@ -113,7 +116,7 @@ class _Walker:
         elif key.partition("[")[0] in SECRET_ENV_KEYS:
             message = _without_env_values(message, value)
             value = redact_env_value(value)
-        self.problems.append(SpecProblem(key, show_value(value), message, allowed, line))
+        self.problems.append(SpecProblem(key, show_value(value), message, allowed, line, self.lines.where_of(key)))
         return INVALID
 
     def table(self, cls: type, raw: dict[str, Any], prefix: str) -> Any:
@@ -161,7 +164,11 @@ class _Walker:
         is_table = isinstance(value, dict)
         close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
         message = f"unknown {'table' if is_table else 'key'}"
-        if close:
+        # Another framework's name for one of ours says more than a near spelling of it.
+        peer = peer_hint(key)
+        if peer is not None:
+            message += f" ({peer})"
+        elif close:
             message += f' (did you mean "{close[0]}"?)'
         else:
             home = _owning_tables(name)
@@ -170,7 +177,7 @@ class _Walker:
         # A whole table is not worth printing; its header line is shown instead.
         value_shown = None if is_table else show_value(value)
         line = self.lines.line_of(key)
-        self.problems.append(SpecProblem(key, value_shown, message, _quoted(known), line))
+        self.problems.append(SpecProblem(key, value_shown, message, _quoted(known), line, self.lines.where_of(key)))
 
     def value(self, hint: Any, raw: object, key: str, checks: tuple[Check, ...] = ()) -> Any:
         """Check one value against its type hint and checks; the converted value, or INVALID."""
@@ -246,23 +253,26 @@ def _finite(value: float) -> float | None:
     return number if math.isfinite(number) else None
 
 
+def schema_keys(cls: type = JobSpec, prefix: str = "") -> Iterator[tuple[str, dataclasses.Field]]:
+    """(its table's path, its field) for every key of the schema that is not a table, depth first
+    ("" for the top level, "rollout.sglang" for a nested table)."""
+    hints = get_type_hints(cls)
+    for spec_field in dataclasses.fields(cls):
+        sub = _table_class(hints[spec_field.name])
+        if sub is not None:
+            yield from schema_keys(sub, f"{prefix}.{spec_field.name}" if prefix else spec_field.name)
+        else:
+            yield prefix, spec_field
+
+
 @functools.cache
 def _tables_by_key() -> dict[str, tuple[str, ...]]:
     """{key name: the tables of the schema that have it}, built once (get_type_hints is slow,
     and a spec with thousands of unknown keys asks once per key)."""
     found: dict[str, list[str]] = {}
-
-    def visit(cls: type, prefix: str) -> None:
-        hints = get_type_hints(cls)
-        for spec_field in dataclasses.fields(cls):
-            key = f"{prefix}.{spec_field.name}" if prefix else spec_field.name
-            sub = _table_class(hints[spec_field.name])
-            if sub is not None:
-                visit(sub, key)
-            elif prefix:
-                found.setdefault(spec_field.name, []).append(prefix)
-
-    visit(JobSpec, "")
+    for table, spec_field in schema_keys():
+        if table:
+            found.setdefault(spec_field.name, []).append(table)
     return {name: tuple(tables) for name, tables in found.items()}
 
 
@@ -313,7 +323,7 @@ def _nesting(value: object) -> int:
     return deepest
 
 
-def _parse_toml(text: str, source: str) -> dict[str, Any]:
+def parse_toml(text: str, source: str) -> dict[str, Any]:
     """tomllib.loads, with every way it can fail turned into a one-line SpecError."""
     if len(text) > MAX_SPEC_BYTES or len(text.encode("utf-8", "surrogatepass")) > MAX_SPEC_BYTES:
         raise _too_large(source)
@@ -338,18 +348,33 @@ def parse_spec(text: str, source: str = "<string>") -> JobSpec:
 
     ``source`` names the text in the report (normally the file path).
     """
-    raw = _parse_toml(text, source)
-    lines = LineIndex(text)
+    return check_tables(parse_toml(text, source), LineIndex(text), source)
+
+
+def check_tables(raw: dict[str, Any], lines: KeyLocator, source: str,
+                 problems: list[SpecProblem] | None = None) -> JobSpec:
+    """Validate parsed TOML tables; the JobSpec, or SpecError listing every problem.
+
+    ``lines`` places each problem (one file's LineIndex, or the origins of a composed spec);
+    ``problems`` are ones found before (a malformed override), reported with the rest.
+    """
     walker = _Walker(lines)
+    walker.problems.extend(problems or [])
     spec = walker.table(JobSpec, raw, "")
     resolved = Resolved(walker.resolved, INVALID)
     for check in CROSS_CHECKS:
         for problem in check(resolved):
-            walker.problems.append(dataclasses.replace(problem, line=lines.line_of(problem.key)))
+            key = problem.key
+            walker.problems.append(dataclasses.replace(problem, line=lines.line_of(key), where=lines.where_of(key)))
     if walker.problems:
-        # File order reads best; problems without a line (missing keys) go last.
-        ordered = sorted(walker.problems, key=lambda p: (p.line is None, p.line or 0))
-        raise SpecError(ordered, source)
+        # File order reads best (for composed specs: file by file, then the overrides);
+        # problems without a place (missing keys) go last.
+        def place(problem: SpecProblem) -> tuple[bool, tuple[int, int]]:
+            if problem.line is None and problem.where is None:
+                return True, (0, 0)
+            return False, lines.position(problem.key) or (0, problem.line or 0)
+
+        raise SpecError(sorted(walker.problems, key=place), source)
     assert isinstance(spec, JobSpec), "no problems were found, so every table resolved"
     return spec
 
@@ -369,6 +394,11 @@ def _read_capped(path: str | Path) -> bytes:
 
 def load_spec(path: str | Path) -> JobSpec:
     """Read and validate a TOML job spec file; SpecError names the path on any problem."""
+    return parse_spec(read_spec_text(path), str(path))
+
+
+def read_spec_text(path: str | Path) -> str:
+    """The text of a spec file; SpecError (naming the path) when it is missing, too large or not UTF-8."""
     source = str(path)
     try:
         data = _read_capped(path)
@@ -386,4 +416,4 @@ def load_spec(path: str | Path) -> JobSpec:
     except UnicodeDecodeError as error:
         message = f"not UTF-8 text (byte {error.start}); TOML files must be UTF-8"
         raise _file_problem(message, source) from None
-    return parse_spec(text, source)
+    return text

@@ -33,7 +33,8 @@ def test_run_of_the_embedded_spec_from_any_directory(wheel_venv: tuple[Path, dic
     relax_hpc = str(bin_dir / "relax-hpc")
     shown = _check([relax_hpc, "show", "tiny_local"], tmp_path, env).stdout
     spec = tmp_path / "tiny_short.toml"  # the embedded spec with 3 steps, its data still in the wheel
-    spec.write_text(re.sub(r"(?m)^steps = \d+$", "steps = 3", shown))
+    # (show notes where each given value came from: "steps = 400  # .../tiny_local.toml:38")
+    spec.write_text(re.sub(r"(?m)^steps = \d+(  # .*)?$", "steps = 3", shown))
     env = {**env, "RELAX_HPC_PROGRESS_EVERY_S": "0"}
     done = _check([relax_hpc, "run", str(spec)], tmp_path, env)
     summary = json.loads((tmp_path / "runs" / "tiny_local" / "summary.json").read_text())

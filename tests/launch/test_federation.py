@@ -196,7 +196,7 @@ def test_grow_submits_and_records_the_grow_job(job: tuple[Path, FakeSlurmClient]
     assert main(["grow", str(job_dir), "--engines", "2", "--partition", "preempt", "--preemptible"]) == 0
     out = capsys.readouterr().out
     assert "submitted grow job 2000: 2 engine(s) on 1 node(s) for job 1000 (partition preempt, preemptible)" in out
-    assert "relax-hpc shrink 1000 --job 2000" in out
+    assert "relax-hpc shrink 1000 --grow-job 2000" in out
     grow_id, script, _ = fake.submitted[-1]
     assert grow_id == "2000" and "#SBATCH --job-name=s-grow" in script and "MAIN_JOB=1000" in script
     assert [j["job_id"] for j in read_grow_jobs(job_dir)] == ["2000"]

@@ -187,8 +187,8 @@ def test_step_summary_arithmetic() -> None:
     assert (s.rows, s.ranks, s.mean_reward, s.mean_response_length) == (4, 1, 0.375, 1.75)
     assert s.weight_versions == (2, 3, 4)
     assert (s.staleness_min, s.staleness_mean, s.staleness_max) == (0, 1.0, 2)
-    line = format_summaries([s]).splitlines()[1].split()
-    assert line == ["4", "4", "1", "0.375", "0.750", "1.75", "2,3,4", "0/1.00/2"]
+    line = format_summaries([s]).splitlines()[1].split()  # archive step 4 is training step 5
+    assert line == ["5", "4", "1", "0.375", "0.750", "1.75", "2,3,4", "0/1.00/2"]
 
 
 def _spec(model_dir: Path, job: Path, steps: int) -> str:
@@ -253,15 +253,15 @@ def test_run_then_inspect(tiny_model_dir: Path, tmp_path: Path, capsys: pytest.C
     assert main(["inspect", str(job)]) == 0
     out = capsys.readouterr().out
     lines = out.splitlines()
-    assert "5 step(s) (0-4), 1280 rows" in lines[0]
+    assert "5 step(s) (1-5), 1280 rows" in lines[0]  # counted as metrics.jsonl counts them
     table = [line.split() for line in lines[2:]]
-    assert [(t[0], t[1], t[6], t[7]) for t in table] == [
-        (str(s), "256", str(s), "0/0.00/0") for s in range(5)]
+    assert [(t[0], t[1], t[6], t[7]) for t in table] == [  # step N trained weights of version N - 1
+        (str(s + 1), "256", str(s), "0/0.00/0") for s in range(5)]
 
-    assert main(["inspect", str(job), "--step", "2", "--samples", "3"]) == 0
+    assert main(["inspect", str(job), "--step", "3", "--samples", "3"]) == 0
     out = capsys.readouterr().out
-    assert "1 step(s) (2), 256 rows" in out
-    assert "3 example sample(s) of step 2:" in out
+    assert "1 step(s) (3), 256 rows" in out
+    assert "3 example sample(s) of step 3:" in out and "[step 3 rank 0 " in out
     assert out.count("  prompt:   '") == 3  # decoded with the job's tokenizer, as strings
     assert "+" in out and "=" in out  # the tiny task's prompts look like "3+4="
 

@@ -243,7 +243,7 @@ def test_a_finished_run_shows_its_state_and_roles_ended(tmp_path: Path) -> None:
     status.set_roles({"rollout": {"state": "running", "restarts": 0}})
     status.set_state("finished", "all 4 steps")
     lines = status_lines(tmp_path)
-    assert lines[1].startswith("  state      finished: all 4 steps  (updated ")
+    assert lines[1].startswith("  state      finished at ") and lines[1].endswith(" ago): all 4 steps")
     assert _role_line(lines, "rollout").split()[1] == "ended"
     assert "checkpoint none yet" in "\n".join(lines)
 

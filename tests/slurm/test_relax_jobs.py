@@ -218,8 +218,10 @@ def test_a_wheel_install_submits_the_embedded_spec_from_any_directory(
     """`relax-hpc submit tiny_slurm` from a non-editable install, run away from the checkout."""
     bin_dir, env = wheel_venv
     env = {k: v for k, v in env.items() if k != "RELAX_HPC_SBATCH_DIR"}  # the template from the wheel
+    # Without the caller's PYTHONPATH: a checkout on it would shadow the wheel's package.
+    slurm_env = {k: v for k, v in dev_slurm.env().items() if k != "PYTHONPATH"}
     done = subprocess.run([str(bin_dir / "relax-hpc"), "submit", "tiny_slurm"], capture_output=True, text=True,
-                          cwd=tmp_path, timeout=300, env={**dev_slurm.env(), **env}, check=False)
+                          cwd=tmp_path, timeout=300, env={**slurm_env, **env}, check=False)
     assert done.returncode == 0, done.stderr
     found = re.search(r"submitted job (\d+)", done.stdout)
     assert found, done.stdout
@@ -229,4 +231,5 @@ def test_a_wheel_install_submits_the_embedded_spec_from_any_directory(
     finally:
         dev_slurm.slurm("scancel", job_id)
     dev_slurm.wait_job_done(job_id, timeout=120)
-    assert str(bin_dir.parent) in (job_dir / "spec.toml").read_text()  # [data] path inside the wheel's install
+    spec_text = (job_dir / "spec.toml").read_text()
+    assert str(bin_dir.parent) in spec_text, spec_text  # [data] path inside the wheel's install
