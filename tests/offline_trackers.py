@@ -1,4 +1,4 @@
-"""For the tracker tests: a sandbox that proves the W&B and ClearML sinks stay offline and out
+"""For the tracker tests: a sandbox that proves the W&B, ClearML and MLflow sinks stay offline and out
 of the home directory, and skip marks naming the package a test needs."""
 
 from __future__ import annotations
@@ -18,10 +18,13 @@ needs_wandb = pytest.mark.skipif(find_spec("wandb") is None,
                                  reason="wandb is not installed (pip install 'relax-hpc[trackers]')")
 needs_clearml = pytest.mark.skipif(find_spec("clearml") is None,
                                    reason="clearml is not installed (pip install 'relax-hpc[trackers]')")
+needs_mlflow = pytest.mark.skipif(find_spec("mlflow") is None,
+                                  reason="mlflow is not installed (pip install 'relax-hpc[trackers]')")
 
 # What the sinks set in os.environ; put back after each test.
 TRACKER_ENV = ("WANDB_MODE", "WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR", "WANDB_CONFIG_DIR",
-               "CLEARML_CACHE_DIR", "CLEARML_OFFLINE_MODE", "CLEARML_CONFIG_FILE")
+               "CLEARML_CACHE_DIR", "CLEARML_OFFLINE_MODE", "CLEARML_CONFIG_FILE", "MLFLOW_ALLOW_FILE_STORE",
+               "MLFLOW_DISABLE_TELEMETRY")
 
 
 def _is_local(address: Any) -> bool:

@@ -5,13 +5,14 @@
     relax-hpc show SPEC         print the fully resolved spec (every default filled in)
     relax-hpc make-tiny DIR     write the tiny Qwen3-architecture model + tokenizer (--kind vl|omni:
                                 a tiny Qwen2.5/3-VL or Qwen2.5/3-Omni with processor configs)
-    relax-hpc plot JOBDIR       (re)draw JOBDIR/reward_curve.png from JOBDIR/metrics.jsonl
+    relax-hpc plot JOBDIR       (re)draw JOBDIR/reward_curve.png and plots.png from JOBDIR/metrics.jsonl
     relax-hpc inspect JOBDIR    per-step summaries (and example samples) of the trajectory archive;
                                 --check-exactly-once: was every planned sample trained once?
     relax-hpc serve-engine DIR  serve a model over HTTP (SGLang's /generate subset); prints the URL
     relax-hpc render SPEC       print the heterogeneous sbatch script of a spec (no side effects)
-    relax-hpc submit SPEC       submit it to Slurm; status | logs | cancel JOB; convert JOBDIR OUT
-    relax-hpc status JOBDIR     a run's state, step, reward, samples/s, roles' health, restarts (--watch)
+    relax-hpc submit SPEC       submit it to Slurm (--dry-run: ask Slurm when and where it would start, submit
+                                nothing); status | logs | cancel JOB; convert JOBDIR OUT
+    relax-hpc status JOB        a run's state, step, reward, samples/s, roles' health, restarts (--watch)
     relax-hpc grow JOB          add rollout engines to a running job from another Slurm job (render --grow
                                 shows its script); shrink JOB drains engines away (docs/federation.md)
     relax-hpc rehearse SPEC     run a production spec at its real layout with a tiny model of its architecture:
@@ -21,6 +22,10 @@
 
 SPEC is a TOML file, or the name of a spec shipped in the package (tiny_local, tiny_slurm),
 so an installed wheel runs `relax-hpc run tiny_local` from any directory (relax_hpc/jobspecs/).
+run, validate, show, render, submit and rehearse take several, merged left to right, and
+--set KEY=VALUE on top (relax_hpc/jobspecs/spec_args.py; docs/spec.md, "Several files and --set overrides").
+JOB is a Slurm job id or a job directory, JOBDIR a job directory. `relax-hpc --version` prints
+the installed version. Commands that need no tensors import neither torch nor Ray.
 """
 
 from __future__ import annotations
@@ -34,14 +39,19 @@ from pathlib import Path
 from typing import Callable
 
 from relax_hpc.jobspecs import resolve_spec_path, with_embedded_inputs
+from relax_hpc.jobspecs.spec_args import add_spec_arguments, load_spec_args
 from relax_hpc.launch import commands as slurm_commands
 from relax_hpc.launch.federation import SlurmGrowSubmitter
 from relax_hpc.launch.slurm_client import SlurmError
 from relax_hpc.models.mm_archs import TINY_MM_ARCHS, is_omni
 from relax_hpc.spec import JobSpec, SpecError, load_spec, spec_to_toml
+from relax_hpc.spec.compose import annotate_origins
 from relax_hpc.spec.model_fit import check_model_fit, memory_report
 
 EXIT_BAD_INPUT = 2
+# One name per kind of positional, whichever command takes it, so usage lines and help agree:
+# a spec is SPEC, a Slurm job id or job directory is JOB, a job directory alone is JOBDIR.
+POSITIONAL_NAMES = {"spec": "SPEC", "job": "JOB", "job_dir": "JOBDIR"}
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
@@ -50,12 +60,13 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     from relax_hpc.media.plan import check_media_plan
     from relax_hpc.ops.notify import redact_url
 
-    spec = load_spec(args.spec)
-    check_backend_support(spec, args.spec)  # what the trainer would refuse of the model at start
-    shape = check_model_fit(spec, args.spec)
-    media = check_media_plan(spec, args.spec)
+    composed = load_spec_args(args)
+    spec, source = composed.spec, composed.label
+    check_backend_support(spec, source)  # what the trainer would refuse of the model at start
+    shape = check_model_fit(spec, source)
+    media = check_media_plan(spec, source)
     check_notify(spec)  # ValueError (exit 2): a URL Apprise refuses, a urls_file others can read
-    print(f"{args.spec}: ok (job '{spec.job.name}', {spec.train.steps} steps, "
+    print(f"{source}: ok (job '{spec.job.name}', {spec.train.steps} steps, "
           f"algorithm {spec.algorithm.name}, mode {spec.job.mode})")
     for line in media.lines:
         print(line)
@@ -79,7 +90,9 @@ def _count(number: float) -> str:
 
 def _cmd_show(args: argparse.Namespace) -> int:
     # An embedded spec shows its data path in the package: the output runs from anywhere.
-    print(spec_to_toml(with_embedded_inputs(load_spec(args.spec), args.spec)), end="")
+    # Each value given in a file or by --set is followed by where: "# base.toml:12", "# --set".
+    composed = load_spec_args(args)
+    print(annotate_origins(spec_to_toml(composed.spec), composed.origins), end="")
     return 0
 
 
@@ -94,7 +107,7 @@ def _grow_submitter(spec: JobSpec, ray_address: str | None) -> SlurmGrowSubmitte
 def _cmd_run(args: argparse.Namespace) -> int:
     from relax_hpc.driver.run import run_job
 
-    spec = with_embedded_inputs(load_spec(args.spec), args.spec)
+    spec = load_spec_args(args).spec
     if args.start_over:  # this run only: the next one resumes from what this one saves
         spec = dataclasses.replace(spec, checkpoint=dataclasses.replace(spec.checkpoint, resume=False))
     report = run_job(spec, in_process=args.in_process, ray_address=args.ray_address,
@@ -140,11 +153,17 @@ def _cmd_make_tiny(args: argparse.Namespace) -> int:
 
 
 def _cmd_plot(args: argparse.Namespace) -> int:
-    from relax_hpc.ops.plot import plot_reward_curve
+    from relax_hpc.ops.plot import plot_run
 
     job_dir = Path(args.job_dir)
-    out = plot_reward_curve(job_dir / "metrics.jsonl", job_dir / "reward_curve.png", job_dir.name)
-    print(f"wrote {out}")
+    metrics = job_dir / "metrics.jsonl"
+    if not metrics.is_file():
+        raise FileNotFoundError(f"{metrics} does not exist: give the job directory of a run "
+                                "(its [job] output_dir) that has [metrics] jsonl = true")
+    drawn = plot_run(metrics, job_dir, job_dir.name)
+    missing = [name for name, recorded in drawn.recorded.items() if not recorded]
+    print(f"wrote {drawn.reward_curve} and {drawn.panels_png}"
+          + (f" (not recorded in this run: {', '.join(missing)})" if missing else ""))
     return 0
 
 
@@ -307,8 +326,8 @@ def _cmd_rehearse(args: argparse.Namespace) -> int:
     """Exit 0 when the rehearsal passed, 1 when a stage failed (2, via main, on a bad spec)."""
     from relax_hpc.launch.rehearse import rehearse
 
-    spec = with_embedded_inputs(load_spec(args.spec), args.spec)
-    return rehearse(spec, args.spec, steps=args.steps, device=args.device, arch=args.arch,
+    composed = load_spec_args(args)
+    return rehearse(composed.spec, composed.label, steps=args.steps, device=args.device, arch=args.arch,
                     out=Path(args.out) if args.out else None, run_timeout_s=args.run_timeout_s)
 
 
@@ -325,7 +344,7 @@ def _add_rehearse_parser(sub: argparse._SubParsersAction) -> None:  # type: igno
                     "runs --steps steps, resumes one more step in a second run, exports to Hugging Face, and "
                     "ends with 'rehearsal passed: SPEC (N steps, K changes)' or the first failure with its role. "
                     "docs/rehearsal.md.")
-    p.add_argument("spec", help="the job spec (a file, or an embedded spec's name)")
+    add_spec_arguments(p)
     p.add_argument("--steps", type=int, default=DEFAULT_STEPS,
                    help=f"steps of the first run (default {DEFAULT_STEPS}); the resume run trains one more")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
@@ -345,19 +364,51 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
+def package_version() -> str:
+    """The installed distribution's version; a checkout that was never installed has only the module's."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("relax-hpc")
+    except PackageNotFoundError:
+        from relax_hpc import __version__
+
+        return __version__
+
+
+class _VersionAction(argparse.Action):
+    """`--version`: looks the version up only when asked, so building the parser stays instant."""
+
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS, help: str | None = None) -> None:
+        super().__init__(option_strings, dest=dest, default=argparse.SUPPRESS, nargs=0, help=help)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
+                 option_string: str | None = None) -> None:
+        print(f"relax-hpc {package_version()}")
+        parser.exit()
+
+
+def _name_positionals(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Give every command's positionals their kind's name (POSITIONAL_NAMES)."""
+    for command in sub.choices.values():
+        for action in command._actions:
+            if not action.option_strings and action.dest in POSITIONAL_NAMES:
+                action.metavar = POSITIONAL_NAMES[action.dest]
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="relax-hpc",
         description="Asynchronous, agentic RL post-training for LLMs, packaged for Slurm clusters.",
     )
+    parser.add_argument("--version", action=_VersionAction, help="print relax-hpc's version and exit")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("run", help="train a job spec on this machine (resumes from its checkpoints)")
-    p.add_argument("spec", help="path to the TOML job spec, e.g. jobspecs/tiny_local.toml, or an "
-                                "embedded spec's name (tiny_local)")
+    add_spec_arguments(p)
     p.add_argument("--in-process", action="store_true",
                    help="run every role in this process instead of Ray actors (debugging)")
-    p.add_argument("--ray-address", default=None,
+    p.add_argument("--ray-address", default=None, metavar="ADDRESS",
                    help="join an existing Ray cluster (default: start a local one)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--start-over", action="store_true",
@@ -367,16 +418,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_run)
 
     p = sub.add_parser("validate", help="check a job spec; exit 2 with every problem listed")
-    p.add_argument("spec")
+    add_spec_arguments(p)
     p.set_defaults(func=_cmd_validate)
 
-    p = sub.add_parser("show", help="print the fully resolved job spec")
-    p.add_argument("spec")
+    p = sub.add_parser("show", help="print the fully resolved job spec, each given value followed by where "
+                                    "it came from (# FILE:LINE, # --set)")
+    add_spec_arguments(p)
     p.set_defaults(func=_cmd_show)
 
     p = sub.add_parser("make-tiny", help="write a tiny Qwen3-architecture model + tokenizer to DIR "
                                          "(--kind vl|omni: a tiny multimodal one)")
-    p.add_argument("dir")
+    p.add_argument("dir", metavar="DIR", help="the directory to write (must not exist yet)")
     p.add_argument("--kind", choices=("text", "vl", "omni"), default=None,
                    help="text: the tiny Qwen3 text model (default, unless --arch says otherwise); vl: a vision-language model "
                         f"(default --arch {TINY_DEFAULT_ARCH['vl']}); omni: the full omni model, audio "
@@ -386,16 +438,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=1, help="initialisation seed (default 1)")
     p.set_defaults(func=_cmd_make_tiny)
 
-    p = sub.add_parser("plot", help="draw JOBDIR/reward_curve.png from JOBDIR/metrics.jsonl")
-    p.add_argument("job_dir")
+    p = sub.add_parser("plot", help="draw JOBDIR/reward_curve.png and JOBDIR/plots.png (reward, losses, KL, "
+                                    "entropy, response length, step time, samples/s) from JOBDIR/metrics.jsonl")
+    p.add_argument("job_dir", help="the job directory (the spec's [job] output_dir, e.g. runs/tiny_local)")
     p.set_defaults(func=_cmd_plot)
 
     p = sub.add_parser("inspect", help="summarise JOBDIR's trajectory archive per step; --samples K shows examples; "
                                        "--check-exactly-once checks no sample was trained twice or lost")
-    p.add_argument("job_dir")
-    p.add_argument("--step", type=int, default=None,
-                   help="only this rollout step (from 0; metrics.jsonl step - 1)")
-    p.add_argument("--samples", type=int, default=0,
+    p.add_argument("job_dir", help="the job directory whose trajectories/ to read")
+    p.add_argument("--step", type=int, default=None, metavar="N",
+                   help="only step N, counted from 1 as in metrics.jsonl and `relax-hpc status`")
+    p.add_argument("--samples", type=int, default=0, metavar="K",
                    help="also print K example samples of --step (default: the last step), decoded "
                         "with the job's tokenizer when it loads")
     p.add_argument("--check-exactly-once", action="store_true",
@@ -405,7 +458,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_inspect)
 
     p = sub.add_parser("serve-engine", help="serve MODEL_DIR over HTTP (POST /generate, GET /health); prints the URL")
-    p.add_argument("model_dir", help="local Hugging Face model directory")
+    p.add_argument("model_dir", metavar="MODEL_DIR", help="local Hugging Face model directory")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default 127.0.0.1; 0.0.0.0 for all, with a warning: plain HTTP "
                         "shows the bearer token to anyone watching the network)")
@@ -414,7 +467,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "~/.relax-hpc/engine-<host>-<port>.token); the token is the job's when "
                         "RELAX_HPC_SECRET_FILE is set, else new for this run")
     p.add_argument("--port", type=int, default=0, help="port (default 0: a free one, printed at start)")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                   help="the weights' dtype on the device (default float32)")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0 (default cpu)")
     p.add_argument("--weights-root", default=None, metavar="DIR",
                    help="take new weights by POST /update_weights_from_disk from directories under DIR (the "
@@ -438,6 +492,7 @@ def build_parser() -> argparse.ArgumentParser:
     slurm_commands.add_parsers(sub)  # render, submit, status, logs, cancel, convert, grow, shrink
     _add_faults_parser(sub)
     _add_rehearse_parser(sub)
+    _name_positionals(sub)
     return parser
 
 

@@ -7,8 +7,10 @@ Job directory layout (`[job] output_dir`, default runs/<name>):
     metrics.jsonl        one record per step (appended across restarts)
     tensorboard/         TensorBoard event files
     wandb/, clearml/     the W&B run and ClearML sessions, offline ([metrics] wandb_project, clearml_project)
+    mlflow/              the MLflow run's id and, by default, its file store ([metrics] mlflow_experiment)
     trajectories/        trained samples, rank<r>/step_N.h5 ([metrics] trajectory_archive)
-    reward_curve.png     written at the end
+    reward_curve.png     the reward per step; plots.png: reward, losses, KL, entropy, lengths, step time,
+                         samples/s; redrawn every [metrics] plot_every_steps and at the end
     summary.json         the final numbers, written at the end
     cluster.json         the REST API's URL while the run lives (and, on Slurm, the Ray head)
     federation/          grow jobs and the weight versions written for their engines (docs/federation.md)
@@ -65,11 +67,11 @@ from relax_hpc.ops.health import (
 )
 from relax_hpc.ops.heap import settle_heap
 from relax_hpc.ops.metrics import FanOut, JsonlSink, MetricsSink, TensorBoardSink
-from relax_hpc.ops.plot import plot_reward_curve
+from relax_hpc.ops.plot import PlotWriter, RunPlots, plot_run
 from relax_hpc.ops.progress import make_progress
 from relax_hpc.ops.ray_node_env import apply_ray_node_env
 from relax_hpc.ops.run_status import RunStatus
-from relax_hpc.ops.trackers import ClearMLSink, WandbSink, require_trackers
+from relax_hpc.ops.trackers import ClearMLSink, MlflowSink, WandbSink, require_trackers
 from relax_hpc.roles.actor import ActorConfig
 from relax_hpc.roles.advantages import AdvantagesConfig
 from relax_hpc.roles.forward import OUTPUT_FIELD, ForwardConfig
@@ -123,7 +125,7 @@ def check_backends_available(spec: JobSpec) -> None:
     check_model_fit(spec, "the job spec")
     check_media_plan(spec, "the job spec")
     check_notify(spec)  # [notify] URLs Apprise refuses, a urls_file others can read
-    require_trackers(spec.metrics)  # [metrics] wandb_project / clearml_project without their package
+    require_trackers(spec.metrics)  # [metrics] wandb_project / clearml_project / mlflow_experiment, no package
 
 
 def shares_devices(spec: JobSpec) -> bool:
@@ -221,7 +223,8 @@ def prepare_job_dir(spec: JobSpec) -> Path:
         make_private_dir(job_dir / "tensorboard")
     if spec.metrics.trajectory_archive:
         make_private_dir(archive_dir(job_dir))
-    for tracker, key in (("wandb", spec.metrics.wandb_project), ("clearml", spec.metrics.clearml_project)):
+    for tracker, key in (("wandb", spec.metrics.wandb_project), ("clearml", spec.metrics.clearml_project),
+                         ("mlflow", spec.metrics.mlflow_experiment)):
         if key:
             make_private_dir(job_dir / tracker)
     return job_dir
@@ -275,7 +278,23 @@ def make_sinks(spec: JobSpec, job_dir: Path) -> FanOut:
                                               m.wandb_mode)
     if clearml_project := m.clearml_project:
         builders["clearml"] = lambda: ClearMLSink(clearml_project, spec.job.name, job_dir)
+    if mlflow_experiment := m.mlflow_experiment:
+        builders["mlflow"] = lambda: MlflowSink(mlflow_experiment, spec.job.name, spec_to_dict(spec), job_dir,
+                                                m.mlflow_tracking_uri)
     return FanOut.open(builders)
+
+
+def draw_plots(spec: JobSpec, job_dir: Path) -> RunPlots:
+    """JOBDIR/reward_curve.png and plots.png from metrics.jsonl, owner-only like the job's files."""
+    return plot_run(job_dir / "metrics.jsonl", job_dir, spec.job.name, mode=PRIVATE_FILE_MODE)
+
+
+def make_plot_writer(spec: JobSpec, job_dir: Path) -> PlotWriter:
+    """Redraws the plots every `[metrics] plot_every_steps` on its own thread (never when the
+    plots or metrics.jsonl are off)."""
+    m = spec.metrics
+    every = m.plot_every_steps if m.plot and m.jsonl else 0
+    return PlotWriter(every, lambda: draw_plots(spec, job_dir))
 
 
 def install_stop_handlers(stop: StopFlag) -> None:
@@ -436,6 +455,7 @@ def run_authenticated(spec: JobSpec, job_dir: Path, in_process: bool, ray_addres
     status.set_state("running")
     print(f"REST API: {rest.url} (cluster.json; docs/federation.md)", file=sys.stderr)
     metrics = make_sinks(spec, job_dir)
+    plots = make_plot_writer(spec, job_dir)
     # A bar on a terminal; in a Slurm log (not a terminal) one line every N seconds.
     bar = make_progress(spec.train.steps, spec.job.name, enabled=progress)
 
@@ -451,6 +471,7 @@ def run_authenticated(spec: JobSpec, job_dir: Path, in_process: bool, ray_addres
     def on_step(step: int, m: dict[str, float]) -> None:
         settle_heap()  # once, after the first step; this process also hosts the queue server
         bar.update(step, m["reward/mean"], m["time/step_s"])
+        plots.on_step(step)  # starts a draw on the writer's thread, or skips it: never waits
         status.on_step(step, m, int(m.get("samples/step", 0)))
         if healer is not None:
             status.set_roles(healer.role_states())
@@ -484,6 +505,7 @@ def run_authenticated(spec: JobSpec, job_dir: Path, in_process: bool, ray_addres
         rest.stop()
         publish_rest_url(job_dir, None)
         bar.close()
+        plots.close()  # a draw in progress finishes before the final one below
         metrics.close()
         roles.shutdown()
         if not in_process:
@@ -492,8 +514,7 @@ def run_authenticated(spec: JobSpec, job_dir: Path, in_process: bool, ray_addres
             ray.shutdown()
     curve = None
     if spec.metrics.plot and spec.metrics.jsonl and result.end_step > 0:
-        curve = plot_reward_curve(job_dir / "metrics.jsonl", job_dir / "reward_curve.png", spec.job.name)
-        os.chmod(curve, PRIVATE_FILE_MODE)
+        curve = draw_plots(spec, job_dir).reward_curve
     report = RunReport(job_dir, result, time.perf_counter() - t_start, curve)
     summary = {"summary": report.summary_line(), "start_step": result.start_step,
                "end_step": result.end_step, "samples_trained": result.samples_trained,

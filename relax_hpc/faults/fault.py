@@ -112,7 +112,7 @@ def derive_spec(spec: JobSpec, faults: Fault | Sequence[Fault], job_dir: Path, s
         checkpoint=dataclasses.replace(spec.checkpoint, save_interval=SAVE_INTERVAL,
                                        keep_last=max(2, spec.checkpoint.keep_last), resume=True),
         metrics=dataclasses.replace(spec.metrics, trajectory_archive=True, plot=False, wandb_project=None,
-                                    clearml_project=None),
+                                    clearml_project=None, mlflow_experiment=None),
         notify=NotifySpec(),
         health=dataclasses.replace(spec.health, heartbeat_s=HEARTBEAT_S, stale_s=STALE_S),
     )

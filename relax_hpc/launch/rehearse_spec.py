@@ -328,9 +328,10 @@ def _sglang_python(spec: JobSpec, rollout: Any, machine: Machine, changes: list[
 
 def _metrics(spec: JobSpec, changes: list[Change]) -> Any:
     m = spec.metrics
-    for key, value in (("wandb_project", m.wandb_project), ("clearml_project", m.clearml_project)):
+    for key, value in (("wandb_project", m.wandb_project), ("clearml_project", m.clearml_project),
+                       ("mlflow_experiment", m.mlflow_experiment)):
         _changed(changes, f"metrics.{key}", value, None, "a rehearsal's numbers are not the run's: no tracker")
-    return dataclasses.replace(m, wandb_project=None, clearml_project=None)
+    return dataclasses.replace(m, wandb_project=None, clearml_project=None, mlflow_experiment=None)
 
 
 def _notify(spec: JobSpec, changes: list[Change]) -> NotifySpec:

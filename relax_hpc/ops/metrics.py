@@ -150,12 +150,24 @@ def _names_by_class(sinks: Sequence[MetricsSink]) -> dict[str, MetricsSink]:
     return named
 
 
-def read_metrics(path: Path) -> list[dict[str, float]]:
-    """Read a metrics JSONL; when a resumed run repeated a step, its last record wins."""
+def read_metrics(path: Path, *, partial_last_line_ok: bool = False) -> list[dict[str, float]]:
+    """Read a metrics JSONL; when a resumed run repeated a step, its last record wins.
+
+    `partial_last_line_ok`: the file is being written (a plot drawn during the run), so a last
+    line without its newline may be a record cut short; it is left out when it does not parse.
+    """
     by_step: dict[int, dict[str, float]] = {}
-    if path.is_file():
-        for line in path.read_text(encoding="utf-8").splitlines():
-            if line.strip():
-                row = json.loads(line)
-                by_step[int(row["step"])] = row
+    text = path.read_text(encoding="utf-8") if path.is_file() else ""
+    lines = text.splitlines()
+    unfinished = lines.pop() if partial_last_line_ok and lines and not text.endswith("\n") else None
+    for line in lines:
+        if line.strip():
+            row = json.loads(line)
+            by_step[int(row["step"])] = row
+    if unfinished is not None:
+        try:
+            row = json.loads(unfinished)
+            by_step[int(row["step"])] = row
+        except ValueError:
+            pass  # the rest of it is still being written
     return [by_step[s] for s in sorted(by_step)]

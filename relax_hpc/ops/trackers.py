@@ -1,10 +1,11 @@
-"""Experiment-tracker sinks: Weights & Biases and ClearML, offline by default.
+"""Experiment-tracker sinks: Weights & Biases, ClearML and MLflow, offline by default.
 
-Both write only into the job directory (`JOBDIR/wandb`, `JOBDIR/clearml`), never into the home
-directory, and need no server, network or credentials offline; the runs are uploaded later
-(docs/operations.md, "Metrics sinks"). This is the only module that imports wandb or clearml.
-`read_wandb_history` and `read_clearml_scalars` read back what the sinks wrote, to check an
-offline run before uploading it (and for the tests).
+Offline, each writes only into the job directory (`JOBDIR/wandb`, `JOBDIR/clearml`,
+`JOBDIR/mlflow`), never into the home directory, and needs no server, network or credentials;
+the runs are uploaded later (docs/operations.md, "Metrics sinks"). This is the only module that
+imports wandb, clearml or mlflow. `read_wandb_history`, `read_clearml_scalars` and
+`read_mlflow_history` read back what the sinks wrote, to check an offline run before uploading
+it (and for the tests).
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import json
+import logging
 import os
+import re
 import secrets
 import signal
 import string
@@ -24,11 +27,14 @@ import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit, urlunsplit
 
 from relax_hpc.spec.schema import MetricsSpec
 
-# (spec key, package, what to install) for each tracker.
-TRACKER_PACKAGES = (("wandb_project", "wandb"), ("clearml_project", "clearml"))
+log = logging.getLogger(__name__)
+
+# (spec key that turns it on, package) for each tracker.
+TRACKER_PACKAGES = (("wandb_project", "wandb"), ("clearml_project", "clearml"), ("mlflow_experiment", "mlflow"))
 
 
 def require_trackers(metrics: MetricsSpec) -> None:
@@ -179,6 +185,108 @@ class ClearMLSink:
             _zip_folder(self.session, archive)
 
 
+# MLflow refuses its file store unless this is set (it is in maintenance mode there, still
+# supported); offline on a compute node it is the store that needs no server and no database.
+# Telemetry off: a run reports to no one but its own store.
+MLFLOW_OFFLINE_ENV = {"MLFLOW_ALLOW_FILE_STORE": "true", "MLFLOW_DISABLE_TELEMETRY": "true"}
+# What MLflow takes in one log_batch call, and the longest param value it keeps.
+_MLFLOW_BATCH_METRICS, _MLFLOW_BATCH_PARAMS, _MLFLOW_PARAM_CHARS = 1000, 100, 6000
+_MLFLOW_BAD_NAME_CHARS = re.compile(r"[^\w./\- :]")
+
+
+def default_mlflow_uri(directory: Path) -> str:
+    """The file store a run uses when `[metrics] mlflow_tracking_uri` is unset."""
+    return (directory / "mlflow" / "mlruns").absolute().as_uri()
+
+
+def without_credentials(uri: str) -> str:
+    """`uri` with a user name and password in it shown as `***` (they belong in
+    MLFLOW_TRACKING_USERNAME / _PASSWORD / _TOKEN, not in the spec)."""
+    parts = urlsplit(uri)
+    if "@" not in parts.netloc:
+        return uri
+    return urlunsplit(parts._replace(netloc="***@" + parts.netloc.rpartition("@")[2]))
+
+
+def flat_params(tables: dict[str, Any], prefix: str = "") -> dict[str, str]:
+    """The resolved spec as MLflow params: `rollout.max_new_tokens` -> "4"; lists as JSON, unset
+    keys left out, values cut to what MLflow keeps. The tracking URI's credentials are hidden."""
+    out: dict[str, str] = {}
+    for key, value in tables.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(flat_params(value, f"{name}."))
+        elif value is not None:
+            text = json.dumps(value) if isinstance(value, (list, tuple)) else str(value)
+            if name == "metrics.mlflow_tracking_uri":
+                text = without_credentials(text)
+            out[name] = text[:_MLFLOW_PARAM_CHARS]
+    return out
+
+
+def mlflow_metric_name(name: str) -> str:
+    """`name` as MLflow accepts it: characters it refuses become "_"."""
+    return _MLFLOW_BAD_NAME_CHARS.sub("_", name)
+
+
+class MlflowSink:
+    """An MLflow run in experiment `experiment`; by default in a file store under
+    `directory/mlflow/mlruns`, which needs no server, network or credentials.
+
+    The run id is kept in `directory/mlflow/run_id`, so a requeued job continues the same run (a
+    step trained again is logged again: its history then holds both values, the later last).
+    The run's params are the resolved spec's keys; a key whose value changed since the run
+    began keeps its first value (MLflow params cannot change) and a warning names it.
+    """
+
+    def __init__(self, experiment: str, run_name: str, spec_tables: dict[str, Any], directory: Path,
+                 tracking_uri: str | None = None) -> None:
+        root = directory / "mlflow"
+        root.mkdir(parents=True, exist_ok=True)
+        os.environ.update(MLFLOW_OFFLINE_ENV)  # read when mlflow is imported and its store opened
+        from mlflow.entities import Param
+        from mlflow.exceptions import MlflowException
+        from mlflow.tracking import MlflowClient
+
+        self.tracking_uri = tracking_uri or default_mlflow_uri(directory)
+        self._client = MlflowClient(tracking_uri=self.tracking_uri)
+        found = self._client.get_experiment_by_name(experiment)
+        experiment_id = found.experiment_id if found else self._client.create_experiment(experiment)
+        id_file = root / "run_id"
+        run = None
+        if id_file.is_file():
+            try:
+                run = self._client.get_run(id_file.read_text(encoding="utf-8").strip())
+            except MlflowException:
+                run = None  # another store (the URI changed) or a deleted run: start a new one
+        if run is None or run.info.experiment_id != experiment_id:
+            run = self._client.create_run(experiment_id, run_name=run_name)
+            _write_new_text(id_file, run.info.run_id + "\n")
+        else:
+            self._client.update_run(run.info.run_id, status="RUNNING")
+        self.run_id: str = run.info.run_id
+        logged = run.data.params
+        params = flat_params(spec_tables)
+        changed = sorted(k for k, v in params.items() if k in logged and logged[k] != v)
+        if changed:
+            log.warning("MLflow run %s keeps the first values of params %s: MLflow params cannot change "
+                        "(spec.toml has this run's)", self.run_id, ", ".join(changed))
+        new = [Param(k, v) for k, v in params.items() if k not in logged]
+        for i in range(0, len(new), _MLFLOW_BATCH_PARAMS):
+            self._client.log_batch(self.run_id, params=new[i:i + _MLFLOW_BATCH_PARAMS])
+
+    def log(self, step: int, scalars: dict[str, float]) -> None:
+        from mlflow.entities import Metric
+
+        now_ms = int(time.time() * 1000)
+        metrics = [Metric(mlflow_metric_name(k), float(v), now_ms, step) for k, v in scalars.items()]
+        for i in range(0, len(metrics), _MLFLOW_BATCH_METRICS):
+            self._client.log_batch(self.run_id, metrics=metrics[i:i + _MLFLOW_BATCH_METRICS])
+
+    def close(self) -> None:
+        self._client.set_terminated(self.run_id)
+
+
 # The .wandb file: W&B's transaction log in the LevelDB log format (a 7-byte file header, then
 # 32 KiB blocks of records, each a 7-byte header (crc32, length, type) and a piece of one
 # protobuf `Record`).
@@ -276,3 +384,19 @@ def read_clearml_scalars(directory: Path) -> dict[int, dict[str, float]]:
             name = title if series == title else f"{title}/{series}"
             history.setdefault(int(event["iter"]), {})[name] = float(event["value"])
     return history
+
+
+def read_mlflow_history(directory: Path, tracking_uri: str | None = None) -> dict[int, dict[str, float]]:
+    """{step: {name: value}} of the job's MLflow run (its id in `directory/mlflow/run_id`), read
+    by MLflow's own client; when a requeued run logged a step again, the later value wins."""
+    os.environ.update(MLFLOW_OFFLINE_ENV)
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=tracking_uri or default_mlflow_uri(directory))
+    run_id = (directory / "mlflow" / "run_id").read_text(encoding="utf-8").strip()
+    history: dict[int, dict[str, float]] = {}
+    for name in client.get_run(run_id).data.metrics:
+        # In the order logged (timestamp, then the order of the store's lines).
+        for metric in sorted(client.get_metric_history(run_id, name), key=lambda m: m.timestamp):
+            history.setdefault(int(metric.step), {})[name] = float(metric.value)
+    return dict(sorted(history.items()))

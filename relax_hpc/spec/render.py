@@ -4,7 +4,8 @@ The job directory keeps ``spec.resolved.toml`` written from here, so a run can a
 repeated with exactly the values it used, defaults included, even after defaults change.
 
 Secrets are redacted unless asked for: the alert URLs of ``[notify] urls`` appear as
-``slack://***/***`` and the values of ``[container] env`` as ``HF_TOKEN=***``
+``slack://***/***``, the values of ``[container] env`` as ``HF_TOKEN=***`` and a tracking
+server's password as ``https://user:***@host``
 (relax_hpc/spec/secret_urls.py) in ``relax-hpc show``, in the job directory's spec.toml, in the
 W&B run's config and in anything logged. Only the spec a Slurm job reads back
 (``spec.submit.toml``, owner-only) is written with ``redact=False``.
@@ -18,18 +19,20 @@ from typing import Any
 import tomli_w
 
 from relax_hpc.spec.schema import JobSpec
-from relax_hpc.spec.secret_urls import redact_env, redact_url
+from relax_hpc.spec.secret_urls import redact_env, redact_url, redact_userinfo
 
 __all__ = ["redact_secrets", "spec_to_dict", "spec_to_toml"]
 
 
 def redact_secrets(spec: JobSpec) -> JobSpec:
-    """``spec`` with every secret shown redacted: the [notify] urls and the [container] env values
-    (secret_urls.SECRET_ENV_KEYS)."""
+    """``spec`` with every secret shown redacted: the [notify] urls, the [container] env values
+    (secret_urls.SECRET_ENV_KEYS) and a password in [metrics] mlflow_tracking_uri."""
     urls = [redact_url(url) for url in spec.notify.urls]
     env = [redact_env(assignment) for assignment in spec.container.env]
+    uri = spec.metrics.mlflow_tracking_uri
+    metrics = dataclasses.replace(spec.metrics, mlflow_tracking_uri=None if uri is None else redact_userinfo(uri))
     return dataclasses.replace(spec, notify=dataclasses.replace(spec.notify, urls=urls),
-                               container=dataclasses.replace(spec.container, env=env))
+                               container=dataclasses.replace(spec.container, env=env), metrics=metrics)
 
 
 def spec_to_dict(spec: JobSpec, redact: bool = True) -> dict[str, Any]:

@@ -320,15 +320,18 @@ class CheckpointSpec:
 
 @dataclass(frozen=True, kw_only=True)
 class MetricsSpec:
-    """[metrics]: where step metrics go: JSONL, TensorBoard, W&B and ClearML (offline by default,
+    """[metrics]: where step metrics go: JSONL, TensorBoard, W&B, ClearML and MLflow (offline by default,
     written under the job directory; docs/operations.md, "Metrics sinks")."""
 
     tensorboard: bool = setting(True)
     jsonl: bool = setting(True)
     plot: bool = setting(True)
+    plot_every_steps: int = setting(20, within(0, MAX_STEPS))  # redraw the plots during the run; 0: at the end only
     wandb_project: str | None = setting(None, plain_text)  # unset: no W&B
     wandb_mode: Literal["offline", "online"] = setting("offline")  # offline: JOBDIR/wandb, `wandb sync` later
     clearml_project: str | None = setting(None, plain_text)  # unset: no ClearML; offline session in JOBDIR/clearml
+    mlflow_experiment: str | None = setting(None, non_empty, plain_text)  # unset: no MLflow
+    mlflow_tracking_uri: str | None = setting(None, non_empty, plain_text)  # unset: file store in JOBDIR/mlflow/mlruns
     trajectory_archive: bool = setting(False)  # every trained sample to JOBDIR/trajectories (HDF5)
 
 

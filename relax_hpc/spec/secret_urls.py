@@ -28,11 +28,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from urllib.parse import unquote
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 from relax_hpc.spec.text_checks import control_character
 
 __all__ = ["HIDDEN", "SECRET_ENV_KEYS", "notify_urls", "redact_env", "redact_env_value", "redact_url",
+           "redact_userinfo",
            "redact_value", "url_secrets"]
 
 HIDDEN = "***"
@@ -115,6 +116,16 @@ def redact_value(value: object) -> object:
     if isinstance(value, list):
         return [redact_value(item) for item in value]
     return value
+
+
+def redact_userinfo(url: str) -> str:
+    """``scheme://user:***@host/path`` for a URL with a password in it (a tracking server's
+    credentials); the host and path stay readable. Anything else is returned as it is."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit(parts._replace(netloc=f"{parts.username}:{HIDDEN}@{host}"))
 
 
 def redact_env(assignment: str) -> str:

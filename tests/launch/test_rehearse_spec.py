@@ -172,3 +172,14 @@ def test_cuda_gives_the_tiny_model_the_positions_the_spec_needs(tmp_path: Path) 
     assert config.text_config.max_position_embeddings == 2048 + 4096
     assert config.vision_config.num_position_embeddings == 64  # the vision tower's learned table stays
     assert json.loads((model / "tokenizer_config.json").read_text())["model_max_length"] == 2048 + 4096
+
+
+def test_a_rehearsal_logs_to_no_tracker() -> None:
+    spec = _spec("qwen3_4b_dapo")
+    tracked = dataclasses.replace(spec, metrics=dataclasses.replace(
+        spec.metrics, wandb_project="p", clearml_project="p", mlflow_experiment="e"))
+    rehearsal = _rehearse(tracked)
+    m = rehearsal.spec.metrics
+    assert (m.wandb_project, m.clearml_project, m.mlflow_experiment) == (None, None, None)
+    assert {"metrics.wandb_project", "metrics.clearml_project", "metrics.mlflow_experiment"} <= {
+        c.key for c in rehearsal.changes}
