@@ -30,6 +30,9 @@ class CompletionRecord:
     weight_version: int
     text: str
     media: PromptMedia | None = None  # the prompt's images / audios; None for a text model
+    # The choice as the proxy served it ({"message": ..., "finish_reason": ...}: parsed tool
+    # calls, finish reason "tool_calls"); None: the text as it is, with `finish_reason`.
+    served: dict[str, Any] | None = None
 
 
 @dataclass

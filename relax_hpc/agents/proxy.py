@@ -17,6 +17,11 @@ lower `max_tokens` and add `stop` strings. Requests that cannot be served get a 
 message saying why: a body over `max_body_bytes` gets 413 before it is read whole, one nested
 deeper than `max_json_depth` 400.
 
+Native tool calls (`tools`, `tool_choice`; `tools.py`): the template renders the tools, the reply
+is parsed for tool-call blocks, and replies that have a block it cannot read are counted in
+`malformed_tool_calls`. `stream = true` streams the whole completion as chunks once it is made
+(`streaming.py`); `n > 1` generates n choices, each recorded as a completion of its own.
+
     proxy = AgentProxy(batcher, tokenizer, sampling, token=proxy_token(), model_name="policy", ttl_s=600,
                        media_processor=MediaProcessor(model_dir))  # None (the default): a text model
     await proxy.start()                 # in the event loop that owns the batcher
@@ -37,7 +42,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -52,6 +57,8 @@ from relax_hpc.agents.media import (
     prompt_media,
 )
 from relax_hpc.agents.sessions import SessionAuthError, SessionStore
+from relax_hpc.agents.streaming import completion_events
+from relax_hpc.agents.tools import ToolRequest, parse_reply, parse_tools, template_tool_calls
 from relax_hpc.auth import bearer_matches, job_secret
 from relax_hpc.engines.base import SamplingParams
 from relax_hpc.engines.http_auth import check_token
@@ -70,6 +77,7 @@ MAX_JSON_DEPTH = 32
 # connections may be open (many sessions at once), 32 from one address before they show the token
 # (every agent comes from 127.0.0.1, and a connection is without it only until its headers are in).
 PROXY_LIMITS = ServingLimits(request_timeout_s=30.0, max_connections=256, max_untrusted_per_peer=32)
+MAX_CHOICES = 16  # n: the most choices one request may ask for
 PROXY_TOKEN_PURPOSE = "agent-proxy"
 PROXY_AUTH_MESSAGE = (
     "missing or wrong bearer token: agent code gets its key as the api_key argument (inline agents) or "
@@ -115,6 +123,10 @@ class ChatRequest:
     max_tokens: int | None
     stop: tuple[str, ...]
     media: tuple[MediaPart, ...] = ()  # in conversation order, not yet decoded
+    n: int = 1  # choices, each generated and recorded on its own
+    stream: bool = False
+    include_usage: bool = False  # stream_options.include_usage: a usage chunk before [DONE]
+    tools: ToolRequest | None = None  # None: no tools rendered, none parsed
 
 
 _ROLES = ("system", "user", "assistant", "tool", "developer")
@@ -156,13 +168,17 @@ def parse_chat_request(body: Any) -> ChatRequest:
     """Validate a /v1/chat/completions body; RequestError(4xx, what is wrong) when invalid."""
     if not isinstance(body, dict):
         raise RequestError(400, "the request body must be a JSON object")
-    if body.get("stream"):
-        raise RequestError(400, "stream = true is not supported; request a whole completion")
-    if body.get("n", 1) != 1:
-        raise RequestError(400, f"n = {body.get('n')!r}: only n = 1 is supported (one completion per request)")
-    if body.get("tools") or body.get("functions"):
-        raise RequestError(400, "native tool calling is not supported; describe tools in the prompt "
-                                "and parse the model's text")
+    n, stream = body.get("n", 1), body.get("stream", False)
+    if n is None:
+        n = 1
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_CHOICES:
+        raise RequestError(400, f"n = {str(n)[:40]}: must be an integer from 1 to {MAX_CHOICES}")
+    if not isinstance(stream, bool) and stream is not None:
+        raise RequestError(400, f"stream = {str(stream)[:40]!r}: must be true or false")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
+        raise RequestError(400, 'stream_options must be an object like {"include_usage": true}')
+    tools = parse_tools(body)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise RequestError(400, "messages must be a non-empty list of {role, content} objects")
@@ -171,7 +187,7 @@ def parse_chat_request(body: Any) -> ChatRequest:
         if not isinstance(m, dict) or m.get("role") not in _ROLES:
             raise RequestError(400, f"messages[{i}] must be an object with role one of {', '.join(_ROLES)}")
         content, parts = _content(m.get("content"), f"messages[{i}]", str(m["role"]))
-        parsed.append({"role": str(m["role"]), "content": content})
+        parsed.append(_tool_fields(m, f"messages[{i}]", {"role": str(m["role"]), "content": content}))
         media += parts
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1):
@@ -185,7 +201,22 @@ def parse_chat_request(body: Any) -> ChatRequest:
         stops = tuple(stop)
     else:
         raise RequestError(400, "stop must be a string or a list of non-empty strings")
-    return ChatRequest(parsed, max_tokens, stops, tuple(media))
+    return ChatRequest(parsed, max_tokens, stops, tuple(media), n, bool(stream),
+                       bool(options.get("include_usage", False)), tools)
+
+
+def _tool_fields(m: dict[str, Any], where: str, out: dict[str, Any]) -> dict[str, Any]:
+    """`out` with the message's tool-call fields, for the template: an assistant's `tool_calls`,
+    a tool result's `tool_call_id` (and `name`)."""
+    if m["role"] == "assistant" and m.get("tool_calls"):
+        out["tool_calls"] = template_tool_calls(m["tool_calls"], where)
+    if m["role"] == "tool":
+        if not isinstance(m.get("tool_call_id"), str):
+            raise RequestError(400, f"{where}.tool_call_id must be the id of the tool call this message answers")
+        out["tool_call_id"] = m["tool_call_id"]
+        if isinstance(m.get("name"), str):
+            out["name"] = m["name"]
+    return out
 
 
 class AgentProxy:
@@ -206,6 +237,7 @@ class AgentProxy:
             raise ValueError("AgentProxy token must not contain '.', which separates it from a session's part")
         self.token = token
         self.sessions = SessionStore(ttl_s, key_prefix=token + ".")
+        self.malformed_tool_calls = 0  # replies with a tool-call block that could not be read, so far
         self.port = 0
         self.limits = limits or PROXY_LIMITS
         self.app = self._build_app()
@@ -266,12 +298,15 @@ class AgentProxy:
             except SessionAuthError as e:
                 return _error(401, str(e))
             record = session.find(completion_id)
-            if record is None:  # another session's id looks exactly like an unknown one
+            # A response of n > 1 choices is recorded as <id>-0, <id>-1, ...: its id names them all.
+            records = [record] if record is not None else [
+                r for r in session.completions if r.completion_id.startswith(completion_id + "-")]
+            if not records:  # another session's id looks exactly like an unknown one
                 return _error(404, f"no completion {completion_id!r} in this session")
-            return JSONResponse(self._response(record))
+            return JSONResponse(self._response(completion_id, records))
 
         @app.post("/v1/chat/completions")
-        async def chat(request: Request) -> JSONResponse:
+        async def chat(request: Request) -> Response:
             try:
                 session = self.sessions.lookup(key_of(request))
             except SessionAuthError as e:
@@ -283,25 +318,42 @@ class AgentProxy:
                 except JsonBodyError as e:
                     raise RequestError(400, str(e)) from None
                 req = parse_chat_request(body)
-                record = await self._complete(req, session=id(session))
+                response_id, records = await self._complete(req, session=id(session))
             except RequestError as e:
                 return _error(e.status, e.message)
             try:
                 session = self.sessions.lookup(key_of(request))  # it may have expired meanwhile
             except SessionAuthError as e:
                 return _error(401, str(e))
-            session.completions.append(record)
-            return JSONResponse(self._response(record))
+            session.completions.extend(records)  # recorded before a stream starts: the same either way
+            response = self._response(response_id, records)
+            if req.stream:
+                return StreamingResponse(completion_events(response, req.include_usage),
+                                         media_type="text/event-stream")
+            return JSONResponse(response)
 
         return app
 
-    async def _complete(self, req: ChatRequest, session: int | None = None) -> CompletionRecord:
-        media = await self._load_media(req)
+    def _render(self, req: ChatRequest) -> str:
+        """The prompt's text: the model's chat template over the messages and the request's tools."""
+        tools = [dict(t) for t in req.tools.tools] if req.tools is not None else None
         try:
-            text = self.tokenizer.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=False)
+            text = self.tokenizer.apply_chat_template(req.messages, tools=tools, add_generation_prompt=True,
+                                                      tokenize=False)
+            bare = self.tokenizer.apply_chat_template(req.messages, add_generation_prompt=True,
+                                                      tokenize=False) if tools else None
         except Exception as e:  # a template may reject a role order; that is the caller's to fix
             raise RequestError(400, f"the chat template rejected these messages: {e}") from e
-        prompt_ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+        if tools and text == bare:
+            raise RequestError(400, "the model's chat template does not render tools (its output is the same "
+                                    "with and without them): describe the tools in the messages and parse the "
+                                    "reply yourself, or serve a model whose template has a tool format")
+        return text
+
+    async def _complete(self, req: ChatRequest, session: int | None = None) -> tuple[str, list[CompletionRecord]]:
+        """The response id and one record per choice (ids <response id>-<k> when n > 1)."""
+        media = await self._load_media(req)
+        prompt_ids = list(self.tokenizer.encode(self._render(req), add_special_tokens=False))
         if media:
             try:
                 prompt_ids = self.media_processor.expand(prompt_ids, media)
@@ -314,10 +366,30 @@ class AgentProxy:
                                     f"model's context of {self.max_context_tokens} tokens")
         params = SamplingParams(**{**self.sampling.__dict__, "max_new_tokens": max_new,
                                    "stop": tuple(self.sampling.stop) + req.stop})
-        # One engine per session; the media go along (the whole conversation's, every turn).
-        gen = await self.batcher.generate(prompt_ids, params, session=session, media=media)
-        return CompletionRecord(f"chatcmpl-{uuid.uuid4().hex}", prompt_ids, list(gen.token_ids),
-                                list(gen.logprobs), gen.finish_reason, gen.weight_version, gen.text, media)
+        # One engine per session; the media go along (the whole conversation's, every turn). The
+        # n choices are n prompts of the batch, each sampled with its own seed.
+        gens = await asyncio.gather(*(self.batcher.generate(prompt_ids, params, session=session, media=media)
+                                      for _ in range(req.n)))
+        response_id = f"chatcmpl-{uuid.uuid4().hex}"
+        return response_id, [
+            CompletionRecord(response_id if req.n == 1 else f"{response_id}-{k}", prompt_ids, list(gen.token_ids),
+                             list(gen.logprobs), gen.finish_reason, gen.weight_version, gen.text, media,
+                             served=self._choice(k, gen.text, gen.finish_reason, req.tools))
+            for k, gen in enumerate(gens)]
+
+    def _choice(self, index: int, text: str, finish_reason: str, tools: ToolRequest | None) -> dict[str, Any]:
+        """A choice as served: the text, or the tool calls parsed from it (finish "tool_calls")."""
+        plain = {"index": index, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason}
+        if tools is None:
+            return plain
+        reply = parse_reply(text, tools.names)
+        if reply.malformed:
+            self.malformed_tool_calls += 1
+        if not reply.tool_calls:
+            return plain
+        return {"index": index, "finish_reason": "tool_calls",
+                "message": {"role": "assistant", "content": reply.content,
+                            "tool_calls": [c.as_openai() for c in reply.tool_calls]}}
 
     async def _load_media(self, req: ChatRequest) -> PromptMedia | None:
         """The request's media, decoded and fitted to the model; None for a text model, whose
@@ -337,12 +409,13 @@ class AgentProxy:
             raise RequestError(400, str(e)) from None
         return prompt_media(items)
 
-    def _response(self, r: CompletionRecord) -> dict[str, Any]:
+    def _response(self, response_id: str, records: list[CompletionRecord]) -> dict[str, Any]:
+        """A chat.completion of `records` (one per choice, all of one prompt)."""
+        choices = [{**(r.served or self._choice(0, r.text, r.finish_reason, None)), "logprobs": None}
+                   for r in records]
+        prompt, completion = len(records[0].prompt_ids), sum(len(r.response_ids) for r in records)
         return {
-            "id": r.completion_id, "object": "chat.completion", "created": int(time.time()),
-            "model": self.model_name,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": r.text},
-                         "finish_reason": r.finish_reason, "logprobs": None}],
-            "usage": {"prompt_tokens": len(r.prompt_ids), "completion_tokens": len(r.response_ids),
-                      "total_tokens": len(r.prompt_ids) + len(r.response_ids)},
+            "id": response_id, "object": "chat.completion", "created": int(time.time()),
+            "model": self.model_name, "choices": choices,
+            "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion},
         }

@@ -91,6 +91,8 @@ class AgenticRollout:
         datas = [{"prompt": row.prompt_text, "label": row.label, "metadata": dict(row.metadata),
                   "messages": [{"role": "user", "content": row.prompt_text}]}
                  for row in rows for _ in range(n)]
+        assert self.proxy is not None
+        malformed_before = self.proxy.malformed_tool_calls
         results = self._call(self._run_sessions(datas, seed))
         groups: list[list[Sample]] = []
         completions = 0
@@ -103,7 +105,9 @@ class AgenticRollout:
         if not any(groups):
             raise RuntimeError(f'[rollout] agent = "{self.cfg.agent}": no session made a completion this step; '
                                "the agent must call the chat completions endpoint at base_url")
-        return groups, {"rollout/completions_per_session": completions / max(1, len(results))}
+        return groups, {"rollout/completions_per_session": completions / max(1, len(results)),
+                        # replies this step with a tool-call block the proxy could not read
+                        "agent/malformed_tool_calls": float(self.proxy.malformed_tool_calls - malformed_before)}
 
     async def _run_sessions(self, datas: list[dict[str, Any]], seed: int) -> list[SessionResult]:
         assert self.runner is not None
