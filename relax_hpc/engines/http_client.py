@@ -150,8 +150,7 @@ class HttpEngine:
                              "bearer token), or None for a server that takes none")
         self.base_url = base_url.rstrip("/")
         self._token = token
-        self.timeout_s, self.retries = timeout_s, retries
-        self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
+        self.timeout_s = timeout_s
         self.policy = RetryPolicy(retries, backoff_s, max_backoff_s)
         self.busy_wait_s = busy_wait_s
         self._version = 0

@@ -111,7 +111,7 @@ class RewardHub:
             # Every attempt and backoff must fit in the pool's per-sample timeout, or the pool
             # would cut the retries short; split what is left after the backoffs.
             model = RemoteRewardModel(self._remote_url, max_retries=self._remote_retries)
-            spare = self._timeout_s - model.total_backoff_s()
+            spare = self._timeout_s - model.policy.total_wait_s()
             model.timeout_s = max(spare / (self._remote_retries + 1), 0.1)
             return model
         if name == "genrm":

@@ -67,12 +67,6 @@ class RemoteRewardModel:
     def policy(self) -> RetryPolicy:
         return RetryPolicy(self.max_retries, self.backoff_s, self.max_backoff_s)
 
-    def backoff_s_before(self, retry: int) -> float:
-        return self.policy.wait_s(retry)
-
-    def total_backoff_s(self) -> float:
-        return self.policy.total_wait_s()
-
     def _post_once(self, payload: bytes) -> Any:
         client = thread_client(self.timeout_s)  # this thread's: the model travels to reward workers
         reply = client.post(self.url, content=payload, headers={"Content-Type": "application/json"})
@@ -112,7 +106,7 @@ class RemoteRewardModel:
             except json.JSONDecodeError as e:
                 last = f"reply is not JSON ({e.msg})"
             if attempt + 1 < attempts:
-                await asyncio.sleep(self.backoff_s_before(attempt))
+                await asyncio.sleep(self.policy.wait_s(attempt))
         raise RemoteRewardError(
             f"reward model at {self.url} failed after {attempts} attempts (last error: {last}); "
             f"is the server up? [reward] remote_url = {self.url!r}, timeout_s = {self.timeout_s}"

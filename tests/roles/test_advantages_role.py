@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import time
-import pytest
 
+import pytest
+import torch
+
+from relax_hpc.algos.estimators import outcome_advantages
 from relax_hpc.roles.advantages import AdvantagesConfig, AdvantagesWorker
 from relax_hpc.transfer.memory import InMemoryTransferQueue
 from relax_hpc.transfer.queue import TransferTimeoutError, partition_name
@@ -51,6 +54,35 @@ def test_dr_grpo_centres_without_dividing_by_the_std() -> None:
     worker.start(queue, start_step=0, total_steps=1)
     assert _advantages(queue, 0) == pytest.approx([0.5, -0.5, 0.0, -0.75, 0.0, 0.25, 0.0, 0.25, 0.25])
     worker.stop()
+
+
+def test_rloo_by_group_id() -> None:
+    queue = InMemoryTransferQueue()
+    _put_step(queue, 0)
+    worker = AdvantagesWorker(AdvantagesConfig(estimator="rloo"))
+    worker.start(queue, start_step=0, total_steps=1)
+    # group 7 (1, 0): 1 - 0 = 1, 0 - 1 = -1; group 8 all equal: 0; group 9 (0, 1, 1, 1): the
+    # 0 against the others' mean 1 -> -1, each 1 against (0 + 1 + 1) / 3 -> 1/3
+    assert _advantages(queue, 0) == pytest.approx([1.0, -1.0, 0.0, -1.0, 0.0, 1 / 3, 0.0, 1 / 3, 1 / 3])
+    worker.stop()
+
+
+def test_the_whitened_estimators_weigh_each_row_by_its_trained_tokens() -> None:
+    queue = InMemoryTransferQueue()
+    masks = [[1, 1], [1], [1], [1, 1, 1], [1], [1], [1], [1], [0, 0]]  # the last trains nothing
+    rows = [{"rewards": r, "group_id": g, "prompt_length": 3, "loss_mask": torch.tensor(m, dtype=torch.int8)}
+            for r, g, m in zip(REWARDS, GROUPS, masks)]
+    queue.put(partition_name(0), rows)
+    queue.complete(partition_name(0), len(rows))
+    worker = AdvantagesWorker(AdvantagesConfig(estimator="reinforce_pp_baseline"))
+    worker.start(queue, start_step=0, total_steps=1)
+    want = outcome_advantages("reinforce_pp_baseline", torch.tensor(REWARDS), GROUPS,
+                              torch.tensor([float(sum(m)) for m in masks]))
+    got = _advantages(queue, 0)
+    worker.stop()
+    assert worker.error() is None
+    assert got == pytest.approx(want.tolist(), abs=1e-6) and got[-1] == 0.0  # no trained token: no value
+    assert len(set(round(v, 6) for v in got)) > 2  # whitened values, not a constant
 
 
 def test_a_restarted_worker_gets_the_whole_unacked_step_again() -> None:
