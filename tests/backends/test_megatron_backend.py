@@ -205,3 +205,58 @@ def test_tiny_megatron_jobspec_trains_with_reward_rising(megatron_python: Path, 
     assert re.search(r"finished step 60 \(from 0\)", done.stdout + done.stderr), done.stdout[-2000:]
     assert sorted(p.name for p in (tmp_path / "job" / "checkpoints").iterdir()) == [
         "latest", "step_50", "step_60"]
+
+
+# `relax-hpc convert` of a Megatron checkpoint, through megatron-bridge: the reshard chain's
+# step 2 (saved at TP = 1 after resuming TP = 2's step 1) is converted by the Megatron
+# environment's `relax-hpc convert`, and this venv's transformers loads it. The weights must be
+# those the backend held when it saved step 2, as the bridge exported them live. (Its own launch
+# until 2026-12-03: a TP = 1 rank that trained one step and saved it, 25-85 s, now shared.)
+@pytest.fixture(scope="module")
+def converted(megatron_python: Path, tiny_model_dir: Path, reshard_dir: Path,
+              tp1_launch: dict[str, Any]) -> dict[str, Any]:
+    spec = (REPO / "jobspecs" / "tiny_megatron.toml").read_text()
+    (reshard_dir / "spec.toml").write_text(spec.replace('"runs/models/tiny-qwen3"', f'"{tiny_model_dir}"', 1))
+    out = reshard_dir / "hf"
+    done = subprocess.run([str(megatron_python.parent / "relax-hpc"), "convert", str(reshard_dir), str(out)],
+                          check=False, cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT_S,
+                          env=side_process_env(OMP_NUM_THREADS="1"))
+    assert done.returncode == 0, f"relax-hpc convert exited {done.returncode}:\n{done.stdout}\n{done.stderr[-6000:]}"
+    assert done.stdout.strip().splitlines()[-1] == f"wrote {out}"
+    saved = torch.load(reshard_dir / "tp1-resumed.pt", weights_only=False)["next"]["tensors"]["weights"]
+    return {"hf": out, "trained": saved, "checkpoint": reshard_dir / "checkpoints" / "step_2"}
+
+
+def test_convert_writes_the_weights_the_megatron_backend_trained(converted: dict[str, Any],
+                                                                 tiny_model_dir: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    exported = AutoModelForCausalLM.from_pretrained(converted["hf"], local_files_only=True).state_dict()
+    source = AutoModelForCausalLM.from_pretrained(tiny_model_dir, local_files_only=True).state_dict()
+    trained: dict[str, torch.Tensor] = converted["trained"]
+    assert len(trained) == 24 and set(trained) <= set(exported)  # every HF tensor the bridge names
+    for name, tensor in trained.items():
+        assert torch.equal(exported[name], tensor), name
+        assert not torch.equal(source[name], tensor), name  # the steps moved it
+    tokenizer = AutoTokenizer.from_pretrained(converted["hf"])
+    assert tokenizer.get_vocab() == AutoTokenizer.from_pretrained(tiny_model_dir).get_vocab()
+
+
+def test_without_megatron_the_export_names_the_environment_that_converts(
+    converted: dict[str, Any], tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    import importlib.util
+
+    from relax_hpc.ckpt.export import export_hf
+    from relax_hpc.ckpt.formats import checkpoint_backend
+    from relax_hpc.launch.convert import export_checkpoint
+
+    checkpoint = converted["checkpoint"]
+    assert checkpoint_backend(checkpoint) == "megatron"
+    with pytest.raises(ValueError, match=r"written by the megatron backend.*relax-hpc convert"):
+        export_hf(checkpoint, tiny_model_dir, tmp_path / "out")
+    if importlib.util.find_spec("megatron") is not None:
+        return  # a venv with megatron converts it; the project's has none (the bridge needs transformers < 5)
+    with pytest.raises(ValueError, match=r"needs megatron-core and megatron-bridge.*tools/setup-megatron-cpu"):
+        export_checkpoint(checkpoint, tiny_model_dir, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
