@@ -74,7 +74,7 @@ def samples_per_s(rows: list[dict[str, Any]], samples_per_step: int) -> float:
 
 def engines(job_dir: Path) -> list[dict[str, Any]]:
     from relax_hpc.auth import JobSecret
-    from relax_hpc.engines.rest_api import RestClient, RestUnavailable
+    from relax_hpc.engines.elastic.rest_api import RestClient, RestUnavailable
 
     info = json.loads((job_dir / "cluster.json").read_text()) if (job_dir / "cluster.json").is_file() else {}
     if not info.get("rest_url"):

@@ -3,7 +3,7 @@
     python benchmarks/bench_sglang_idle.py [--python .venv-sglang/bin/python] [--seconds 10]
 
 Starts one server on a freshly built tiny Qwen3 with `CPU_FLAGS` (relax_hpc/engines/
-sglang_server.py), waits until it answers, and counts the CPU seconds its processes (server,
+sglang/server.py), waits until it answers, and counts the CPU seconds its processes (server,
 scheduler, detokenizer) use over `--seconds` of idleness; then the same without `--sleep-on-idle`.
 Without it SGLang's scheduler polls its sockets in a loop: a whole core per server, for as long as
 the server lives, taken from whatever else runs on the node (on CPU: the trainer). The last line:
@@ -24,7 +24,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from relax_hpc.engines.sglang_server import CPU_FLAGS, SGLangServer  # noqa: E402
+from relax_hpc.engines.sglang.server import CPU_FLAGS, SGLangServer  # noqa: E402
 from relax_hpc.models.tiny import write_tiny_model  # noqa: E402
 
 SLEEP_FLAG = "--sleep-on-idle"
@@ -54,7 +54,7 @@ def cpu_seconds_of_tree(pid: int) -> float:
 
 def idle_cpu(python: str, model: Path, log: Path, seconds: float, sleep_on_idle: bool) -> float:
     """CPU seconds per second of one idle server."""
-    import relax_hpc.engines.sglang_server as server_module
+    import relax_hpc.engines.sglang.server as server_module
 
     flags = CPU_FLAGS if sleep_on_idle else tuple(f for f in CPU_FLAGS if f != SLEEP_FLAG)
     saved, server_module.CPU_FLAGS = server_module.CPU_FLAGS, flags

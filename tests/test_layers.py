@@ -88,3 +88,38 @@ def test_the_check_can_fail() -> None:
     assert any("relax_hpc/driver/run.py" in line and "imports relax_hpc.spec" in line for line in upward)
     lazy = {m for _, m in imports_of(PACKAGE / "rewards" / "hub.py")}
     assert "relax_hpc.rewards.ifbench" in lazy  # imported inside a method
+
+
+# Inside engines/ (docs/architecture.md, "engines/"): the core modules (the engine protocol, the
+# router, the native engine, sampling, ...) at the bottom, then the HTTP stack, then SGLang (its
+# adapter speaks HTTP), then the elastic side (REST API, scale-out, remote engines of other jobs).
+# `factory.py` assembles engines of every kind, so it alone may import any of them.
+ENGINE_LAYERS = ("core", "http", "sglang", "elastic")
+ENGINES = PACKAGE / "engines"
+ENGINE_ASSEMBLY = {ENGINES / "factory.py"}
+
+
+def engine_layer_of(module: str) -> str:
+    parts = module.split(".")  # relax_hpc.engines.<sub>.<module> or relax_hpc.engines.<module>
+    return parts[2] if len(parts) > 3 and parts[2] in ENGINE_LAYERS else "core"
+
+
+def upward_engine_imports(layers: tuple[str, ...]) -> list[str]:
+    rank = {name: i for i, name in enumerate(layers)}
+    upward = []
+    for path in sorted(ENGINES.rglob("*.py")):
+        if path in ENGINE_ASSEMBLY:
+            continue
+        source = engine_layer_of(".".join(path.relative_to(REPO).with_suffix("").parts))
+        for line, module in imports_of(path):
+            if module.startswith("relax_hpc.engines.") and rank[engine_layer_of(module)] > rank[source]:
+                upward.append(f"{path.relative_to(REPO)}:{line}: engines/{source} imports {module}")
+    return upward
+
+
+def test_engine_sub_packages_import_only_downward() -> None:
+    subpackages = {p.name for p in ENGINES.iterdir() if (p / "__init__.py").is_file()}
+    assert subpackages == set(ENGINE_LAYERS) - {"core"}, f"give {sorted(subpackages)} a row in ENGINE_LAYERS"
+    upward = upward_engine_imports(ENGINE_LAYERS)
+    assert not upward, "imports against the engines' inner layers:\n" + "\n".join(upward)
+    assert upward_engine_imports(ENGINE_LAYERS[::-1])  # the check can fail

@@ -61,9 +61,9 @@ from relax_hpc.agents.streaming import completion_events
 from relax_hpc.agents.tools import ToolRequest, parse_reply, parse_tools, template_tool_calls
 from relax_hpc.auth import bearer_matches, job_secret
 from relax_hpc.engines.base import SamplingParams
-from relax_hpc.engines.http_auth import check_token
-from relax_hpc.engines.http_body import JsonBodyError, RequestRefused, load_json_body, read_limited_body
-from relax_hpc.engines.http_serving import ServingLimits, uvicorn_config
+from relax_hpc.engines.http.auth import check_token
+from relax_hpc.engines.http.body import JsonBodyError, RequestRefused, load_json_body, read_limited_body
+from relax_hpc.engines.http.serving import ServingLimits, uvicorn_config
 from relax_hpc.media.families import supported_model_types
 from relax_hpc.media.items import MediaError, PromptMedia
 from relax_hpc.media.load import MediaLimits

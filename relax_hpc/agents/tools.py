@@ -27,7 +27,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
-from relax_hpc.engines.http_body import RequestRefused as RequestError
+from relax_hpc.engines.http.body import RequestRefused as RequestError
 
 TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 TOOL_CHOICES = ("auto", "none", "required")

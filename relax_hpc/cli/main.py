@@ -212,7 +212,7 @@ def _serve_engine_token() -> tuple[str, str]:
     import os  # here, like the other imports of the commands: `relax-hpc validate` starts fast
 
     from relax_hpc.auth import SECRET_ENV, JobSecret
-    from relax_hpc.engines.http_auth import ENGINE_TOKEN_PURPOSE, engine_token
+    from relax_hpc.engines.http.auth import ENGINE_TOKEN_PURPOSE, engine_token
 
     if os.environ.get(SECRET_ENV):
         return engine_token(), f"the job's, from {SECRET_ENV}"
@@ -222,8 +222,8 @@ def _serve_engine_token() -> tuple[str, str]:
 def _cmd_serve_engine(args: argparse.Namespace) -> int:
     import signal
 
-    from relax_hpc.engines.http_auth import default_token_file, write_token_file
-    from relax_hpc.engines.http_server import (
+    from relax_hpc.engines.http.auth import default_token_file, write_token_file
+    from relax_hpc.engines.http.server import (
         EngineServer,
         ServerLimits,
         exposure_warning,
@@ -473,7 +473,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weights-root", default=None, metavar="DIR",
                    help="take new weights by POST /update_weights_from_disk from directories under DIR (the "
                         "training job writes each version to DIR/v<N>); without it the weights never change")
-    # The limits' defaults live in ServerLimits (engines/http_server.py) and docs/engines.md.
+    # The limits' defaults live in ServerLimits (engines/http/server.py) and docs/engines.md.
     p.add_argument("--request-timeout-s", type=float, default=None,
                    help="seconds a request may take to arrive, headers and body; idle connections close after it")
     p.add_argument("--max-connections", type=int, default=None,

@@ -20,7 +20,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from relax_hpc.engines.elastic_api import ElasticReply
+from relax_hpc.engines.elastic.api import ElasticReply
 from relax_hpc.spec.schema import FederationSpec
 
 log = logging.getLogger(__name__)

@@ -16,8 +16,8 @@ from pathlib import Path
 
 from relax_hpc.auth import SECRET_ENV
 from relax_hpc.auth.secret import write_private_text
-from relax_hpc.engines.elastic_api import CLUSTER_JSON, ElasticControl
-from relax_hpc.engines.rest_api import RestServer, make_rest_app, rest_token
+from relax_hpc.engines.elastic.api import CLUSTER_JSON, ElasticControl
+from relax_hpc.engines.elastic.rest_api import RestServer, make_rest_app, rest_token
 from relax_hpc.ops.files import UnsafePathError, read_private_text
 
 log = logging.getLogger(__name__)

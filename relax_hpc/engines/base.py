@@ -81,7 +81,7 @@ class Generator(Protocol):
 class RolloutEngine(Generator, Protocol):
     """A rollout engine: what the rollout role drives. Implementations: `NativeEngine` (torch),
     `ScriptedEngine` (in memory, for tests), `ManagedSGLangEngine` (an SGLang server,
-relax_hpc/engines/sglang_fleet.py).
+relax_hpc/engines/sglang/fleet.py).
 
     Weights change only between `generate` calls: `update_weights` copies named tensors in and
     sets the version every later generation reports. `pause` waits for the `generate` calls in

@@ -3,7 +3,7 @@
 The writer puts version N into `<root>/v<N>/model.safetensors`, staged in a temp directory beside
 it and renamed, so a directory named `v<N>` is always complete. An engine server loads one with
 `POST /update_weights_from_disk` (SGLang's route): `SGLangEngine` writes for an SGLang server,
-`RemoteEngineClient` (remote.py) for a `relax-hpc serve-engine --weights-root ROOT`, whose
+`RemoteEngineClient` (elastic/remote.py) for a `relax-hpc serve-engine --weights-root ROOT`, whose
 `EngineServer` reads through `read_weights_dir`. Reading is bounded to the server's root: the
 requested directory, and every file read in it, must resolve (symlinks followed) inside it.
 

@@ -1,5 +1,5 @@
 """`make_engine`: the rollout engine a spec's `[rollout] engine` names, built where it will run.
-(`engine = "sglang"`: the rollout role starts SGLang servers instead, sglang_fleet.py.)
+(`engine = "sglang"`: the rollout role starts SGLang servers instead, sglang/fleet.py.)
 
 Roles call it inside their own process (a Ray actor), so the model never crosses the wire;
 tests hand a role an engine instance (relax_hpc.engines.memory.ScriptedEngine) instead.
@@ -47,7 +47,7 @@ def make_engine(engine: str, model_path: str, dtype: str = "float32", device: st
     require_engine(engine)
     if engine == "sglang":
         raise ValueError('make_engine: SGLang engines are server processes that the rollout role starts '
-                         '(relax_hpc.engines.sglang_fleet.start_sglang_engines), not built in place')
+                         '(relax_hpc.engines.sglang.fleet.start_sglang_engines), not built in place')
     from relax_hpc.engines.native import NativeEngine
 
     return NativeEngine(model_path, dtype=dtype, device=device, record_routing=record_routing)

@@ -14,7 +14,7 @@ whatever dies, as long as one engine lives. New weights go to every live engine 
 copy of the tensors per kind of client, `EngineClient.share`); an engine that dies meanwhile is
 dropped there too.
 
-Engines come and go at run time (the elastic API, federated grow jobs; engines/elastic.py):
+Engines come and go at run time (the elastic API, federated grow jobs; engines/elastic/scaler.py):
 `add_engine` registers one ("joining"), `join` gives it the current weights and puts it in
 service ("active"), `drain` stops sending it work, waits for what it holds, and retires it
 ("draining" -> "gone"); an engine that dies is "failed". Entries are never removed, so indices

@@ -13,7 +13,7 @@ starts that node's engines (`relax-hpc serve-engine`) and registers them with th
 ``[cluster] colocate``); a ``--partition`` or ``--qos`` given replaces both of the component's.
 It never requeues: a grow job Slurm takes back is gone, and `relax-hpc grow` makes another.
 
-The REST API's routes and bodies are in relax_hpc/engines/elastic_api.py; docs/federation.md
+The REST API's routes and bodies are in relax_hpc/engines/elastic/api.py; docs/federation.md
 is the user's guide.
 """
 
@@ -35,7 +35,7 @@ from relax_hpc.auth import SECRET_FILE, JobSecret
 from relax_hpc.ckpt.fs import atomic_write_text
 from relax_hpc.driver.jobdir import make_private_dir
 from relax_hpc.engines.disk_weights import FEDERATION_WEIGHTS
-from relax_hpc.engines.elastic_api import CLUSTER_JSON, REST_TOKEN_PURPOSE
+from relax_hpc.engines.elastic.api import CLUSTER_JSON, REST_TOKEN_PURPOSE
 from relax_hpc.launch.container import render_wrapper
 
 # The renderer's quoting and filling, shared so both scripts follow the same rules (render.py).
@@ -310,7 +310,7 @@ class SlurmGrowSubmitter:
 
 
 class RestLike(Protocol):
-    """What relax_hpc.engines.rest_api.RestClient offers (tests pass an in-memory one)."""
+    """What relax_hpc.engines.elastic.rest_api.RestClient offers (tests pass an in-memory one)."""
 
     def get(self, path: str) -> tuple[int, dict[str, Any]]: ...
 
@@ -366,7 +366,7 @@ class ElasticApi:
 
     @classmethod
     def for_job(cls, job_dir: Path, job: str = "JOB", timeout_s: float = 30.0) -> ElasticApi:
-        from relax_hpc.engines.rest_api import (
+        from relax_hpc.engines.elastic.rest_api import (
             RestClient,  # httpx and FastAPI: only when talking to a job
         )
 

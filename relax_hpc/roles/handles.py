@@ -18,7 +18,7 @@ import time
 from typing import Any, Callable, Protocol, Sequence
 
 from relax_hpc.ckpt import ResumeState
-from relax_hpc.engines.elastic_api import ElasticReply
+from relax_hpc.engines.elastic.api import ElasticReply
 from relax_hpc.roles.actor import ActorConfig, ActorWorker
 from relax_hpc.roles.errors import RoleDiedError, RoleTimeoutError, short_cause
 from relax_hpc.roles.forward import ForwardConfig
@@ -82,7 +82,7 @@ class Roles(Protocol):
     def memory_report(self) -> list[dict[str, Any]]:
         """Every trainer rank's, rollout's and engine actor's bytes held (relax_hpc/roles/memory.py)."""
     def elastic(self, action: str, body: dict[str, Any]) -> ElasticReply:
-        """One elastic REST request, answered by rollout (engines/elastic_api.py)."""
+        """One elastic REST request, answered by rollout (engines/elastic/api.py)."""
     def shutdown(self, abandon: bool = False) -> None: ...
 
 

@@ -30,15 +30,15 @@ from relax_hpc.data.rows import samples_to_rows
 from relax_hpc.data.sample import Sample, assign_sample_ids
 from relax_hpc.engines.base import Generator, RolloutEngine, SamplingParams
 from relax_hpc.engines.disk_weights import FEDERATION_WEIGHTS
-from relax_hpc.engines.elastic import ElasticScaler
-from relax_hpc.engines.elastic_api import ElasticReply
+from relax_hpc.engines.elastic.scaler import ElasticScaler
+from relax_hpc.engines.elastic.api import ElasticReply
 from relax_hpc.engines.factory import make_engine
-from relax_hpc.engines.http_auth import engine_token, read_token_file
-from relax_hpc.engines.http_client import HttpEngine
-from relax_hpc.engines.remote import RemoteEngineClient
+from relax_hpc.engines.http.auth import engine_token, read_token_file
+from relax_hpc.engines.http.client import HttpEngine
+from relax_hpc.engines.elastic.remote import RemoteEngineClient
 from relax_hpc.engines.router import EngineClient, EngineRouter, LocalEngineClient
-from relax_hpc.engines.sglang_fleet import SGLangLaunch, start_sglang_engines
-from relax_hpc.engines.engine_hosts import EngineHostPolicy
+from relax_hpc.engines.sglang.fleet import SGLangLaunch, start_sglang_engines
+from relax_hpc.engines.elastic.hosts import EngineHostPolicy
 from relax_hpc.media.items import PromptMedia
 from relax_hpc.media.processor import media_processor_for
 from relax_hpc.models.hf import load_tokenizer
@@ -362,7 +362,7 @@ class RolloutWorker(WeightReceiverEndpoint, Heartbeats):
     # -- engines joining and leaving at run time (docs/federation.md) ---------------------------
 
     def elastic(self, action: str, body: dict[str, Any] | None = None) -> ElasticReply:
-        """One request of the elastic REST API (engines/elastic_api.py)."""
+        """One request of the elastic REST API (engines/elastic/api.py)."""
         return self.scaler.elastic(action, body or {})
 
     def _connect_engine(self, engine_id: str, url: str, job: str | None) -> EngineClient:

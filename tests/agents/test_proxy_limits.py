@@ -16,7 +16,7 @@ from relax_hpc.agents import proxy as proxy_module
 from relax_hpc.agents.config import AgenticConfig
 from relax_hpc.agents.service import AgenticRollout
 from relax_hpc.engines.base import SamplingParams
-from relax_hpc.engines.http_serving import ServingLimits
+from relax_hpc.engines.http.serving import ServingLimits
 from agent_doubles import ScriptedEngine, tiny_tokenizer
 from socket_waits import closed_by_server
 

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 from relax_hpc.auth import JobSecret
-from relax_hpc.engines.rest_api import RestClient
+from relax_hpc.engines.elastic.rest_api import RestClient
 from relax_hpc.ops.exactly_once import check_exactly_once
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from relax_hpc.driver.grow_policy import GrowDriver, GrowPolicy
-from relax_hpc.engines.elastic_api import ElasticReply
+from relax_hpc.engines.elastic.api import ElasticReply
 from relax_hpc.launch.federation import SlurmGrowSubmitter, read_grow_jobs
 from relax_hpc.launch.slurm_client import FakeSlurmClient
 from relax_hpc.spec import load_spec

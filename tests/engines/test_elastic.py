@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from relax_hpc.engines.base import SamplingParams
-from relax_hpc.engines.elastic import ElasticScaler
+from relax_hpc.engines.elastic.scaler import ElasticScaler
 from relax_hpc.engines.memory import ScriptedEngine
 from relax_hpc.engines.router import EngineRouter, LocalEngineClient
 from relax_hpc.models.hf import load_tokenizer
@@ -271,7 +271,7 @@ def test_engines_started_in_the_job_join_through_spawn(tokenizer: Any) -> None:
 
 def test_the_rest_api_over_a_real_scaler_409_rollback_and_states(tokenizer: Any) -> None:
     """The driver's REST server in front of a real scaler: what an operator sees over HTTP."""
-    from relax_hpc.engines.rest_api import RestClient, RestServer, make_rest_app
+    from relax_hpc.engines.elastic.rest_api import RestClient, RestServer, make_rest_app
 
     router = _router(tokenizer)
     router.update_weights(WEIGHTS, 1)
@@ -311,7 +311,7 @@ def test_a_hung_remote_engine_is_given_up_after_its_timeout(tokenizer: Any, tiny
     import sys
 
     from relax_hpc.auth import JobSecret, write_job_secret
-    from relax_hpc.engines.remote import RemoteEngineClient
+    from relax_hpc.engines.elastic.remote import RemoteEngineClient
 
     job_dir = tmp_path / "job"
     job_dir.mkdir(mode=0o700)
@@ -364,7 +364,7 @@ def test_unbounded_numbers_get_400_naming_the_field_and_range_and_operations_sti
     181f8fe Infinity made an operation whose JSON broke GET /rollout/operations (500)."""
     import httpx
 
-    from relax_hpc.engines.rest_api import RestServer, make_rest_app
+    from relax_hpc.engines.elastic.rest_api import RestServer, make_rest_app
 
     spawned: list[list[str]] = []
     scaler = ElasticScaler(_router(tokenizer, 2), connect=_remote(tokenizer, {}),

@@ -85,7 +85,7 @@ def test_a_cpu_engine_frees_its_weights_and_refuses_to_generate_until_new_ones_a
 
 def test_factory_builds_the_named_engine_and_names_what_is_allowed(tiny_model_dir: Path) -> None:
     assert isinstance(make_engine("native", str(tiny_model_dir)), NativeEngine)
-    # SGLang engines are servers the rollout role starts (sglang_fleet.py), not built in place.
+    # SGLang engines are servers the rollout role starts (sglang/fleet.py), not built in place.
     with pytest.raises(ValueError, match=r"SGLang engines are server processes that the rollout role starts"):
         make_engine("sglang", str(tiny_model_dir))
     with pytest.raises(ValueError, match=r"rollout.engine = 'vllm': allowed values are native, sglang"):

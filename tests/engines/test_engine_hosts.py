@@ -20,11 +20,11 @@ from typing import Any
 import pytest
 import torch
 
-from relax_hpc.engines.elastic import ElasticScaler
+from relax_hpc.engines.elastic.scaler import ElasticScaler
 from relax_hpc.engines.memory import ScriptedEngine
-from relax_hpc.engines.rest_api import RestClient, RestServer, make_rest_app
+from relax_hpc.engines.elastic.rest_api import RestClient, RestServer, make_rest_app
 from relax_hpc.engines.router import EngineRouter, LocalEngineClient
-from relax_hpc.engines.engine_hosts import EngineHostPolicy, expand_hostlist, resolve_host, squeue_job_nodes
+from relax_hpc.engines.elastic.hosts import EngineHostPolicy, expand_hostlist, resolve_host, squeue_job_nodes
 from relax_hpc.models.hf import load_tokenizer
 from relax_hpc.weights.group import local_address_towards
 

@@ -18,9 +18,9 @@ import pytest
 from relax_hpc.auth import JobSecret
 from relax_hpc.cli.main import main
 from relax_hpc.engines.base import SamplingParams
-from relax_hpc.engines.http_auth import ENGINE_AUTH_MESSAGE, default_token_file, engine_token, write_token_file
-from relax_hpc.engines.http_client import EngineAuthError, EngineHttpError, HttpEngine
-from relax_hpc.engines.http_server import EngineServer, ServerLimits
+from relax_hpc.engines.http.auth import ENGINE_AUTH_MESSAGE, default_token_file, engine_token, write_token_file
+from relax_hpc.engines.http.client import EngineAuthError, EngineHttpError, HttpEngine
+from relax_hpc.engines.http.server import EngineServer, ServerLimits
 from relax_hpc.engines.memory import ScriptedEngine
 from relax_hpc.models.hf import load_tokenizer
 

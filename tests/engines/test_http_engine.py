@@ -17,9 +17,9 @@ from typing import Any, Iterator
 import pytest
 
 from relax_hpc.engines.base import SamplingParams
-from relax_hpc.engines.http_auth import engine_token
-from relax_hpc.engines.http_client import EngineHttpError, HttpEngine, parse_generate_reply
-from relax_hpc.engines.http_server import EngineServer
+from relax_hpc.engines.http.auth import engine_token
+from relax_hpc.engines.http.client import EngineHttpError, HttpEngine, parse_generate_reply
+from relax_hpc.engines.http.server import EngineServer
 from relax_hpc.engines.memory import ScriptedEngine
 from relax_hpc.engines.native import NativeEngine
 

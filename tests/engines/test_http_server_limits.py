@@ -20,8 +20,8 @@ import pytest
 from relax_hpc.auth import JobSecret
 from relax_hpc.cli.main import main
 from relax_hpc.engines.base import SamplingParams
-from relax_hpc.engines.http_client import EngineHttpError, HttpEngine
-from relax_hpc.engines.http_server import (
+from relax_hpc.engines.http.client import EngineHttpError, HttpEngine
+from relax_hpc.engines.http.server import (
     EngineServer,
     JsonBodyError,
     ServerLimits,

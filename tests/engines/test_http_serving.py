@@ -20,15 +20,15 @@ from typing import Any
 import pytest
 
 from relax_hpc.auth import JobSecret
-from relax_hpc.engines import http_client
+from relax_hpc.engines.http import client as http_client
 from relax_hpc.engines.base import SamplingParams
-from relax_hpc.engines.elastic_api import ElasticReply
-from relax_hpc.engines.http_client import EngineHttpError, HttpEngine
-from relax_hpc.engines.http_server import EngineServer, ServerLimits
-from relax_hpc.engines.http_serving import ServingLimits
+from relax_hpc.engines.elastic.api import ElasticReply
+from relax_hpc.engines.http.client import EngineHttpError, HttpEngine
+from relax_hpc.engines.http.server import EngineServer, ServerLimits
+from relax_hpc.engines.http.serving import ServingLimits
 from relax_hpc.engines.memory import ScriptedEngine
-from relax_hpc.engines.remote import RemoteEngineClient
-from relax_hpc.engines.rest_api import RestClient, RestServer, make_rest_app
+from relax_hpc.engines.elastic.remote import RemoteEngineClient
+from relax_hpc.engines.elastic.rest_api import RestClient, RestServer, make_rest_app
 from relax_hpc.models.hf import load_tokenizer
 from socket_waits import closed_by_server
 

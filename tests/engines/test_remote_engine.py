@@ -21,12 +21,12 @@ from safetensors.torch import load_file, save_file
 
 from relax_hpc.cli.main import main
 from relax_hpc.engines.base import SamplingParams
-from relax_hpc.engines.http_auth import engine_token
-from relax_hpc.engines.http_client import EngineAuthError, EngineHttpError, HttpEngine
-from relax_hpc.engines.http_server import EngineServer
+from relax_hpc.engines.http.auth import engine_token
+from relax_hpc.engines.http.client import EngineAuthError, EngineHttpError, HttpEngine
+from relax_hpc.engines.http.server import EngineServer
 from relax_hpc.engines.memory import ScriptedEngine
 from relax_hpc.engines.native import NativeEngine
-from relax_hpc.engines.remote import RemoteEngineClient, WeightLoadError, write_weights_dir
+from relax_hpc.engines.elastic.remote import RemoteEngineClient, WeightLoadError, write_weights_dir
 from relax_hpc.engines.router import EngineRouter, LocalEngineClient
 from relax_hpc.models.tiny import write_tiny_model
 

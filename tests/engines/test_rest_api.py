@@ -16,8 +16,8 @@ import httpx
 import pytest
 
 from relax_hpc.auth import JobSecret
-from relax_hpc.engines.elastic_api import ElasticReply, error_reply
-from relax_hpc.engines.rest_api import (
+from relax_hpc.engines.elastic.api import ElasticReply, error_reply
+from relax_hpc.engines.elastic.rest_api import (
     MAX_BODY_BYTES,
     REST_TOKEN_PURPOSE,
     RestClient,
@@ -244,7 +244,7 @@ def test_a_control_that_raises_is_503_without_a_traceback(http: httpx.Client, co
                                                           caplog: pytest.LogCaptureFixture) -> None:
     control.error = RuntimeError("The actor died unexpectedly before finishing this task.\n"
                                  "Traceback (most recent call last):\n  File \"rollout.py\", line 1")
-    with caplog.at_level(logging.ERROR, logger="relax_hpc.engines.rest_api"):
+    with caplog.at_level(logging.ERROR, logger="relax_hpc.engines.elastic.rest_api"):
         reply = http.get("/rollout/engines", headers=AUTH)
     assert reply.status_code == 503
     error = reply.json()["error"]

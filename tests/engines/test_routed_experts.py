@@ -177,8 +177,8 @@ def test_moe_routing_shape_counts_the_sparse_layers(moe_dir: Path, tmp_path: Pat
 
 def test_sglang_engine_attaches_the_routes_of_each_reply(moe_dir: Path) -> None:
     from relax_hpc.engines.base import Generation
-    from relax_hpc.engines.http_client import EngineHttpError
-    from relax_hpc.engines.sglang import SGLangEngine
+    from relax_hpc.engines.http.client import EngineHttpError
+    from relax_hpc.engines.sglang.engine import SGLangEngine
 
     engine = SGLangEngine.__new__(SGLangEngine)  # no server: only the reply parsing is under test
     engine.model_path, engine.base_url = moe_dir, "http://127.0.0.1:1"

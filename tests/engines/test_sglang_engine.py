@@ -1,4 +1,4 @@
-"""`SGLangEngine` (relax_hpc/engines/sglang.py): its request bodies and its reading of replies,
+"""`SGLangEngine` (relax_hpc/engines/sglang/engine.py): its request bodies and its reading of replies,
 and that every body it sends is valid for SGLang 0.5.23's own request classes.
 
 The first tests need nothing. The one marked `sglang` needs the environment of
@@ -20,10 +20,10 @@ from pathlib import Path
 import pytest
 from side_env import SGLANG
 
-from relax_hpc.engines import sglang_requests as requests
+from relax_hpc.engines.sglang import requests as requests
 from relax_hpc.engines.base import SamplingParams
-from relax_hpc.engines.http_client import EngineHttpError
-from relax_hpc.engines.sglang import SGLangEngine
+from relax_hpc.engines.http.client import EngineHttpError
+from relax_hpc.engines.sglang.engine import SGLangEngine
 
 HERE = Path(__file__).resolve().parent
 URL = "http://sglang-test:30000"
@@ -199,7 +199,7 @@ def test_every_request_body_is_valid_for_sglangs_own_classes(sglang_python: Path
 
 
 def test_an_unreachable_server_is_named_in_the_error(tiny_model_dir: Path) -> None:
-    from relax_hpc.engines.sglang_server import free_port
+    from relax_hpc.engines.sglang.server import free_port
 
     url = f"http://127.0.0.1:{free_port()}"
     with pytest.raises(EngineHttpError, match="check that it is running") as error:

@@ -1,7 +1,7 @@
-"""The SGLang servers of `engine = "sglang"` (relax_hpc/engines/sglang_fleet.py and the process
-handling of sglang_server.py): started, authenticated, fed weights over a gloo group, restarted
+"""The SGLang servers of `engine = "sglang"` (relax_hpc/engines/sglang/fleet.py and the process
+handling of sglang/server.py): started, authenticated, fed weights over a gloo group, restarted
 on death with every prompt answered once, and never left running; and one of them through
-`SGLangEngine` (relax_hpc/engines/sglang.py) and over plain HTTP: /generate with input_ids gives
+`SGLangEngine` (relax_hpc/engines/sglang/engine.py) and over plain HTTP: /generate with input_ids gives
 HF's greedy tokens and log-probs, pause holds requests, and weight updates from disk and a
 broadcast over gloo from this process (torch 2.13, the trainer's side) into the server (torch
 2.14.1) land.
@@ -38,17 +38,17 @@ from hf_reference import hf_greedy
 from side_env import SGLANG
 
 from relax_hpc.engines.base import Generation, SamplingParams
-from relax_hpc.engines.http_client import EngineHttpError
+from relax_hpc.engines.http.client import EngineHttpError
 from relax_hpc.engines.router import EngineRouter, LocalEngineClient
-from relax_hpc.engines.sglang import SGLangEngine
-from relax_hpc.engines.sglang_fleet import (
+from relax_hpc.engines.sglang.engine import SGLangEngine
+from relax_hpc.engines.sglang.fleet import (
     ManagedSGLangEngine,
     SGLangLaunch,
     start_sglang_engines,
     tied_names,
 )
-from relax_hpc.engines.sglang_server import SGLangServer, SGLangServerError
-from relax_hpc.engines.sglang_weights import DistributedWeightPush, TensorWeightPush, buckets
+from relax_hpc.engines.sglang.server import SGLangServer, SGLangServerError
+from relax_hpc.engines.sglang.weights import DistributedWeightPush, TensorWeightPush, buckets
 from relax_hpc.models.hf import load_causal_lm, load_tokenizer
 from relax_hpc.ops.ports import (
     ENGINES_PER_NODE,
@@ -111,7 +111,7 @@ def test_stop_ends_the_server_and_its_children_by_pid(fake_python: Path, tmp_pat
 def test_a_server_does_not_outlive_its_owner_killed_with_sigkill(fake_python: Path, tmp_path: Path) -> None:
     # As when Ray kills the rollout actor: no shutdown code runs in the owner, the watcher acts.
     log = tmp_path / "server.log"
-    owner_code = ("import sys, time\nfrom relax_hpc.engines.sglang_server import SGLangServer\n"
+    owner_code = ("import sys, time\nfrom relax_hpc.engines.sglang.server import SGLangServer\n"
                   "SGLangServer(sys.argv[1], sys.argv[2], log_path=sys.argv[3]).start()\n"
                   "print('up', flush=True)\ntime.sleep(600)\n")
     owner = subprocess.Popen([sys.executable, "-c", owner_code, str(fake_python), str(tmp_path), str(log)],
@@ -452,7 +452,7 @@ def test_gloo_weight_update_from_this_torch_lands(server_url: str, tiny_model_di
     # Last of the one-server tests, after the update from disk (versions 1 and 2); the fleet's
     # tests below install their own weights (version 1 again) first. This process (torch
     # 2.13, the sender's side) is rank 0 of the group, as the rollout role is
-    # (relax_hpc/engines/sglang_weights.py).
+    # (relax_hpc/engines/sglang/weights.py).
     model = load_causal_lm(tiny_model_dir).eval()
     generator = torch.Generator().manual_seed(5)
     with torch.no_grad():

@@ -1,4 +1,4 @@
-"""Media through `SGLangEngine` (relax_hpc/engines/sglang.py): unexpanded prompts and data URLs
+"""Media through `SGLangEngine` (relax_hpc/engines/sglang/engine.py): unexpanded prompts and data URLs
 out, the server's expansion checked on the way back, markup never sampled, refusals that name the
 fix, and weights renamed to the checkpoint names SGLang's loaders read.
 
@@ -29,12 +29,12 @@ import torch
 from PIL import Image
 from side_env import SGLANG
 
-from relax_hpc.engines import sglang_requests as requests
+from relax_hpc.engines.sglang import requests as requests
 from relax_hpc.engines.base import SamplingParams
-from relax_hpc.engines.http_client import EngineHttpError
-from relax_hpc.engines.sglang import SGLangEngine
-from relax_hpc.engines.sglang_fleet import ManagedSGLangEngine, SGLangLaunch
-from relax_hpc.engines.sglang_weights import checkpoint_named
+from relax_hpc.engines.http.client import EngineHttpError
+from relax_hpc.engines.sglang.engine import SGLangEngine
+from relax_hpc.engines.sglang.fleet import ManagedSGLangEngine, SGLangLaunch
+from relax_hpc.engines.sglang.weights import checkpoint_named
 from relax_hpc.media.items import MediaItem, PromptMedia
 from relax_hpc.media.processor import MediaProcessor
 from relax_hpc.models.hf import checkpoint_state_dict, load_policy_model, load_tokenizer
@@ -322,7 +322,7 @@ def vl_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def vl_engine(sglang_python: Path, vl_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SGLangEngine]:
-    from relax_hpc.engines.sglang_server import SGLangServer
+    from relax_hpc.engines.sglang.server import SGLangServer
 
     root = tmp_path_factory.mktemp("sglang-vl-server")
     with SGLangServer(sglang_python, vl_dir, log_path=root / "server.log", start_timeout_s=400,
@@ -396,8 +396,8 @@ def test_a_real_server_runs_the_trainers_new_weights_after_an_update(
     # transformers 5's (model.language_model.*, model.visual.*), which SGLang's loader does not know.
     # One image at every version: SGLang's cache of encoder outputs, which no update clears, would
     # serve the image as the old vision tower saw it (SGLangServer turns that cache off).
-    from relax_hpc.engines.sglang_fleet import tied_names
-    from relax_hpc.engines.sglang_weights import DistributedWeightPush
+    from relax_hpc.engines.sglang.fleet import tied_names
+    from relax_hpc.engines.sglang.weights import DistributedWeightPush
 
     assert any(name.startswith("model.language_model.") for name, _ in backend.named_weights())
     media = [PromptMedia((_image(3, 56),)), None]

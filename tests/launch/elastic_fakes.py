@@ -1,8 +1,8 @@
 """In-memory stand-ins for a running job's elastic side, shared by the federation tests.
 
-`FakeElastic` is an `ElasticControl` (relax_hpc/engines/elastic_api.py) over a list of engines
+`FakeElastic` is an `ElasticControl` (relax_hpc/engines/elastic/api.py) over a list of engines
 whose operations finish at once; serve it with the real `RestServer`, or call it through
-`InMemoryRest`, which maps the REST routes onto its actions the way rest_api.py does.
+`InMemoryRest`, which maps the REST routes onto its actions the way elastic/rest_api.py does.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
-from relax_hpc.engines.elastic_api import ElasticReply, error_reply
+from relax_hpc.engines.elastic.api import ElasticReply, error_reply
 
 MAIN_ENGINE = {"id": "engine-0", "address": "in-job", "state": "active", "weight_version": 7, "samples": 120,
                "job": None, "protected": True}

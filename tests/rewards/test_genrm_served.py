@@ -13,9 +13,9 @@ import torch
 
 from relax_hpc.data.sample import Sample
 from relax_hpc.engines.base import Generation, SamplingParams
-from relax_hpc.engines.http_auth import engine_token, write_token_file
-from relax_hpc.engines.http_client import EngineAuthError, HttpEngine
-from relax_hpc.engines.http_server import EngineServer
+from relax_hpc.engines.http.auth import engine_token, write_token_file
+from relax_hpc.engines.http.client import EngineAuthError, HttpEngine
+from relax_hpc.engines.http.server import EngineServer
 from relax_hpc.engines.native import NativeEngine
 from relax_hpc.models.hf import load_tokenizer
 from relax_hpc.rewards.genrm import parse_verdict

@@ -31,7 +31,7 @@ from test_relax_jobs import (
 )
 
 from relax_hpc.auth import JobSecret
-from relax_hpc.engines.rest_api import RestClient, RestUnavailable
+from relax_hpc.engines.elastic.rest_api import RestClient, RestUnavailable
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.timeout(600)]
 

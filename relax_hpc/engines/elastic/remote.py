@@ -37,9 +37,9 @@ from relax_hpc.engines.disk_weights import (
     version_dir,
     write_safetensors_dir,
 )
-from relax_hpc.engines.http_client import EngineAuthError, EngineHttpError, HttpEngine
+from relax_hpc.engines.http.client import EngineAuthError, EngineHttpError, HttpEngine
 from relax_hpc.engines.router import WeightsUnavailable
-from relax_hpc.engines.sglang_requests import update_weights_from_disk_request
+from relax_hpc.engines.sglang.requests import update_weights_from_disk_request
 from relax_hpc.media.items import PromptMedia
 
 __all__ = ["RemoteEngineClient", "WeightLoadError", "write_weights_dir"]

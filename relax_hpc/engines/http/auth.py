@@ -3,7 +3,7 @@
 Inside a job the token is derived from the job secret (`engine_token()`), so every process of
 the job can compute it; `relax-hpc serve-engine` run by hand makes a fresh one per run and writes
 it to an owner-only file (`write_token_file`), whose path it prints, never the token itself.
-The server checks it in an ASGI middleware, from the headers alone (http_server.py).
+The server checks it in an ASGI middleware, from the headers alone (http/server.py).
 """
 
 from __future__ import annotations

@@ -1,15 +1,15 @@
 """Serve any `RolloutEngine` over HTTP with the subset of SGLang's native API that rollout uses.
 
-One client (`relax_hpc.engines.http_client.HttpEngine`) then talks to this server and to real
+One client (`relax_hpc.engines.http.client.HttpEngine`) then talks to this server and to real
 SGLang servers alike: a judge model on its own node, a teacher, or a native engine on a machine
 without Ray. FastAPI on uvicorn, like the REST API and the agent proxy, under the same connection
-limits (http_serving.py); generation runs in one worker thread, serialised, because engines are
+limits (http/serving.py); generation runs in one worker thread, serialised, because engines are
 not required to be thread-safe.
 
 `ServerLimits` bounds what one client can take: connections (in all, and per address before
 they show the token), the time a request may take to arrive, the body's size and nesting, and
 the prompts and tokens of one `/generate`. Every request needs `Authorization: Bearer <token>`
-(`http_auth.py`): without it, any path or method, the answer is 401 before the body is read.
+(`http/auth.py`): without it, any path or method, the answer is 401 before the body is read.
 
 Routes (see docs/engines.md for the full field list):
 
@@ -56,9 +56,9 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from relax_hpc.auth import bearer_matches
 from relax_hpc.engines.base import Generation, RolloutEngine, SamplingParams
 from relax_hpc.engines.disk_weights import WeightsDirError, parameter_shapes, read_weights_dir, resolve_weights_dir
-from relax_hpc.engines.http_auth import ENGINE_AUTH_MESSAGE, check_token
-from relax_hpc.engines.http_body import JsonBodyError, declared_length, load_json_body
-from relax_hpc.engines.http_serving import ServingLimits, UvicornThread, bearer_trust, uvicorn_config
+from relax_hpc.engines.http.auth import ENGINE_AUTH_MESSAGE, check_token
+from relax_hpc.engines.http.body import JsonBodyError, declared_length, load_json_body
+from relax_hpc.engines.http.serving import ServingLimits, UvicornThread, bearer_trust, uvicorn_config
 
 __all__ = [
     "GREEDY_TEMPERATURE",
@@ -327,7 +327,7 @@ def generation_to_sglang(gen: Generation, return_logprob: bool, request_id: str)
 class EngineServer:
     """An HTTP server in front of one engine; `start()` serves from a background thread.
 
-    `token` is the bearer token every request must carry: `engine_token()` (http_auth.py) in a
+    `token` is the bearer token every request must carry: `engine_token()` (http/auth.py) in a
     job, a fresh one for `relax-hpc serve-engine` run by hand. `weights_root`: the directory
     whose weight versions `/update_weights_from_disk` may load; None refuses every update. The
     port is bound here (OSError when it is taken), so `port` and `url` are known before `start()`."""
@@ -384,7 +384,7 @@ class EngineServer:
 
     @property
     def open_connections(self) -> int:
-        """Connections the server holds now (http_serving.py)."""
+        """Connections the server holds now (http/serving.py)."""
         return self._runner.open_connections
 
     def start(self) -> EngineServer:
@@ -463,7 +463,7 @@ def _with_headers(response: Response, headers: dict[str, str]) -> Response:
 
 def _reply(status: int, payload: Any, close: bool = False) -> JSONResponse:
     # Connection: close after a refusal whose body was not read: the serving protocol then reads
-    # and drops the rest before it closes, so the client reads this reply (http_serving.py).
+    # and drops the rest before it closes, so the client reads this reply (http/serving.py).
     response = JSONResponse(payload, status_code=status)
     return _with_headers(response, {"Connection": "close"}) if close else response
 

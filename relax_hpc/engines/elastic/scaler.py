@@ -3,7 +3,7 @@
 The scaler owns the operations; the `EngineRouter` owns the engines. One operation runs at a
 time, on a thread of its own, so the REST call returns at once (202 with the operation) and
 the caller polls `GET /rollout/operations/{id}`; a second request while one runs is refused
-with 409 and the running operation. The actions and bodies are in elastic_api.py.
+with 409 and the running operation. The actions and bodies are in elastic/api.py.
 
 Scale-out connects each engine (`connect(url)` for an engine already serving somewhere, e.g. a
 grow job's; `spawn(n)` for engines started in the job's own allocation), registers it with the
@@ -14,7 +14,7 @@ URLs already serving are skipped, so a grow job that registers twice adds nothin
 
 Scale-in drains: the engine gets no new work, finishes what it holds (up to `timeout_s`,
 after which its prompts go to the others) and is retired; a drain that fails retires the engine
-all the same, so none stays "draining". Every number of a body is bounded (elastic_api.py): a
+all the same, so none stays "draining". Every number of a body is bounded (elastic/api.py): a
 body that is not refuses with 400 before any operation exists. The job's own engines are protected
 unless the request says `"force": true`; the last serving engine is never removed.
 
@@ -33,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from relax_hpc.engines.elastic_api import (
+from relax_hpc.engines.elastic.api import (
     ACTIONS,
     MAX_FLEET_ENGINES,
     MAX_JOB_CHARS,
@@ -53,7 +53,7 @@ KEPT_OPERATIONS = 100  # finished operations remembered for GET /rollout/operati
 Connect = Callable[[str, str, str | None], EngineClient]  # (engine id, url, job) -> a client
 Spawn = Callable[[list[str]], list[EngineClient]]  # engine ids -> clients of engines started here
 # (urls, job) -> None when the job may send its engine token to every URL's host, else the 400
-# message saying which URLs are refused and what is accepted (engines/engine_hosts.py).
+# message saying which URLs are refused and what is accepted (engines/elastic/hosts.py).
 CheckHosts = Callable[[list[str], str | None], str | None]
 
 

@@ -1,7 +1,7 @@
 """`SGLangEngine`: the `RolloutEngine` over an SGLang server's HTTP API.
 
 SGLang pins its own torch and transformers, so it runs in its own environment (built by
-tools/setup-sglang-cpu, started by `SGLangServer` in sglang_server.py) and this adapter only
+tools/setup-sglang-cpu, started by `SGLangServer` in sglang/server.py) and this adapter only
 speaks HTTP; no sglang import here. Token ids go in and come out (serve with
 `--skip-tokenizer-init`); the tokenizer for the text is loaded from `model_path` here.
 
@@ -10,13 +10,13 @@ speaks HTTP; no sglang import here. Token ids go in and come out (serve with
         gens = engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=8), seed=0)
         engine.update_weights(model.named_parameters(), version=1)
 
-Weight updates go by `weight_push` when one is given (sglang_weights.py: a torch.distributed
+Weight updates go by `weight_push` when one is given (sglang/weights.py: a torch.distributed
 group whose rank 0 is this process), else through disk: the tensors are written as safetensors
 to `weights_dir/v<version>` (a temp dir, then a rename) and the server loads them with
 `/update_weights_from_disk`, so `weights_dir` must be a path the server can read. Either way the
 update runs inside `/begin_weight_update` ... `/end_weight_update` (0.5.23 refuses it outside).
-The request bodies are built in sglang_requests.py and checked against SGLang's own classes by
-the tests. Servers started, restarted and stopped for a job: sglang_fleet.py.
+The request bodies are built in sglang/requests.py and checked against SGLang's own classes by
+the tests. Servers started, restarted and stopped for a job: sglang/fleet.py.
 
 Media (a multimodal model, docs/multimodal.md): a prompt arrives with its placeholders expanded
 and its canonical media (`PromptMedia`). SGLang expands placeholders itself with its own HF
@@ -42,12 +42,12 @@ from typing import Any
 
 import torch
 
-from relax_hpc.engines import sglang_requests as requests
+from relax_hpc.engines.sglang import requests as requests
 from relax_hpc.engines.base import Generation, SamplingParams
 from relax_hpc.engines.call_gate import CallGate
 from relax_hpc.engines.disk_weights import write_safetensors_dir
-from relax_hpc.engines.http_client import EngineHttpError, HttpEngine
-from relax_hpc.engines.sglang_weights import WeightPush, checkpoint_named
+from relax_hpc.engines.http.client import EngineHttpError, HttpEngine
+from relax_hpc.engines.sglang.weights import WeightPush, checkpoint_named
 from relax_hpc.media.items import MEDIA_ORDER, MediaItem, PromptMedia
 from relax_hpc.media.processor import MARKUP_FLOOR, media_processor_for
 from relax_hpc.models.hf import load_tokenizer

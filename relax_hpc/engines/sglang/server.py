@@ -1,7 +1,7 @@
 """`SGLangServer`: start, watch and stop an SGLang server process from its own environment.
 
 SGLang pins its own torch, so the server runs on the python of a separate venv (built by
-tools/setup-sglang-cpu) and is reached over HTTP by `SGLangEngine` (sglang.py).
+tools/setup-sglang-cpu) and is reached over HTTP by `SGLangEngine` (sglang/engine.py).
 
     with SGLangServer(".venv-sglang/bin/python", model_dir, device="cpu", log_path=run / "sglang.log") as server:
         engine = SGLangEngine(server.url, model_dir)

@@ -2,7 +2,7 @@
 
 The driver serves it so that users and grow jobs (extra rollout engines submitted as separate
 Slurm jobs) can change the rollout fleet at run time. Each route is one call of
-`ElasticControl.elastic(action, body)` (elastic_api.py has the actions, their bodies and their
+`ElasticControl.elastic(action, body)` (elastic/api.py has the actions, their bodies and their
 replies), whose status and body go back to the client as they are:
 
     GET  /health                       200 {"status": "ok"}
@@ -45,11 +45,11 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from starlette.websockets import WebSocketClose
 
 from relax_hpc.auth import bearer_matches, job_secret
-from relax_hpc.engines.elastic_api import REST_TOKEN_PURPOSE, ElasticControl, ElasticReply
-from relax_hpc.engines.http_auth import check_token
-from relax_hpc.engines.http_body import RequestRefused, read_limited_body
+from relax_hpc.engines.elastic.api import REST_TOKEN_PURPOSE, ElasticControl, ElasticReply
+from relax_hpc.engines.http.auth import check_token
+from relax_hpc.engines.http.body import RequestRefused, read_limited_body
 from relax_hpc.ops.http import TRANSPORT_ERRORS, http_client
-from relax_hpc.engines.http_serving import ServingError, ServingLimits, UvicornThread, bearer_trust, uvicorn_config
+from relax_hpc.engines.http.serving import ServingError, ServingLimits, UvicornThread, bearer_trust, uvicorn_config
 
 __all__ = [
     "MAX_BODY_BYTES",
@@ -250,7 +250,7 @@ class RestServer:
 
     It binds the socket itself before uvicorn starts, so a port in use fails `start()` with a
     RestServerError saying so (uvicorn would log it and exit the thread). Connections are under
-    `limits` (http_serving.py): a request deadline, a total cap and a cap per peer address on
+    `limits` (http/serving.py): a request deadline, a total cap and a cap per peer address on
     connections that have not shown the app's token (`make_rest_app` records it on the app)."""
 
     def __init__(self, app: ASGIApp, host: str, port: int = 0, *, start_timeout_s: float = 30.0,

@@ -2,8 +2,8 @@
 
 The rollout component starts `num_engines` servers (`start_sglang_engines`), each wrapped in a
 `ManagedSGLangEngine`: a `RolloutEngine` that the rollout role's `EngineRouter` drives like any
-other. It owns the server process (sglang_server.py), its HTTP client (sglang.py) and its
-weight-update group (sglang_weights.py), and it keeps the newest weights it was given, so that:
+other. It owns the server process (sglang/server.py), its HTTP client (sglang/engine.py) and its
+weight-update group (sglang/weights.py), and it keeps the newest weights it was given, so that:
 
 - a server that dies is restarted (up to `max_restarts` times), its update group formed anew
   and the newest weights pushed before it serves again; the call that found it dead is then
@@ -34,9 +34,9 @@ from typing import Any, TypeVar
 import torch
 
 from relax_hpc.engines.base import EngineGone, Generation, SamplingParams
-from relax_hpc.engines.sglang import SGLangEngine
-from relax_hpc.engines.sglang_server import SGLangServer
-from relax_hpc.engines.sglang_weights import (
+from relax_hpc.engines.sglang.engine import SGLangEngine
+from relax_hpc.engines.sglang.server import SGLangServer
+from relax_hpc.engines.sglang.weights import (
     DistributedWeightPush,
     TensorWeightPush,
     WeightPush,

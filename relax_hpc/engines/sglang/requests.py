@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from relax_hpc.engines.base import Generation, SamplingParams
-from relax_hpc.engines.http_client import (
+from relax_hpc.engines.http.client import (
     EngineHttpError,
     parse_generate_reply,
     sampling_payload,
@@ -190,7 +190,7 @@ def check_server_version(info: Any, url: str) -> str:
         raise EngineHttpError(
             f"the server at {url} runs SGLang {version}; SGLangEngine supports SGLang "
             f"{', '.join(SUPPORTED_SGLANG_VERSIONS)} (SUPPORTED_SGLANG_VERSIONS in "
-            "relax_hpc/engines/sglang_requests.py). Serve with a supported release (tools/setup-sglang-cpu "
+            "relax_hpc/engines/sglang/requests.py). Serve with a supported release (tools/setup-sglang-cpu "
             "installs 0.5.23), or check its request classes and add the version there"
         )
     return version

@@ -20,7 +20,7 @@ Actions and their bodies (docs/federation.md has the HTTP side):
 
 Bounds: "num_engines" and the number of "engine_urls" at most what the fleet has room for
 (MAX_FLEET_ENGINES in all), "timeout_s" a finite number of seconds in (0, MAX_TIMEOUT_S]; an
-"engine_urls" host must be one the job accepts (engines/engine_hosts.py: its own nodes and its
+"engine_urls" host must be one the job accepts (engines/elastic/hosts.py: its own nodes and its
 grow jobs' nodes), since the engine token is sent there.
 
 Errors: 400 (a bad body: the message names the key and what is allowed), 404 (no such

@@ -46,7 +46,7 @@ from typing import Any, Protocol
 
 import torch
 
-from relax_hpc.engines import sglang_requests as requests
+from relax_hpc.engines.sglang import requests as requests
 
 __all__ = [
     "DistributedWeightPush", "RequestSender", "TensorWeightPush", "WeightPush", "buckets", "checkpoint_named",

@@ -10,7 +10,7 @@ from typing import Any
 from starlette.datastructures import Headers
 from starlette.requests import Request
 
-from relax_hpc.engines.http_serving import INVALID_LENGTH_HEADER
+from relax_hpc.engines.http.serving import INVALID_LENGTH_HEADER
 
 __all__ = ["JsonBodyError", "RequestRefused", "declared_length", "load_json_body", "read_limited_body"]
 
@@ -55,7 +55,7 @@ def load_json_body(raw: bytes, max_depth: int) -> Any:
 
 def declared_length(headers: Headers) -> str | None:
     """The request's Content-Length as sent, also one the serving protocol renamed because it is
-    not a byte count (http_serving.py); None without one."""
+    not a byte count (http/serving.py); None without one."""
     value = headers.get("content-length")
     return value if value is not None else headers.get(INVALID_LENGTH_HEADER)
 

@@ -1,6 +1,6 @@
 """`HttpEngine`: a `RolloutEngine` that generates through an engine server's `POST /generate`.
 
-The server is either `relax-hpc serve-engine` (relax_hpc.engines.http_server) or a real SGLang
+The server is either `relax-hpc serve-engine` (relax_hpc.engines.http.server) or a real SGLang
 server: both speak SGLang's native API. Token ids go in and come out, so the caller tokenizes
 with the served model's tokenizer. Used for judges (GenRM) and other frozen models: the weights
 of a remote engine are the server's business, and `update_weights` refuses.
@@ -8,7 +8,7 @@ of a remote engine are the server's business, and `update_weights` refuses.
     engine = HttpEngine("http://judge-node:30000", token=engine_token(), timeout_s=60, retries=3)
     gens = engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=8), seed=0)
 
-Every request carries `Authorization: Bearer <token>`: `engine_token()` (http_auth.py) of the
+Every request carries `Authorization: Bearer <token>`: `engine_token()` (http/auth.py) of the
 job, the token file of a `serve-engine` run by hand, SGLang's `--api-key`, or None for a server
 that wants none. Connection errors, timeouts, HTTP 429 and 5xx are retried with exponential
 backoff. With `busy_wait_s`, a server that answers 503 or 429 (busy: its connection limit, not
