@@ -38,9 +38,9 @@ import sys
 from pathlib import Path
 from typing import Callable
 
+from relax_hpc.cli import slurm_commands
 from relax_hpc.jobspecs import resolve_spec_path, with_embedded_inputs
 from relax_hpc.jobspecs.spec_args import add_spec_arguments, load_spec_args
-from relax_hpc.launch import commands as slurm_commands
 from relax_hpc.launch.federation import SlurmGrowSubmitter
 from relax_hpc.launch.slurm_client import SlurmError
 from relax_hpc.models.mm_archs import TINY_MM_ARCHS, is_omni

@@ -4,7 +4,7 @@
 
 Files merge left to right and the overrides go on top (relax_hpc/spec/compose.py); each SPEC may
 be a file or the name of a spec shipped in this package. It lives in jobspecs, below launch, so that the
-commands of relax_hpc/cli/main.py and relax_hpc/launch/commands.py share it; kept free of torch
+commands of relax_hpc/cli/main.py and relax_hpc/cli/slurm_commands.py share it; kept free of torch
 and Ray, like the commands that only read specs.
 
     add_spec_arguments(parser)        # in a command's parser

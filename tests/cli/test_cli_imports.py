@@ -29,7 +29,7 @@ HEAVY = ("torch", "ray", "transformers")
 PROBE = ("import sys\n"
          "from relax_hpc.cli.main import main\n"
          "if sys.argv[1] == '--fake-slurm':  # Slurm's answers from the in-memory client\n"
-         "    from relax_hpc.launch import commands\n"
+         "    from relax_hpc.cli import slurm_commands as commands\n"
          "    from relax_hpc.launch.slurm_client import FakeSlurmClient, JobComponent\n"
          "    fake = FakeSlurmClient(jobs={'4242': [JobComponent('4242', 0, 'RUNNING', 'n1')]})\n"
          "    commands.make_client = lambda: fake\n"

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from relax_hpc.cli.main import POSITIONAL_NAMES, build_parser, main
-from relax_hpc.launch import commands
+from relax_hpc.cli import slurm_commands as commands
 from relax_hpc.launch.slurm_client import FakeSlurmClient
 
 

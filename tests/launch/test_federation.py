@@ -23,7 +23,7 @@ from elastic_fakes import FakeElastic, InMemoryRest
 from relax_hpc.auth import JobSecret
 from relax_hpc.cli.main import main
 from relax_hpc.engines.elastic.rest_api import RestServer, make_rest_app
-from relax_hpc.launch import commands
+from relax_hpc.cli import slurm_commands as commands
 from relax_hpc.launch.federation import (
     ElasticApi,
     FederationError,

@@ -9,7 +9,7 @@ import pytest
 
 from relax_hpc.cli.main import main
 from relax_hpc.driver.jobdir import JobDirLock
-from relax_hpc.launch import commands
+from relax_hpc.cli import slurm_commands as commands
 from relax_hpc.launch.slurm_client import FakeSlurmClient, JobComponent
 
 REPO = Path(__file__).resolve().parents[2]

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from relax_hpc.cli.main import main
-from relax_hpc.launch import commands
+from relax_hpc.cli import slurm_commands as commands
 from relax_hpc.launch.slurm_client import FakeSlurmClient, JobComponent
 from relax_hpc.ops.run_status import RunStatus
 
