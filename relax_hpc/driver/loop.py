@@ -98,6 +98,17 @@ def raise_broadcast_error_first(pending: PendingWeights | None, error: Exception
         raise broadcast_error from error
 
 
+def _resume_point(cfg: LoopConfig, roles: Roles) -> tuple[ResumeState | None, int, int, int]:
+    """Where the loop starts: the newest checkpoint's state, step, weight version and samples
+    trained (its data cursor restored, its weights on the engines), or the beginning."""
+    state = roles.load_checkpoint() if cfg.resume else None
+    if state is None:
+        return None, 0, 0, 0
+    roles.restore_cursor(state.data_cursor)
+    roles.weights.sync(state.weight_version)  # the first step needs them: nothing to overlap
+    return state, state.step, state.weight_version, state.samples_trained
+
+
 def run_loop(
     cfg: LoopConfig,
     roles: Roles,
@@ -112,12 +123,7 @@ def run_loop(
     `on_step(step, metrics)` follows each step's metrics; `on_save_failed(step, error)` each
     save that failed on its storage (the run goes on, or fails when it was its last save).
     """
-    state = roles.load_checkpoint() if cfg.resume else None
-    step, version, samples_trained = 0, 0, 0
-    if state is not None:
-        step, version, samples_trained = state.step, state.weight_version, state.samples_trained
-        roles.restore_cursor(state.data_cursor)
-        roles.weights.sync(version)               # the first step needs them: nothing to overlap
+    state, step, version, samples_trained = _resume_point(cfg, roles)
     result = LoopResult(step, step, samples_trained, False, None)
     saver = CheckpointSaver(roles, cfg.final_save_retry_s, on_save_failed,
                             last_saved=None if state is None else state.step)

@@ -31,6 +31,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable
+from contextlib import ExitStack, closing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -401,117 +402,145 @@ def run_locked(spec: JobSpec, job_dir: Path, in_process: bool, ray_address: str 
         alerts.close()
 
 
-def run_authenticated(spec: JobSpec, job_dir: Path, in_process: bool, ray_address: str | None,
-                      progress: bool, t_start: float, alerts: JobAlerts,
-                      grow_submitter: GrowSubmitter | None = None) -> RunReport:
-    """The run, once every process it starts can find the job secret."""
-    device = resolve_device(spec.train.device)
-    rollout_cfg, actor_cfg = role_configs(spec, job_dir, device)
+class _HealthReporter:
+    """What the driver does with a health event of a role (docs/operations.md, "Health"): says it
+    on stderr, to the owner and in status.json."""
+
+    def __init__(self, status: RunStatus, alerts: JobAlerts) -> None:
+        self.status, self.alerts = status, alerts
+        self.healer: RoleHealer | None = None
+
+    def __call__(self, event: HealthEvent) -> None:
+        print(f"health: {event.line()}", file=sys.stderr)
+        self.alerts.role_restarted(event.line())
+        self.status.add_event(event.line())
+        if self.healer is not None:
+            self.status.set_restarts(self.healer.book.in_place, self.healer.book.global_restarts)
+            self.status.set_roles(self.healer.role_states())
+        if event.action == "global":
+            self.status.set_state("restarting", event.line())
+
+
+@dataclass
+class _StepReporter:
+    """What the driver does after each step and when a save fails: the progress bar, the plots,
+    status.json (the engines every ENGINE_STATUS_EVERY_S), the owner's alerts, the grow policy."""
+
+    status: RunStatus
+    alerts: JobAlerts
+    healer: RoleHealer | None
+    roles: Roles
+    bar: Any
+    plots: PlotWriter
+    grower: GrowDriver | None
+    engines_shown: float = -float("inf")  # when status.json last got the engines
+
+    def on_step(self, step: int, m: dict[str, float]) -> None:
+        settle_heap()  # once, after the first step; this process also hosts the queue server
+        self.bar.update(step, m["reward/mean"], m["time/step_s"])
+        self.plots.on_step(step)  # starts a draw on the writer's thread, or skips it: never waits
+        self.status.on_step(step, m, int(m.get("samples/step", 0)))
+        if self.healer is not None:
+            self.status.set_roles(self.healer.role_states())
+        if time.monotonic() - self.engines_shown >= ENGINE_STATUS_EVERY_S:
+            self.engines_shown = time.monotonic()
+            try:
+                self.status.set_engines(self.roles.engine_report())
+            except Exception as e:  # noqa: BLE001 - status is best effort; the loop notices a dead rollout
+                log_status_problem(e)
+        self.alerts.step(step, m)
+        if self.grower is not None:
+            self.grower.on_step(step, m)
+
+    def on_save_failed(self, step: int, error: BaseException) -> None:
+        line = f"the checkpoint of step {step} could not be saved: {error}"[:400]
+        self.status.add_event(line)
+        self.alerts.save_failed(line)
+
+
+@dataclass
+class _Attempt:
+    """What `_start` started for the loop; the ExitStack that started it stops each."""
+
+    roles: RebuildableRoles
+    healer: RoleHealer | None
+    stop: StopFlag
+    metrics: FanOut
+    reporter: _StepReporter
+
+
+def _shutdown_ray() -> None:
+    import ray
+
+    ray.shutdown()
+
+
+def _start(stack: ExitStack, spec: JobSpec, job_dir: Path, in_process: bool, ray_address: str | None,
+           progress: bool, alerts: JobAlerts, grow_submitter: GrowSubmitter | None, status: RunStatus,
+           role_cfgs: tuple[RolloutConfig, ActorConfig]) -> _Attempt:
+    """Ray, the driver's heartbeat, the roles, the REST API, the sinks, the plots and the bar, in
+    that order; each one's stop goes on `stack` as soon as it runs, so a failure part-way stops
+    exactly what had started."""
     if not in_process:
         start_ray(ray_address)
-    # After ray.init, which installs handlers of its own in this process.
+        stack.callback(_shutdown_ray)
     stop = StopFlag()
-    install_stop_handlers(stop)
-    r, staleness = spec.rollout, spec.algorithm.max_staleness
-    capacity = queue_capacity(r.prompts_per_step, staleness, r.n_samples_per_prompt)
-    queue_roles = queue_role_configs(spec, device)
-    status = RunStatus(job_dir, spec.job.name, spec.train.steps)  # `relax-hpc status JOBDIR` reads it
+    install_stop_handlers(stop)  # after ray.init, which installs handlers of its own in this process
     driver_beat = HeartbeatWriter(heartbeat_path(job_dir, "driver"), "driver", spec.health.heartbeat_s)
     driver_beat.start()
+    stack.callback(driver_beat.stop)
     # Roles in Ray actors are watched and restarted (docs/operations.md, "Health"); in one
     # process there is nothing to restart.
-    healer = None if in_process else RoleHealer(health_config(spec), job_dir, on_event=lambda e: on_health(e))
+    health = _HealthReporter(status, alerts)
+    healer = health.healer = None if in_process else RoleHealer(health_config(spec), job_dir, on_event=health)
+    r = spec.rollout
+    capacity = queue_capacity(r.prompts_per_step, spec.algorithm.max_staleness, r.n_samples_per_prompt)
+    queue_roles = queue_role_configs(spec, role_cfgs[1].device)
 
     def build_roles() -> Roles:
         if in_process:
-            return LocalRoles(rollout_cfg, actor_cfg, queue_roles, capacity)
-        return RayRoles(rollout_cfg, actor_cfg, spec.train.num_processes, queue_roles, capacity, healer=healer)
+            return LocalRoles(*role_cfgs, queue_roles, capacity)
+        return RayRoles(*role_cfgs, spec.train.num_processes, queue_roles, capacity, healer=healer)
 
-    def on_health(event: HealthEvent) -> None:
-        print(f"health: {event.line()}", file=sys.stderr)
-        alerts.role_restarted(event.line())
-        status.add_event(event.line())
-        if healer is not None:
-            status.set_restarts(healer.book.in_place, healer.book.global_restarts)
-            status.set_roles(healer.role_states())
-        if event.action == "global":
-            status.set_state("restarting", event.line())
-
-    try:
-        roles = RebuildableRoles(build_roles)
-    except BaseException as error:
-        driver_beat.stop()
-        status.set_state("failed", f"{type(error).__name__}: {error}"[:300])
-        raise
+    roles = RebuildableRoles(build_roles)
+    stack.callback(roles.shutdown)
     print(f"dataset: {roles.dataset_summary()}", file=sys.stderr)
-    try:
-        # The elastic REST API (docs/federation.md): on the head node's address in a cluster.
-        rest = serve_rest_api(job_dir, roles, rest_host(in_process or not ray_address))  # type: ignore[arg-type]
-    except BaseException as error:
-        roles.shutdown()
-        driver_beat.stop()
-        status.set_state("failed", f"{type(error).__name__}: {error}"[:300])
-        raise
+    # The elastic REST API (docs/federation.md): on the head node's address in a cluster.
+    rest = serve_rest_api(job_dir, roles, rest_host(in_process or not ray_address))  # type: ignore[arg-type]
+    stack.callback(publish_rest_url, job_dir, None)
+    stack.callback(rest.stop)
     status.set_state("running")
     print(f"REST API: {rest.url} (cluster.json; docs/federation.md)", file=sys.stderr)
-    metrics = make_sinks(spec, job_dir)
-    plots = make_plot_writer(spec, job_dir)
+    metrics = stack.enter_context(closing(make_sinks(spec, job_dir)))
+    plots = stack.enter_context(closing(make_plot_writer(spec, job_dir)))  # a draw in progress finishes first
     # A bar on a terminal; in a Slurm log (not a terminal) one line every N seconds.
-    bar = make_progress(spec.train.steps, spec.job.name, enabled=progress)
-
+    bar = stack.enter_context(closing(make_progress(spec.train.steps, spec.job.name, enabled=progress)))
     grower = make_grow_driver(spec, grow_submitter, roles)  # type: ignore[arg-type]
+    return _Attempt(roles, healer, stop, metrics, _StepReporter(status, alerts, healer, roles, bar, plots, grower))
 
-    engines_shown = [-float("inf")]  # when status.json last got the engines
 
-    def on_save_failed(step: int, error: BaseException) -> None:
-        line = f"the checkpoint of step {step} could not be saved: {error}"[:400]
-        status.add_event(line)
-        alerts.save_failed(line)
-
-    def on_step(step: int, m: dict[str, float]) -> None:
-        settle_heap()  # once, after the first step; this process also hosts the queue server
-        bar.update(step, m["reward/mean"], m["time/step_s"])
-        plots.on_step(step)  # starts a draw on the writer's thread, or skips it: never waits
-        status.on_step(step, m, int(m.get("samples/step", 0)))
-        if healer is not None:
-            status.set_roles(healer.role_states())
-        if time.monotonic() - engines_shown[0] >= ENGINE_STATUS_EVERY_S:
-            engines_shown[0] = time.monotonic()
-            try:
-                status.set_engines(roles.engine_report())
-            except Exception as e:  # noqa: BLE001 - status is best effort; the loop notices a dead rollout
-                log_status_problem(e)
-        alerts.step(step, m)
-        if grower is not None:
-            grower.on_step(step, m)
-
-    loop_cfg = LoopConfig(
-        total_steps=spec.train.steps, max_staleness=staleness,
-        save_interval=spec.checkpoint.save_interval, resume=spec.checkpoint.resume,
-    )
-    engines: list[dict[str, Any]] = []
-    memory: list[dict[str, Any]] = []
-    try:
-        result = run_with_restarts(loop_cfg, roles, metrics, stop, on_step, healer,
-                                   on_restart=lambda: status.set_state("running", "after a global restart"),
-                                   on_save_failed=on_save_failed)
-        engines = roles.engine_report()
-        memory = memory_report(roles)
-    except BaseException as error:
-        status.set_state("failed", f"{type(error).__name__}: {error}"[:300])
-        raise
-    finally:
-        driver_beat.stop()
-        rest.stop()
-        publish_rest_url(job_dir, None)
-        bar.close()
-        plots.close()  # a draw in progress finishes before the final one below
-        metrics.close()
-        roles.shutdown()
-        if not in_process:
-            import ray
-
-            ray.shutdown()
+def run_authenticated(spec: JobSpec, job_dir: Path, in_process: bool, ray_address: str | None,
+                      progress: bool, t_start: float, alerts: JobAlerts,
+                      grow_submitter: GrowSubmitter | None = None) -> RunReport:
+    """The run, once every process it starts can find the job secret. What it starts is stopped
+    by one ExitStack, in the reverse order, however the run ends; a run that fails says so in
+    status.json once, before anything is stopped."""
+    role_cfgs = role_configs(spec, job_dir, resolve_device(spec.train.device))
+    status = RunStatus(job_dir, spec.job.name, spec.train.steps)  # `relax-hpc status JOBDIR` reads it
+    loop_cfg = LoopConfig(total_steps=spec.train.steps, max_staleness=spec.algorithm.max_staleness,
+                          save_interval=spec.checkpoint.save_interval, resume=spec.checkpoint.resume)
+    with ExitStack() as stack:
+        try:
+            attempt = _start(stack, spec, job_dir, in_process, ray_address, progress, alerts, grow_submitter,
+                             status, role_cfgs)
+            result = run_with_restarts(loop_cfg, attempt.roles, attempt.metrics, attempt.stop,
+                                       attempt.reporter.on_step, attempt.healer,
+                                       on_restart=lambda: status.set_state("running", "after a global restart"),
+                                       on_save_failed=attempt.reporter.on_save_failed)
+            engines, memory = attempt.roles.engine_report(), memory_report(attempt.roles)
+        except BaseException as error:
+            status.set_state("failed", f"{type(error).__name__}: {error}"[:300])
+            raise
     curve = None
     if spec.metrics.plot and spec.metrics.jsonl and result.end_step > 0:
         curve = draw_plots(spec, job_dir).reward_curve
@@ -519,12 +548,13 @@ def run_authenticated(spec: JobSpec, job_dir: Path, in_process: bool, ray_addres
     summary = {"summary": report.summary_line(), "start_step": result.start_step,
                "end_step": result.end_step, "samples_trained": result.samples_trained,
                "stopped_early": result.stopped_early, "last_checkpoint": result.last_checkpoint,
-               "rollout_engines": engines, "memory": memory, "metrics/sink_failures": metrics.failures(),
+               "rollout_engines": engines, "memory": memory, "metrics/sink_failures": attempt.metrics.failures(),
                "ckpt/save_failures": result.save_failures,
-               "health": healer.book.summary() if healer else {"in_place": 0, "global": 0, "events": []}}
+               "health": attempt.healer.book.summary() if attempt.healer else {"in_place": 0, "global": 0,
+                                                                                "events": []}}
     atomic_write_text(job_dir / "summary.json", json.dumps(summary, indent=2))
     status.set_memory(memory)
     status.set_checkpoint(result.last_checkpoint)
-    status.set_state("stopped" if result.stopped_early else "finished", stop.reason)
-    alerts.ended(report.summary_line(), result.stopped_early, stop.reason)
+    status.set_state("stopped" if result.stopped_early else "finished", attempt.stop.reason)
+    alerts.ended(report.summary_line(), result.stopped_early, attempt.stop.reason)
     return report
