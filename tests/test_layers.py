@@ -93,10 +93,10 @@ def test_the_check_can_fail() -> None:
 # Inside engines/ (docs/architecture.md, "engines/"): the core modules (the engine protocol, the
 # router, the native engine, sampling, ...) at the bottom, then the HTTP stack, then SGLang (its
 # adapter speaks HTTP), then the elastic side (REST API, scale-out, remote engines of other jobs).
-# `factory.py` assembles engines of every kind, so it alone may import any of them.
+# `factory.py` and `fleet.py` assemble engines of every kind, so they alone may import any of them.
 ENGINE_LAYERS = ("core", "http", "sglang", "elastic")
 ENGINES = PACKAGE / "engines"
-ENGINE_ASSEMBLY = {ENGINES / "factory.py"}
+ENGINE_ASSEMBLY = {ENGINES / "factory.py", ENGINES / "fleet.py"}
 
 
 def engine_layer_of(module: str) -> str:
@@ -123,3 +123,37 @@ def test_engine_sub_packages_import_only_downward() -> None:
     upward = upward_engine_imports(ENGINE_LAYERS)
     assert not upward, "imports against the engines' inner layers:\n" + "\n".join(upward)
     assert upward_engine_imports(ENGINE_LAYERS[::-1])  # the check can fail
+
+
+# The rollout role drives engines; it does not assemble them (engines/fleet.py does). What
+# roles/ may import of engines/: the engine protocol, the router's client protocol, the fleet,
+# and the elastic API's reply type.
+ROLES_SEE_OF_ENGINES = {"relax_hpc.engines.base", "relax_hpc.engines.router", "relax_hpc.engines.fleet",
+                        "relax_hpc.engines.elastic.api"}
+# Where code still asks which kind of engine a spec names (a spec check of media/, the rehearsal's
+# mapping in launch/, the tiny model builder): not yet behind the fleet. roles/ and driver/ never.
+ENGINE_KIND_CHECKS_LEFT = {"media/plan.py", "models/tiny_mm.py", "launch/rehearse.py", "launch/rehearse_spec.py"}
+
+
+def engine_imports_of_roles() -> list[str]:
+    return [f"{p.relative_to(REPO)}:{line}: {m}" for p in sorted((PACKAGE / "roles").rglob("*.py"))
+            for line, m in imports_of(p) if m.startswith("relax_hpc.engines") and m not in ROLES_SEE_OF_ENGINES]
+
+
+def engine_kind_checks(skip: set[str]) -> list[str]:
+    pattern = re.compile(r"""[!=]= *["'](native|sglang)["']|["'](native|sglang)["'] *[!=]=""")
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = str(path.relative_to(PACKAGE))
+        if rel.split("/")[0] in ("engines", "spec") or rel in skip:
+            continue
+        found += [f"relax_hpc/{rel}:{n}: {line.strip()}" for n, line in enumerate(path.read_text().splitlines(), 1)
+                  if pattern.search(line)]
+    return found
+
+
+def test_roles_drive_engines_through_the_fleet_and_the_engine_protocols() -> None:
+    assert not engine_imports_of_roles(), "build these through engines/fleet.py:\n" + "\n".join(engine_imports_of_roles())
+    checks = engine_kind_checks(ENGINE_KIND_CHECKS_LEFT)
+    assert not checks, "ask engines/fleet.py what this kind of engine needs instead:\n" + "\n".join(checks)
+    assert engine_kind_checks(set())  # the check can fail: the places not yet moved are found

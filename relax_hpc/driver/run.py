@@ -57,7 +57,7 @@ from relax_hpc.driver.rest import publish_rest_url, serve_rest_api
 from relax_hpc.driver.restarts import RebuildableRoles, run_with_restarts
 from relax_hpc.engines.base import SamplingParams
 from relax_hpc.engines.disk_weights import FEDERATION_WEIGHTS
-from relax_hpc.engines.factory import require_engine, require_sglang_python
+from relax_hpc.engines.factory import check_engine_available
 from relax_hpc.media.plan import check_media_plan
 from relax_hpc.ops.archive import archive_dir
 from relax_hpc.ops.health import (
@@ -118,9 +118,7 @@ def resolve_device(requested: str) -> str:
 def check_backends_available(spec: JobSpec) -> None:
     """The spec may name the cluster backends; refuse clearly, before Ray starts, where this
     build cannot run them (the factories the roles call say the same)."""
-    require_engine(spec.rollout.engine)
-    if spec.rollout.engine == "sglang":
-        require_sglang_python(sglang_spec_resolved(spec.rollout.sglang).python)
+    check_engine_available(spec.rollout.engine, sglang_spec_resolved(spec.rollout.sglang).python)
     require_backend(spec.train.backend)
     check_backend_support(spec, "the job spec")  # what the trainer would refuse of the model at start
     check_model_fit(spec, "the job spec")

@@ -1,5 +1,5 @@
 """`make_engine`: the rollout engine a spec's `[rollout] engine` names, built where it will run.
-(`engine = "sglang"`: the rollout role starts SGLang servers instead, sglang/fleet.py.)
+(`engine = "sglang"`: SGLang servers are started by the fleet instead, fleet.py and sglang/fleet.py.)
 
 Roles call it inside their own process (a Ray actor), so the model never crosses the wire;
 tests hand a role an engine instance (relax_hpc.engines.memory.ScriptedEngine) instead.
@@ -40,6 +40,14 @@ def require_sglang_python(python: str | None) -> None:
             'sglang-env`), or set [rollout] engine = "native"')
 
 
+def check_engine_available(engine: str, sglang_python: str | None) -> None:
+    """ValueError saying what to set when this machine cannot run `[rollout] engine` (checked
+    before anything starts): an unknown kind, or SGLang without an interpreter that has it."""
+    require_engine(engine)
+    if engine == "sglang":
+        require_sglang_python(sglang_python)
+
+
 def make_engine(engine: str, model_path: str, dtype: str = "float32", device: str = "cpu",
                 record_routing: bool = False) -> RolloutEngine:
     """The engine named by `[rollout] engine`; ValueError naming the allowed values otherwise.
@@ -47,7 +55,7 @@ def make_engine(engine: str, model_path: str, dtype: str = "float32", device: st
     require_engine(engine)
     if engine == "sglang":
         raise ValueError('make_engine: SGLang engines are server processes that the rollout role starts '
-                         '(relax_hpc.engines.sglang.fleet.start_sglang_engines), not built in place')
+                         '(relax_hpc.engines.fleet.EngineFleet), not built in place')
     from relax_hpc.engines.native import NativeEngine
 
     return NativeEngine(model_path, dtype=dtype, device=device, record_routing=record_routing)

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from relax_hpc.engines.base import Generation, RolloutEngine, SamplingParams
-from relax_hpc.engines.factory import make_engine
+from relax_hpc.engines.fleet import engine_for_actor
 from relax_hpc.engines.router import Future, WeightsUnavailable
 from relax_hpc.media.items import PromptMedia
 from relax_hpc.roles.heartbeat import Heartbeats
@@ -70,7 +70,7 @@ class EngineHost(Heartbeats):
                  record_routing: bool = False) -> None:
         if num_threads > 0:
             torch.set_num_threads(num_threads)
-        self.engine: RolloutEngine = make_engine(engine, model_path, dtype, device, record_routing=record_routing)
+        self.engine: RolloutEngine = engine_for_actor(engine, model_path, dtype, device, record_routing)
 
     def pid(self) -> int:
         return os.getpid()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from relax_hpc.engines.fleet import engine_actor_count, gpus_per_rollout
 from relax_hpc.roles.actor import ActorConfig, ActorWorker, rendezvous_address
 from relax_hpc.roles.advantages import AdvantagesConfig, AdvantagesWorker
 from relax_hpc.roles.engine_host import EngineHost
@@ -50,17 +51,14 @@ def rollout_gpus(rollout: RolloutConfig, shared: bool) -> dict[str, float]:
     """The rollout actor's GPUs: its engine's, or with SGLang every server's (`tp_size` each;
     the servers it starts see the actor's CUDA_VISIBLE_DEVICES)."""
     found = gpus(rollout.device, shared)
-    if found and rollout.engine == "sglang":
-        tp_size = rollout.sglang_spec.tp_size if rollout.sglang_spec else 1
-        return {"num_gpus": found["num_gpus"] * rollout.num_engines * tp_size}
-    return found
+    return {"num_gpus": gpus_per_rollout(rollout, found["num_gpus"])} if found else found
 
 
 def place_rollout(rollout: RolloutConfig, shared: bool) -> tuple[Any, list[Any]]:
     """The rollout actor and the engine actors behind its router (none for one engine).
 
-    N > 1 native engines run in actors of their own (a GPU each on GPUs); SGLang engines are
-    server processes that the rollout role starts itself."""
+    Which engines run in actors of their own is the fleet's rule (engines/fleet.py:
+    `engine_actor_count`)."""
     import ray
 
     host_options = {**component_placement("rollout"), **gpus(rollout.device, shared)}
@@ -68,7 +66,7 @@ def place_rollout(rollout: RolloutConfig, shared: bool) -> tuple[Any, list[Any]]
         ray.remote(EngineHost).options(**host_options).remote(
             rollout.engine, rollout.model_path, rollout.dtype, rollout.device, rollout.num_threads,
             rollout.routing_replay)
-        for _ in range(rollout.num_engines if rollout.num_engines > 1 and rollout.engine == "native" else 0)
+        for _ in range(engine_actor_count(rollout))
     ]
     # max_concurrency: new weights and status calls must reach rollout while it produces.
     worker = ray.remote(RolloutWorker).options(

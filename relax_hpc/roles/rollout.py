@@ -11,13 +11,9 @@ producer's batch boundary, where it also waits for the version the staleness bou
 from __future__ import annotations
 
 import functools
-import json
-import sys
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 import torch
@@ -28,22 +24,13 @@ from relax_hpc.algos.estimators import outcome_advantages, overlong_penalty
 from relax_hpc.data.dataset import DataCursor, DataSettings, load_dataset
 from relax_hpc.data.rows import samples_to_rows
 from relax_hpc.data.sample import Sample, assign_sample_ids
-from relax_hpc.engines.base import Generator, RolloutEngine, SamplingParams
-from relax_hpc.engines.disk_weights import FEDERATION_WEIGHTS
-from relax_hpc.engines.elastic.scaler import ElasticScaler
+from relax_hpc.engines.base import RolloutEngine, SamplingParams
 from relax_hpc.engines.elastic.api import ElasticReply
-from relax_hpc.engines.factory import make_engine
-from relax_hpc.engines.http.auth import engine_token, read_token_file
-from relax_hpc.engines.http.client import HttpEngine
-from relax_hpc.engines.elastic.remote import RemoteEngineClient
-from relax_hpc.engines.router import EngineClient, EngineRouter, LocalEngineClient
-from relax_hpc.engines.sglang.fleet import SGLangLaunch, start_sglang_engines
-from relax_hpc.engines.elastic.hosts import EngineHostPolicy
+from relax_hpc.engines.fleet import EngineFleet, build_genrm_judge
+from relax_hpc.engines.router import EngineClient, EngineRouter
 from relax_hpc.media.items import PromptMedia
 from relax_hpc.media.processor import media_processor_for
-from relax_hpc.models.hf import load_tokenizer
 from relax_hpc.ops.heap import settle_heap
-from relax_hpc.ops.ports import port_slot_from_env
 from relax_hpc.rewards.hub import RewardHub, RewardSettings
 from relax_hpc.roles.heartbeat import Heartbeats
 from relax_hpc.roles.shipping import StepShipper
@@ -105,81 +92,6 @@ def engine_role_name(engine_id: str) -> str:
     return engine_id.replace("-", "_")
 
 
-def federation_weights_dir(job_dir: str | Path | None) -> Path:
-    """Where weight versions are written for engines that joined over HTTP: JOBDIR/federation/weights,
-    on the shared filesystem the grow jobs read (a temp dir for a run without a job directory)."""
-    if job_dir is None:
-        return Path(tempfile.mkdtemp(prefix="relax-federation-weights-"))
-    return Path(job_dir) / FEDERATION_WEIGHTS
-
-
-def build_genrm_judge(reward: RewardSettings, dtype: str, device: str) -> tuple[Generator | None, Any]:
-    """The GenRM judge engine and its tokenizer from [reward], or (None, None) when none is set.
-
-    genrm_url: an engine server (frozen weights), tokenizer from genrm_tokenizer_path (required:
-    the server takes token ids), bearer token from genrm_token_file (else the job's own engine
-    token: a server started with this job's RELAX_HPC_SECRET_FILE). genrm_model_path: a native engine in this process on rollout's
-    device, tokenizer from the same directory unless genrm_tokenizer_path overrides it.
-    """
-    model_path: str | None = getattr(reward, "genrm_model_path", None)
-    url: str | None = getattr(reward, "genrm_url", None)
-    tokenizer_path: str | None = getattr(reward, "genrm_tokenizer_path", None)
-    if url:
-        if not tokenizer_path:
-            raise ValueError(
-                f"[reward] genrm_url = {url!r} needs genrm_tokenizer_path (the judge's local HF directory)"
-            )
-        # A judge call, retries and their backoffs (0.5 s, 1 s) included, must fit in the reward
-        # pool's per-sample timeout; split what the backoffs leave over the 3 attempts.
-        per_attempt = max((reward.timeout_s - 1.5) / 3, 0.1)
-        token_file: str | None = getattr(reward, "genrm_token_file", None)
-        token = read_token_file(Path(token_file)) if token_file else engine_token()
-        engine = HttpEngine(url, token=token, timeout_s=per_attempt, retries=2, backoff_s=0.5)
-        return engine, load_tokenizer(tokenizer_path)
-    if model_path:
-        native = make_engine("native", model_path, dtype=dtype, device=device)
-        return native, load_tokenizer(tokenizer_path) if tokenizer_path else native.tokenizer
-    return None, None
-
-
-def build_router(cfg: RolloutConfig, engines: list[RolloutEngine] | None = None,
-                 engine_hosts: list[Any] | None = None) -> EngineRouter:
-    """The router over the engines rollout drives: `engines` given (tests), `EngineHost` actors
-    (`engine_hosts`, started by the driver), or else `cfg.num_engines` engines built here."""
-    if engine_hosts:
-        from relax_hpc.roles.engine_host import RayEngineClient
-
-        clients = [RayEngineClient(f"engine-{i}", h) for i, h in enumerate(engine_hosts)]
-        tokenizer = load_tokenizer(cfg.model_path)  # the engines' own: they load the same directory
-        return EngineRouter(clients, tokenizer, tokenizer.eos_token_id, cfg.chunks_per_engine)
-    if not engines and cfg.engine == "sglang":
-        engines = list(start_sglang_engines(sglang_launch(cfg), cfg.num_engines, port_slot_from_env()))
-    if not engines:
-        engines = [make_engine(cfg.engine, cfg.model_path, cfg.dtype, cfg.device, record_routing=cfg.routing_replay)
-                   for _ in range(cfg.num_engines)]
-    clients_local = [LocalEngineClient(f"engine-{i}", e) for i, e in enumerate(engines)]
-    return EngineRouter(clients_local, engines[0].tokenizer, engines[0].eos_id, cfg.chunks_per_engine,
-                        local_engine=engines[0])
-
-
-def sglang_launch(cfg: RolloutConfig) -> SGLangLaunch:
-    """How rollout starts its SGLang servers: [rollout.sglang], the job's engine token as their API
-    key, their logs under JOBDIR/logs. weight_update "auto": "tensor" when the engines share the
-    trainer's devices ([cluster] colocate), else "distributed"."""
-    s = cfg.sglang_spec or SGLangSpec()
-    mode = s.weight_update
-    if mode == "auto":
-        mode = "tensor" if cfg.release_between_steps else "distributed"
-    log_dir = Path(cfg.job_dir) / "logs" if cfg.job_dir else Path(tempfile.mkdtemp(prefix="relax-sglang-"))
-    return SGLangLaunch(
-        python=s.python or sys.executable, model_path=cfg.model_path, device=cfg.device,
-        log_dir=str(log_dir), api_key=engine_token(), tp_size=s.tp_size,
-        mem_fraction_static=s.mem_fraction_static, context_length=s.context_length,
-        extra_args=tuple(s.extra_args) + (("--enable-return-routed-experts",) if cfg.routing_replay else ()),
-        update_mode=mode, request_fields={"return_routed_experts": True} if cfg.routing_replay else {},
-        update_bucket_mb=s.update_bucket_mb, startup_timeout_s=s.startup_timeout_s, max_restarts=s.max_restarts)
-
-
 def _max_context(engine: EngineRouter, model_path: str) -> int | None:
     """The model's context length, from the engine in this process or the model's config."""
     config = getattr(engine.model, "config", None)
@@ -188,14 +100,6 @@ def _max_context(engine: EngineRouter, model_path: str) -> int | None:
 
         config = AutoConfig.from_pretrained(model_path)
     return getattr(config, "max_position_embeddings", None)
-
-
-def _model_type(model_path: str) -> str | None:
-    """config.json's model_type: an engine that joins must serve the same kind of model."""
-    try:
-        return json.loads((Path(model_path) / "config.json").read_text()).get("model_type")
-    except (OSError, ValueError):
-        return None
 
 
 def reward_by_media(samples: list[Sample]) -> dict[str, float]:
@@ -218,15 +122,16 @@ class RolloutWorker(WeightReceiverEndpoint, Heartbeats):
             torch.set_num_threads(cfg.num_threads)
         self.cfg = cfg
         engines = [engine] if engine is not None and not isinstance(engine, list) else engine
-        self.engine = build_router(cfg, engines, engine_hosts)
         self._host_options = engine_host_options if engine_hosts else None
-        self._weights_dir: Path | None = None
-        # Engines added and removed while the job runs (the driver's REST API calls `elastic`).
-        # Engine URLs only on the job's own nodes or its grow jobs' (the engine token goes there).
-        hosts = EngineHostPolicy(Path(cfg.job_dir) if cfg.job_dir else None)
-        self.scaler = ElasticScaler(self.engine, connect=self._connect_engine,
-                                    spawn=self._spawn_engines if cfg.engine == "native" else None,
-                                    check_hosts=hosts.check)
+        clients = None
+        if engine_hosts:
+            from relax_hpc.roles.engine_host import RayEngineClient
+
+            clients = [RayEngineClient(f"engine-{i}", h) for i, h in enumerate(engine_hosts)]
+        # The engines, and those added and removed while the job runs (the driver's REST API
+        # calls `elastic`).
+        self.fleet = EngineFleet(cfg, engines, clients, spawn_actors=self._spawn_engine_actors)
+        self.engine = self.fleet.router
         tok = self.engine.tokenizer
         stop_ids = tuple(cfg.sampling.stop_token_ids) + (self.engine.eos_id,)
         self.sampling = SamplingParams(**{**cfg.sampling.__dict__, "stop_token_ids": stop_ids})
@@ -303,8 +208,7 @@ class RolloutWorker(WeightReceiverEndpoint, Heartbeats):
         them in place (a native engine in this process binds the buffer). SGLang servers, engine
         actors and several engines each load a version into memory of their own, so this role keeps
         its two buffers in host memory, off the GPUs those engines fill."""
-        binds = self.cfg.engine == "native" and self._host_options is None and self.cfg.num_engines == 1
-        return None if binds else "cpu"
+        return None if self.fleet.binds_received_weights() else "cpu"
 
     def awaited_weight_version(self) -> int | None:
         """The version the producer is waiting for at its batch boundary; None when not waiting."""
@@ -363,23 +267,13 @@ class RolloutWorker(WeightReceiverEndpoint, Heartbeats):
 
     def elastic(self, action: str, body: dict[str, Any] | None = None) -> ElasticReply:
         """One request of the elastic REST API (engines/elastic/api.py)."""
-        return self.scaler.elastic(action, body or {})
+        return self.fleet.elastic(action, body or {})
 
-    def _connect_engine(self, engine_id: str, url: str, job: str | None) -> EngineClient:
-        """An engine serving elsewhere (a grow job's `relax-hpc serve-engine`), with this job's
-        engine token; its weights arrive through the shared job directory."""
-        if self._weights_dir is None:
-            self._weights_dir = federation_weights_dir(self.cfg.job_dir)
-        return RemoteEngineClient(engine_id, url, token=engine_token(), weights_root=self._weights_dir,
-                                  timeout_s=self.cfg.remote_engine_timeout_s, model_type=_model_type(self.cfg.model_path))
-
-    def _spawn_engines(self, ids: list[str]) -> list[EngineClient]:
-        """Engines started in the job's own allocation: `EngineHost` actors placed like the job's
-        (when its engines run in actors), else engines in this process."""
+    def _spawn_engine_actors(self, ids: list[str]) -> list[EngineClient]:
+        """Engines added at run time when the job's engines run in actors: `EngineHost` actors
+        placed like the job's."""
         cfg = self.cfg
-        if self._host_options is None:
-            return [LocalEngineClient(i, make_engine(cfg.engine, cfg.model_path, cfg.dtype, cfg.device,
-                                                     record_routing=cfg.routing_replay)) for i in ids]
+        assert self._host_options is not None, "engines in this process are spawned by the fleet"
         import ray
 
         from relax_hpc.roles.engine_host import EngineHost, RayEngineClient

@@ -198,7 +198,8 @@ def test_an_unusable_sglang_python_is_refused_before_anything_starts(tmp_path: P
 
 def test_rollout_turns_the_spec_into_a_launch(tmp_path: Path) -> None:
     from relax_hpc.driver.run import sglang_spec_resolved
-    from relax_hpc.roles.rollout import RolloutConfig, sglang_launch
+    from relax_hpc.engines.fleet import sglang_launch
+    from relax_hpc.roles.rollout import RolloutConfig
     from relax_hpc.spec.schema import SGLangSpec
 
     def config(**sglang: Any) -> RolloutConfig:

@@ -20,7 +20,7 @@ from relax_hpc.engines.native import NativeEngine
 from relax_hpc.models.hf import load_tokenizer
 from relax_hpc.rewards.genrm import parse_verdict
 from relax_hpc.rewards.hub import RewardHub
-from relax_hpc.roles.rollout import build_genrm_judge
+from relax_hpc.engines.fleet import build_genrm_judge
 from relax_hpc.spec import RewardSpec, SpecError, parse_spec
 
 # The tiny tokenizer is character level over digits, lower-case letters and "+-*=?:., ".
