@@ -6,7 +6,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from relax_hpc.agents.dotted import load_dotted
-from relax_hpc.spec.schema import RolloutSpec
+from relax_hpc.spec.errors import SpecError, SpecProblem
+from relax_hpc.spec.schema import JobSpec, RolloutSpec
+
+DOTTED_KEYS = ("env", "generate", "agent")  # [rollout] keys that name code: "package.module:Name"
 
 
 @dataclass(frozen=True)
@@ -19,10 +22,10 @@ class AgenticConfig:
     max_turns: int = RolloutSpec.max_turns
     max_total_tokens: int = RolloutSpec.max_total_tokens
     agent_mode: str = RolloutSpec.agent_mode
-    turn_discount: float = 1.0
-    export_style: str = "individual"
-    subproc_max_workers: int = 4
-    session_timeout_s: float = 600.0
+    turn_discount: float = RolloutSpec.agent_turn_discount
+    export_style: str = RolloutSpec.agent_export_style
+    subproc_max_workers: int = RolloutSpec.agent_subproc_max_workers
+    session_timeout_s: float = RolloutSpec.agent_session_timeout_s
 
     def check(self) -> None:
         """Raise ValueError listing every problem (keys, values, what is allowed); imports the
@@ -59,3 +62,24 @@ def agentic_from_spec(rollout: Any) -> AgenticConfig | None:
     )
     cfg.check()
     return cfg
+
+
+def agent_code_problems(rollout: RolloutSpec) -> list[SpecProblem]:
+    """The code `[rollout] env`, `generate` and `agent` name, imported here: a path that does
+    not resolve is a problem of the spec, reported by validate and submit as by run."""
+    problems = []
+    for key in DOTTED_KEYS:
+        path = getattr(rollout, key)
+        if path:
+            try:
+                load_dotted(f"[rollout] {key}", path)
+            except ValueError as e:
+                problems.append(SpecProblem(key=f"rollout.{key}", value=repr(path), message=str(e).split(": ", 1)[-1]))
+    return problems
+
+
+def check_agent_code(spec: JobSpec, source: str) -> None:
+    """SpecError naming every `[rollout]` code path that cannot be imported."""
+    problems = agent_code_problems(spec.rollout)
+    if problems:
+        raise SpecError(problems, source)

@@ -46,7 +46,7 @@ from relax_hpc.launch.slurm_client import SlurmError
 from relax_hpc.models.mm_archs import TINY_MM_ARCHS, is_omni
 from relax_hpc.spec import JobSpec, SpecError, load_spec, spec_to_toml
 from relax_hpc.spec.compose import annotate_origins
-from relax_hpc.spec.model_fit import check_model_fit, memory_report
+from relax_hpc.spec.model_fit import memory_report
 
 EXIT_BAD_INPUT = 2
 # One name per kind of positional, whichever command takes it, so usage lines and help agree:
@@ -55,17 +55,14 @@ POSITIONAL_NAMES = {"spec": "SPEC", "job": "JOB", "job_dir": "JOBDIR"}
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
-    from relax_hpc.backends.spec_checks import check_backend_support
-    from relax_hpc.driver.alerts import check_notify, notify_urls
-    from relax_hpc.media.plan import check_media_plan
+    from relax_hpc.driver.alerts import notify_urls
+    from relax_hpc.driver.spec_checks import check_spec_runs
     from relax_hpc.ops.notify import redact_url
 
     composed = load_spec_args(args)
     spec, source = composed.spec, composed.label
-    check_backend_support(spec, source)  # what the trainer would refuse of the model at start
-    shape = check_model_fit(spec, source)
-    media = check_media_plan(spec, source)
-    check_notify(spec)  # ValueError (exit 2): a URL Apprise refuses, a urls_file others can read
+    checked = check_spec_runs(spec, source)  # SpecError / ValueError: exit 2
+    shape, media = checked.shape, checked.media
     print(f"{source}: ok (job '{spec.job.name}', {spec.train.steps} steps, "
           f"algorithm {spec.algorithm.name}, mode {spec.job.mode})")
     for line in media.lines:

@@ -24,6 +24,7 @@ and the subdirectories 0700; a second run on a directory in use stops at once
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import os
 import shutil
@@ -40,12 +41,10 @@ from relax_hpc.agents.config import agentic_from_spec
 from relax_hpc.algos import LossConfig, normalizes_std
 from relax_hpc.auth import SECRET_ENV
 from relax_hpc.backends.base import OptimConfig, require_backend
-from relax_hpc.backends.spec_checks import check_backend_support
 from relax_hpc.ckpt.fs import atomic_write_text
 from relax_hpc.ckpt.permissions import PRIVATE_FILE_MODE
 from relax_hpc.driver.alerts import (
     JobAlerts,
-    check_notify,
     make_job_alerts,
     newest_checkpoint,
 )
@@ -55,10 +54,10 @@ from relax_hpc.driver.jobdir import JobDirLock, create_private_file, make_privat
 from relax_hpc.driver.loop import LoopConfig, LoopResult, StopFlag
 from relax_hpc.driver.rest import publish_rest_url, serve_rest_api
 from relax_hpc.driver.restarts import RebuildableRoles, run_with_restarts
+from relax_hpc.driver.spec_checks import check_spec_runs
 from relax_hpc.engines.base import SamplingParams
 from relax_hpc.engines.disk_weights import FEDERATION_WEIGHTS
 from relax_hpc.engines.factory import check_engine_available
-from relax_hpc.media.plan import check_media_plan
 from relax_hpc.ops.archive import archive_dir
 from relax_hpc.ops.health import (
     HealthConfig,
@@ -80,7 +79,6 @@ from relax_hpc.roles.handles import LocalRoles, RayRoles, Roles
 from relax_hpc.roles.healing import RoleHealer
 from relax_hpc.roles.rollout import RolloutConfig
 from relax_hpc.spec import JobSpec, spec_to_dict, spec_to_toml
-from relax_hpc.spec.model_fit import check_model_fit
 from relax_hpc.spec.schema import SGLangSpec
 from relax_hpc.transfer.queue import queue_capacity
 
@@ -120,10 +118,7 @@ def check_backends_available(spec: JobSpec) -> None:
     build cannot run them (the factories the roles call say the same)."""
     check_engine_available(spec.rollout.engine, sglang_spec_resolved(spec.rollout.sglang).python)
     require_backend(spec.train.backend)
-    check_backend_support(spec, "the job spec")  # what the trainer would refuse of the model at start
-    check_model_fit(spec, "the job spec")
-    check_media_plan(spec, "the job spec")
-    check_notify(spec)  # [notify] URLs Apprise refuses, a urls_file others can read
+    check_spec_runs(spec, "the job spec")  # the model, the media, [notify], the agent code: as validate
     require_trackers(spec.metrics)  # [metrics] wandb_project / clearml_project / mlflow_experiment, no package
 
 
@@ -134,8 +129,13 @@ def shares_devices(spec: JobSpec) -> bool:
 
 def sglang_spec_resolved(s: SGLangSpec) -> SGLangSpec:
     """[rollout.sglang] with `python` absolute: a path with a "/" is relative to the working
-    directory (as every path of the spec); a bare name is looked up on PATH here."""
+    directory (as every path of the spec); a bare name is looked up on PATH here. Unset, and this
+    interpreter cannot import sglang: $RELAX_SGLANG_ENV/bin/python when it exists (the image sets
+    the variable, container/relax.def)."""
     if s.python is None:
+        side = Path(os.environ.get("RELAX_SGLANG_ENV") or "/nonexistent") / "bin" / "python"
+        if side.is_file() and importlib.util.find_spec("sglang") is None:
+            return dataclasses.replace(s, python=str(side))
         return s
     found = str(Path(s.python).absolute()) if "/" in s.python else shutil.which(s.python)
     return dataclasses.replace(s, python=found or s.python)

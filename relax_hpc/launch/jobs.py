@@ -29,17 +29,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from relax_hpc.auth import JobSecret, write_job_secret
-from relax_hpc.backends.spec_checks import check_backend_support
 from relax_hpc.ckpt.fs import atomic_write_text
-from relax_hpc.driver.alerts import check_notify
 from relax_hpc.driver.jobdir import JobDirBusyError, JobDirLock, make_private_dir
+from relax_hpc.driver.spec_checks import check_spec_runs
 from relax_hpc.launch.container import ENV_FILE, env_file_text
 from relax_hpc.launch.preflight import preflight_problems
 from relax_hpc.launch.render import components, render_sbatch
 from relax_hpc.launch.slurm_client import JobComponent, SlurmClient
 from relax_hpc.spec import JobSpec, load_spec, spec_to_toml
-from relax_hpc.media.plan import check_media_plan
-from relax_hpc.spec.model_fit import check_model_fit
 
 __all__ = ["JobStatus", "Submission", "checked_script", "dry_run", "find_job", "is_finished_state", "job_status",
            "pin_paths", "submit_spec"]
@@ -118,10 +115,7 @@ def checked_script(spec: JobSpec, spec_path: Path, client: SlurmClient, base: Pa
         problems = preflight_problems(spec, client.nodes())
         if problems:
             raise PreflightError(f"{spec_path}: the cluster cannot run this job:\n  " + "\n  ".join(problems))
-    check_backend_support(spec, str(spec_path))  # what the trainer would refuse of the model at start
-    check_model_fit(spec, str(spec_path))  # the model's sizes against the parallel layout, where readable
-    check_media_plan(spec, str(spec_path))  # media the model, backend and engine cannot take
-    check_notify(spec)  # [notify] URLs Apprise refuses, a urls_file others can read
+    check_spec_runs(spec, str(spec_path))  # the model, the media, [notify], the agent code: as validate
     pinned = pin_paths(spec, base)
     job_dir = pinned.job_dir()
     return pinned, render_sbatch(pinned, str(job_dir), str(job_dir / SUBMIT_SPEC))

@@ -116,6 +116,15 @@ def _overlong_shaping_needs_one_turn(spec: Resolved) -> list[SpecProblem]:
     return [SpecProblem(key=key, value="true" if got[0] else show_value(got[1]), message=message)]
 
 
+def _agent_drives_alone(spec: Resolved) -> list[SpecProblem]:
+    got = spec.get("rollout.agent", "rollout.env", "rollout.generate")
+    if got is None or not got[0] or not (got[1] or got[2]):
+        return []
+    message = ("cannot be combined with rollout.env or rollout.generate: an agent drives the conversation itself "
+               "through the proxy; set either agent, or env/generate")
+    return [SpecProblem(key="rollout.agent", value=show_value(got[0]), message=message)]
+
+
 def _fits_on_gpus(spec: Resolved, count_key: str, component: str, reason: str) -> list[SpecProblem]:
     got = spec.get(count_key, f"cluster.{component}.nodes", f"cluster.{component}.gpus_per_node")
     if got is None:
@@ -378,6 +387,7 @@ CROSS_CHECKS: tuple[Callable[[Resolved], list[SpecProblem]], ...] = (
     _reinforce_pp_kl_in_the_reward,
     _overlong_buffer_fits,
     _overlong_shaping_needs_one_turn,
+    _agent_drives_alone,
     _trainer_processes_fit,
     _shared_gpus_take_turns,
     _rollout_engines_fit,
