@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from relax_hpc.launch.container import render_wrapper
+from relax_hpc.launch.container import IMAGE_MEGATRON_PYTHON, render_wrapper
 from relax_hpc.spec import ComponentSpec, JobSpec
 from relax_hpc.spec.text_checks import control_character
 
@@ -187,10 +187,16 @@ def _fill(template: str, values: dict[str, str], source: str) -> str:
     return _PLACEHOLDER.sub(lambda m: values[m.group(1)], template)
 
 
+def image_python(spec: JobSpec) -> str:
+    """The interpreter inside the image: the Megatron environment's for backend = "megatron" (its
+    transformers cannot share the main environment, container/relax.def), else python3 on PATH."""
+    return IMAGE_MEGATRON_PYTHON if spec.train.backend == "megatron" else "python3"
+
+
 def render_sbatch(spec: JobSpec, job_dir: str, spec_file: str) -> str:
     """The sbatch script of ``spec``; ``job_dir`` and ``spec_file`` as the job will see them."""
     groups = components(spec)
-    python = "python3" if spec.container.image is not None else '"${RELAX_HPC_PYTHON:-python3}"'
+    python = image_python(spec) if spec.container.image is not None else '"${RELAX_HPC_PYTHON:-python3}"'
     values = {
         "job_name": _plain(spec.job.name, "job.name"),  # in a comment line
         "sbatch_headers": "\n".join(sbatch_headers(spec, job_dir)),

@@ -98,7 +98,7 @@ def test_qwen3_omni_asks_for_16_gpus_on_2_nodes() -> None:
     nodes = sum(c.spec.nodes for c in components(spec))
     assert (gpus, nodes) == (16, 2)
     text = rendered("qwen3_omni")
-    assert "apptainer exec --nv" in text and "--bind /models" in text
+    assert "container --nv --bind" in text and "--bind /models" in text and "exec --cleanenv" in text
     # [container] env goes through the owner-only env file, never onto the command line.
     assert '--env-file "$JOB_DIR/container.env"' in text and "NCCL_DEBUG" not in text
 
