@@ -37,7 +37,7 @@ from relax_hpc.backends.batch import pack_rows
 from relax_hpc.backends.value_model import ValueOptimConfig, ValueTrainer
 from relax_hpc.models.hf import load_tokenizer
 from relax_hpc.roles.heartbeat import Heartbeats
-from relax_hpc.spec.schema import AlgorithmSpec, CheckpointSpec, CriticSpec, JobSpec
+from relax_hpc.spec.schema import AlgorithmSpec, CheckpointSpec, CriticSpec, JobInfoSpec, JobSpec
 from relax_hpc.transfer.connect import connect_queue
 from relax_hpc.transfer.queue import partition_name
 
@@ -45,6 +45,9 @@ INPUT_FIELDS = ("tokens", "prompt_length", "loss_mask", "rollout_log_probs", "re
 OUTPUT_FIELD = "advantages"
 WHOLE_STEP = 1 << 30  # one batch: the queue hands it out when the partition is complete
 CRITIC_CHECKPOINTS = "checkpoints_critic"  # in the job directory, beside checkpoints/
+
+
+ROWS_WAIT_S = 3600.0  # how long the critic waits for a step's rows (as the forward role does)
 
 
 @dataclass(frozen=True)
@@ -62,8 +65,8 @@ class CriticConfig:
     loss_agg: str = AlgorithmSpec.loss_agg
     device: str = "cpu"
     num_threads: int = 0
-    seed: int = 0
-    timeout_s: float = 600.0  # the wait for a step's rows
+    seed: int = JobInfoSpec.seed
+    timeout_s: float = ROWS_WAIT_S
     kind: str = "critic"
 
 
