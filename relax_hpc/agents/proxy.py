@@ -1,6 +1,7 @@
 """An OpenAI-compatible HTTP proxy in front of a rollout engine that records every completion.
 
-Serves `POST /v1/chat/completions`, `GET /v1/chat/completions/{id}` and `GET /v1/models`. Every
+Serves `POST /v1/chat/completions`, `GET /v1/chat/completions/{id}`, `POST /v1/responses`,
+`GET /v1/responses/{id}` (the Responses API on the same path: `responses.py`) and `GET /v1/models`. Every
 request, any route, must carry `Authorization: Bearer <token>` or `Bearer <token>.<session>`
 (401 otherwise, before routing reads anything of the body); `token` is the owner's, in a job
 `proxy_token()`. Each agent session gets its own API key `<token>.<session>` (see `sessions.py`),
@@ -56,6 +57,7 @@ from relax_hpc.agents.media import (
     parse_media_part,
     prompt_media,
 )
+from relax_hpc.agents.responses import assistant_message, response_object, responses_turn
 from relax_hpc.agents.sessions import SessionAuthError, SessionStore
 from relax_hpc.agents.streaming import completion_events
 from relax_hpc.agents.tools import ToolRequest, parse_reply, parse_tools, template_tool_calls
@@ -305,6 +307,13 @@ class AgentProxy:
                 return _error(404, f"no completion {completion_id!r} in this session")
             return JSONResponse(self._response(completion_id, records))
 
+        async def read_json(request: Request) -> Any:
+            raw = await read_limited_body(request, self.max_body_bytes, "this proxy")
+            try:
+                return load_json_body(raw, self.max_json_depth)
+            except JsonBodyError as e:
+                raise RequestError(400, str(e)) from None
+
         @app.post("/v1/chat/completions")
         async def chat(request: Request) -> Response:
             try:
@@ -312,12 +321,7 @@ class AgentProxy:
             except SessionAuthError as e:
                 return _error(401, str(e))
             try:
-                raw = await read_limited_body(request, self.max_body_bytes, "this proxy")
-                try:
-                    body = load_json_body(raw, self.max_json_depth)
-                except JsonBodyError as e:
-                    raise RequestError(400, str(e)) from None
-                req = parse_chat_request(body)
+                req = parse_chat_request(await read_json(request))
                 response_id, records = await self._complete(req, session=id(session))
             except RequestError as e:
                 return _error(e.status, e.message)
@@ -331,6 +335,38 @@ class AgentProxy:
                 return StreamingResponse(completion_events(response, req.include_usage),
                                          media_type="text/event-stream")
             return JSONResponse(response)
+
+        @app.post("/v1/responses")
+        async def responses(request: Request) -> Response:
+            try:
+                session = self.sessions.lookup(key_of(request))
+            except SessionAuthError as e:
+                return _error(401, str(e))
+            try:
+                turn = responses_turn(await read_json(request), session.conversations)
+                response_id, [record] = await self._complete(parse_chat_request(turn.chat_body), id(session),
+                                                             id_prefix="resp_")
+            except RequestError as e:
+                return _error(e.status, e.message)
+            try:
+                session = self.sessions.lookup(key_of(request))  # it may have expired meanwhile
+            except SessionAuthError as e:
+                return _error(401, str(e))
+            session.completions.append(record)
+            response = response_object(response_id, record, turn, self.model_name)
+            session.responses[response_id] = response
+            session.conversations[response_id] = [*turn.conversation, assistant_message(record)]
+            return JSONResponse(response)
+
+        @app.get("/v1/responses/{response_id}")
+        async def get_response(response_id: str, request: Request) -> JSONResponse:
+            try:
+                session = self.sessions.lookup(key_of(request))
+            except SessionAuthError as e:
+                return _error(401, str(e))
+            if response_id not in session.responses:  # another session's id looks exactly like an unknown one
+                return _error(404, f"no response {response_id!r} in this session")
+            return JSONResponse(session.responses[response_id])
 
         return app
 
@@ -350,7 +386,8 @@ class AgentProxy:
                                     "reply yourself, or serve a model whose template has a tool format")
         return text
 
-    async def _complete(self, req: ChatRequest, session: int | None = None) -> tuple[str, list[CompletionRecord]]:
+    async def _complete(self, req: ChatRequest, session: int | None = None, id_prefix: str = "chatcmpl-"
+                        ) -> tuple[str, list[CompletionRecord]]:
         """The response id and one record per choice (ids <response id>-<k> when n > 1)."""
         media = await self._load_media(req)
         prompt_ids = list(self.tokenizer.encode(self._render(req), add_special_tokens=False))
@@ -370,7 +407,7 @@ class AgentProxy:
         # n choices are n prompts of the batch, each sampled with its own seed.
         gens = await asyncio.gather(*(self.batcher.generate(prompt_ids, params, session=session, media=media)
                                       for _ in range(req.n)))
-        response_id = f"chatcmpl-{uuid.uuid4().hex}"
+        response_id = f"{id_prefix}{uuid.uuid4().hex}"
         return response_id, [
             CompletionRecord(response_id if req.n == 1 else f"{response_id}-{k}", prompt_ids, list(gen.token_ids),
                              list(gen.logprobs), gen.finish_reason, gen.weight_version, gen.text, media,

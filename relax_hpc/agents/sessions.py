@@ -15,7 +15,7 @@ import secrets
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 from relax_hpc.agents.export import CompletionRecord
 
@@ -33,6 +33,10 @@ class Session:
     api_key: str
     expires_at: float
     completions: list[CompletionRecord] = field(default_factory=list)
+    # The Responses API's: each response as served, and its conversation (input and output as chat
+    # messages) for a later request's previous_response_id.
+    responses: dict[str, dict[str, Any]] = field(default_factory=dict)
+    conversations: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
 
     def find(self, completion_id: str) -> CompletionRecord | None:
         return next((c for c in self.completions if c.completion_id == completion_id), None)
