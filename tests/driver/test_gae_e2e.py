@@ -61,3 +61,17 @@ def test_warmup_then_checkpoint_and_resume_the_critic_with_the_actor(tiny_model_
     # The resumed critic is the one saved at step 4, not a fresh one (whose values would all be 0).
     assert resumed["critic/values_mean"] != 0.0 and resumed["critic/warmup"] == 0.0
     assert (job / "checkpoints_critic" / "step_6" / "critic.pt").is_file()
+
+
+def test_on_ray_the_critic_warms_up_and_the_steps_after_it_train(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """The Ray roles: the critic is its own actor; after the warm-up step (the trainer's unchanged
+    weights broadcast as its version) the trainer's queued steps follow that broadcast."""
+    job = tmp_path / "ray"
+    text = _gae_spec(tiny_model_dir, job, 3, 3, CRITIC + "warmup_steps = 1\n")
+    report = run_job(parse_spec(text), in_process=False, progress=False)
+    assert report.result.end_step == 3
+    metrics = _metrics(job)
+    assert [m["critic/warmup"] for m in metrics] == [1.0, 0.0, 0.0]
+    assert [m["weight_version"] for m in metrics] == [1.0, 2.0, 3.0]
+    assert "train/loss/policy" in metrics[2] and metrics[2]["critic/values_mean"] != 0.0
+    assert (job / "checkpoints_critic" / "step_3" / "critic.pt").is_file()
