@@ -85,6 +85,14 @@ def components(spec: JobSpec) -> list[Component]:
     return out
 
 
+def critic_component(spec: JobSpec) -> str | None:
+    """Where PPO's critic runs ([critic], roles/critic_roles.py): the forward group when the job
+    has one, else the trainer's nodes; None without a critic."""
+    if spec.critic is None:
+        return None
+    return "forward" if spec.cluster.forward is not None else "trainer"
+
+
 def _plain(text: str, what: str) -> str:
     """``text`` unchanged; ValueError when it holds a control character.
 
@@ -146,7 +154,8 @@ def sbatch_headers(spec: JobSpec, job_dir: str) -> list[str]:
         c = component.spec
         if component.group > 0:
             lines.append("#SBATCH hetjob")
-        lines.append(f"# group {component.group}: {component.name}, {_count(c.nodes, 'nodes')} node(s)")
+        hosts = ", and the critic" if component.name == critic_component(spec) else ""
+        lines.append(f"# group {component.group}: {component.name}, {_count(c.nodes, 'nodes')} node(s){hosts}")
         lines += [_option("nodes", c.nodes), _option("ntasks-per-node", 1),
                   _option("cpus-per-task", c.cpus_per_node), _option("time", c.time)]
         if c.gpus_per_node > 0:

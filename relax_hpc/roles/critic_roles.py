@@ -15,7 +15,6 @@ cluster has one), with one GPU when the trainer runs on CUDA.
 
 from __future__ import annotations
 
-import time
 from typing import Any, Callable
 
 from relax_hpc.ckpt import ResumeState
@@ -34,33 +33,50 @@ from relax_hpc.weights.base import PendingWeights
 CRITIC_ROLE = "critic"
 
 
+class _DeferredTrain:
+    """A trainer step submitted when `submit` is first called: after a warm-up step the trainer's
+    next calls must queue behind the broadcast of its unchanged weights, which the loop posts only
+    once the warm-up step's result is back (`_CriticTicket.published`)."""
+
+    def __init__(self, submit: Callable[[], TrainTicket]) -> None:
+        self._submit = submit
+        self.ticket: TrainTicket | None = None
+
+    def submit(self) -> TrainTicket:
+        if self.ticket is None:
+            self.ticket = self._submit()
+        return self.ticket
+
+
 class _CriticTicket:
     """The critic's step, then the trainer's (None during the warm-up: `publish` sends the
-    unchanged weights instead)."""
+    unchanged weights instead). `flush` submits the trainer steps deferred up to this one."""
 
-    def __init__(self, critic: Callable[[], dict[str, float]], actor: TrainTicket | None,
-                 publish: Callable[[], PendingWeights]) -> None:
-        self._critic, self._actor, self._publish = critic, actor, publish
+    def __init__(self, critic: Callable[[], dict[str, float]], actor: _DeferredTrain | None,
+                 publish: Callable[[], PendingWeights], flush: Callable[[], None]) -> None:
+        self._critic, self._actor, self._publish, self._flush = critic, actor, publish, flush
         self._published: PendingWeights | None = None
         self.done = False
 
     def result(self) -> dict[str, float]:
+        if self._actor is not None:  # a warm-up step's own broadcast is posted after its result
+            self._flush()
         critic = self._critic()
         if self._actor is None:
-            t0 = time.perf_counter()
-            self._published = self._publish()
-            stats = {**critic, "sync_s": time.perf_counter() - t0, "critic/warmup": 1.0}
+            stats = {**critic, "critic/warmup": 1.0}
         else:
-            stats = {**self._actor.result(), **{k: v for k, v in critic.items() if k.startswith("critic/")},
+            stats = {**self._actor.submit().result(), **{k: v for k, v in critic.items() if k.startswith("critic/")},
                      "critic/warmup": 0.0}
         self.done = True
         return stats
 
     def published(self) -> PendingWeights:
         if self._actor is not None:
-            return self._actor.published()
-        if self._published is None:
+            return self._actor.submit().published()
+        if not self.done:
             raise RuntimeError("published() before result(): the step has not trained yet")
+        if self._published is None:  # posted now, after the loop waited for the previous broadcast
+            self._published = self._publish()
         return self._published
 
 
@@ -72,6 +88,7 @@ class CriticRoles:
         self.weights = inner.weights
         self.cfg = cfg
         self._local = isinstance(inner, LocalRoles)
+        self._deferred: list[_DeferredTrain] = []
         if self._local:
             self._critic: Any = CriticWorker(cfg)
             self._target: Any = inner.queue
@@ -98,17 +115,31 @@ class CriticRoles:
         else:
             ref = self._critic.train_step.remote(self._target, step)
             critic = lambda: _wait_polling(ref, errors, f"critic step {step}")  # noqa: E731
-        actor = None if warm else self.inner.start_train(step, publish_version)
-        return _CriticTicket(critic, actor, lambda: self._publish_unchanged(publish_version))
+        actor = None
+        if not warm:
+            actor = _DeferredTrain(lambda: self.inner.start_train(step, publish_version))
+            if self._deferred or (0 < step == self.cfg.warmup_steps):
+                self._deferred.append(actor)  # behind the warm-up's broadcast: submitted by `_flush`
+            else:
+                actor.submit()
+        return _CriticTicket(critic, actor, lambda: self._publish_unchanged(publish_version), self._flush)
+
+    def _flush(self) -> None:
+        """Submit the deferred trainer steps, in order (the warm-up's broadcast is posted by now)."""
+        while self._deferred:
+            self._deferred.pop(0).submit()
 
     def _publish_unchanged(self, version: int) -> PendingWeights:
-        """The trainer's weights, untouched during the warm-up, sent as `version`."""
+        """The trainer's weights, untouched during the warm-up, sent as `version`. On Ray rank 0
+        starts the broadcast itself, as after a trained step: the receivers' side is what the loop
+        waits for, never the sender's, whose next broadcast may already be under way."""
         if self._local:
             return self.weights.start(version)
+        pending = self.weights.expect(version)  # type: ignore[attr-defined]
         actors = getattr(self.inner, "_actors")
         get_from_roles([("trainer rank 0", actors[0].start_send_weights.remote(version))],
                        "starting the broadcast of its weights", STATUS_TIMEOUT_S)
-        return self.weights.expect(version)  # type: ignore[attr-defined]
+        return pending
 
     def save_checkpoint(self, state: ResumeState) -> str:
         self._call("save_checkpoint", f"saving the checkpoint of step {state.step}", CHECKPOINT_TIMEOUT_S, state.step)

@@ -24,6 +24,7 @@ SPECS = {
     "tiny_slurm_fwd": REPO / "jobspecs" / "tiny_slurm_fwd.toml",
     "gpu_1node": Path(__file__).parent / "specs" / "gpu_1node.toml",
     "colocate_1node": Path(__file__).parent / "specs" / "colocate_1node.toml",
+    "critic_fwd": Path(__file__).parent / "specs" / "critic_fwd.toml",
     "qwen3_omni": REPO / "jobspecs" / "qwen3_omni.toml",
 }
 
