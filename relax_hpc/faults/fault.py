@@ -108,7 +108,9 @@ def derive_spec(spec: JobSpec, faults: Fault | Sequence[Fault], job_dir: Path, s
     if "critic" in needs:  # PPO with a critic: the critic writes the advantages
         a = dataclasses.replace(a, advantage="gae", name="grpo" if a.name == "opd" else a.name)
         t = dataclasses.replace(t, advantages_role=False)
-        critic = critic or CriticSpec()
+        # A critic of its own warms up one step first, as PPO runs usually start: the run also
+        # crosses the hand-over from the warm-up step to the actor's first.
+        critic = critic or CriticSpec(warmup_steps=1)
     suffix = faults[0].name if len(faults) == 1 else ONE_RUN
     return dataclasses.replace(
         spec,
