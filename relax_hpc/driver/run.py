@@ -60,7 +60,6 @@ from relax_hpc.engines.disk_weights import FEDERATION_WEIGHTS
 from relax_hpc.engines.factory import check_engine_available
 from relax_hpc.ops.archive import archive_dir
 from relax_hpc.ops.health import (
-    HealthConfig,
     HealthEvent,
     HeartbeatWriter,
     heartbeat_path,
@@ -330,11 +329,6 @@ def log_status_problem(error: Exception) -> None:
     print(f"status: could not read the engines ({type(error).__name__}: {error})", file=sys.stderr)
 
 
-def health_config(spec: JobSpec) -> HealthConfig:
-    h = spec.health
-    return HealthConfig(h.heartbeat_s, h.stale_s, h.max_in_place_restarts, h.max_global_restarts)
-
-
 def make_grow_driver(spec: JobSpec, submitter: GrowSubmitter | None, roles: Roles) -> GrowDriver | None:
     """The [federation] policy when it is on and this run can submit grow jobs (a job on Slurm)."""
     if spec.federation.max_engines <= 0:
@@ -495,7 +489,7 @@ def _start(stack: ExitStack, spec: JobSpec, job_dir: Path, in_process: bool, ray
     # Roles in Ray actors are watched and restarted (docs/operations.md, "Health"); in one
     # process there is nothing to restart.
     health = _HealthReporter(status, alerts)
-    healer = health.healer = None if in_process else RoleHealer(health_config(spec), job_dir, on_event=health)
+    healer = health.healer = None if in_process else RoleHealer(spec.health, job_dir, on_event=health)
     r = spec.rollout
     capacity = queue_capacity(r.prompts_per_step, spec.algorithm.max_staleness, r.n_samples_per_prompt)
     queue_roles = queue_role_configs(spec, role_cfgs[1].device)

@@ -44,8 +44,6 @@ MIRRORS_LEFT = {
     "ForwardConfig": "the forward roles' settings, still copied from the spec in driver/run.py",
     "AdvantagesConfig": "the Advantages role's settings, still copied from [algorithm] in driver/run.py",
     "LoopConfig": "the loop's settings, still copied from the spec in driver/run.py",
-    "HealthConfig": "[health], still copied field by field in driver/run.py",
-    "RestartBook": "[health]'s restart limits, copied from HealthConfig by the healer",
     "SGLangLaunch": "[rollout.sglang], still copied field by field in engines/fleet.py",
     "PromptFormat": "[data]'s format keys, still copied in data/dataset.py",
     "MediaLimits": "[data]'s media limits, still copied in data/dataset.py",
