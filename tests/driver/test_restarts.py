@@ -65,7 +65,7 @@ def _died() -> RoleDiedError:
 
 def test_a_dead_role_rebuilds_the_roles_and_the_run_resumes_from_the_checkpoint(tmp_path, tiny_model_dir):
     job_dir, build, built = _build(tmp_path, tiny_model_dir, deaths=1, error=_died())
-    healer = RoleHealer(HealthSpec(heartbeat_s=10.0, stale_s=120.0, max_in_place_restarts=3, max_global_restarts=3), job_dir)
+    healer = RoleHealer(HealthSpec(), job_dir)
     steps: list[int] = []
     restarted: list[bool] = []
     roles = RebuildableRoles(build)
@@ -91,7 +91,7 @@ def test_a_role_that_raises_is_not_restarted(tmp_path, tiny_model_dir):
     try:
         with pytest.raises(ValueError, match="a bug"):
             run_with_restarts(LoopConfig(STEPS, 0, 4, resume=True), roles, FanOut([]), StopFlag(),
-                              lambda step, m: None, RoleHealer(HealthSpec(heartbeat_s=10.0, stale_s=120.0, max_in_place_restarts=3, max_global_restarts=3), job_dir))
+                              lambda step, m: None, RoleHealer(HealthSpec(), job_dir))
     finally:
         roles.shutdown()
     assert len(built) == 1
@@ -99,7 +99,7 @@ def test_a_role_that_raises_is_not_restarted(tmp_path, tiny_model_dir):
 
 def test_without_global_restarts_left_the_run_fails_naming_the_role(tmp_path, tiny_model_dir):
     job_dir, build, built = _build(tmp_path, tiny_model_dir, deaths=2, error=_died())
-    healer = RoleHealer(HealthSpec(heartbeat_s=10.0, stale_s=120.0, max_in_place_restarts=3, max_global_restarts=1), job_dir)
+    healer = RoleHealer(HealthSpec(max_global_restarts=1), job_dir)
     roles = RebuildableRoles(build)
     try:
         with pytest.raises(RestartsExhausted, match="trainer_rank_0 died: no restarts left") as caught:
