@@ -51,7 +51,7 @@ from relax_hpc.driver.alerts import (
 from relax_hpc.driver.credentials import job_secret_env
 from relax_hpc.driver.grow_policy import GrowDriver, GrowSubmitter
 from relax_hpc.driver.jobdir import JobDirLock, create_private_file, make_private_dir
-from relax_hpc.driver.loop import LoopConfig, LoopResult, StopFlag
+from relax_hpc.driver.loop import LoopResult, StopFlag
 from relax_hpc.driver.rest import publish_rest_url, serve_rest_api
 from relax_hpc.driver.restarts import RebuildableRoles, run_with_restarts
 from relax_hpc.driver.spec_checks import check_spec_runs
@@ -527,13 +527,11 @@ def run_authenticated(spec: JobSpec, job_dir: Path, in_process: bool, ray_addres
     status.json once, before anything is stopped."""
     role_cfgs = role_configs(spec, job_dir, resolve_device(spec.train.device))
     status = RunStatus(job_dir, spec.job.name, spec.train.steps)  # `relax-hpc status JOBDIR` reads it
-    loop_cfg = LoopConfig(total_steps=spec.train.steps, max_staleness=spec.algorithm.max_staleness,
-                          save_interval=spec.checkpoint.save_interval, resume=spec.checkpoint.resume)
     with ExitStack() as stack:
         try:
             attempt = _start(stack, spec, job_dir, in_process, ray_address, progress, alerts, grow_submitter,
                              status, role_cfgs)
-            result = run_with_restarts(loop_cfg, attempt.roles, attempt.metrics, attempt.stop,
+            result = run_with_restarts(spec, attempt.roles, attempt.metrics, attempt.stop,
                                        attempt.reporter.on_step, attempt.healer,
                                        on_restart=lambda: status.set_state("running", "after a global restart"),
                                        on_save_failed=attempt.reporter.on_save_failed)
