@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from relax_hpc.agents.config import agentic_from_spec
-from relax_hpc.algos import LossConfig, normalizes_std
+from relax_hpc.algos import LossConfig
 from relax_hpc.auth import SECRET_ENV
 from relax_hpc.backends.base import OptimConfig, require_backend
 from relax_hpc.ckpt.fs import atomic_write_text
@@ -72,7 +72,7 @@ from relax_hpc.ops.ray_node_env import apply_ray_node_env
 from relax_hpc.ops.run_status import RunStatus
 from relax_hpc.ops.trackers import ClearMLSink, MlflowSink, WandbSink, require_trackers
 from relax_hpc.roles.actor import ActorConfig
-from relax_hpc.roles.advantages import AdvantagesConfig
+from relax_hpc.roles.advantages import AdvantagesConfig, divides_by_std
 from relax_hpc.roles.critic import CRITIC_CHECKPOINTS, critic_config
 from relax_hpc.roles.critic_roles import with_critic
 from relax_hpc.roles.forward import OUTPUT_FIELD, ForwardConfig
@@ -157,7 +157,7 @@ def role_configs(spec: JobSpec, job_dir: Path, device: str) -> tuple[RolloutConf
         sampling=sampling, engine=r.engine, num_engines=r.num_engines, chunks_per_engine=r.chunks_per_engine,
         dtype=spec.model.dtype,
         device=device, num_threads=threads,
-        normalize_std=a.normalize_std and normalizes_std(a.name),
+        normalize_std=divides_by_std(a),
         dynamic_sampling=r.dynamic_sampling, max_sampling_rounds=r.max_sampling_rounds,
         # With GAE the critic writes the advantages onto the queue, as the Advantages role would.
         agentic=agentic_from_spec(r), advantages_role=spec.train.advantages_role or a.advantage == "gae",
@@ -196,13 +196,10 @@ def queue_role_configs(spec: JobSpec, device: str) -> list[ForwardConfig | Advan
     kinds = [k for k, on in (("actor_fwd", spec.train.actor_fwd_role),
                              ("reference", spec.train.reference_role)) if on]
     roles: list[ForwardConfig | AdvantagesConfig] = [
-        ForwardConfig(kind=k, model_path=spec.model.path, micro_batch_size=spec.train.micro_batch_size,
-                      temperature=spec.rollout.temperature, dtype=spec.model.dtype, device=device,
+        ForwardConfig(kind=k, model=spec.model, train=spec.train, rollout=spec.rollout, device=device,
                       num_threads=1) for k in kinds]
     if spec.train.advantages_role:
-        a = spec.algorithm
-        roles.append(AdvantagesConfig(normalize_std=a.normalize_std and normalizes_std(a.name),
-                                      estimator=a.advantage))
+        roles.append(AdvantagesConfig(spec.algorithm))
     return roles
 
 

@@ -41,8 +41,6 @@ MIRRORS_LEFT = {
     "ActorConfig": "the trainer role's settings, still copied from the spec in driver/run.py",
     "OptimConfig": "the trainer's optimizer settings, still copied from [train] in driver/run.py",
     "AgenticConfig": "[rollout]'s agentic keys, still copied by agents/config.py",
-    "ForwardConfig": "the forward roles' settings, still copied from the spec in driver/run.py",
-    "AdvantagesConfig": "the Advantages role's settings, still copied from [algorithm] in driver/run.py",
     "SGLangLaunch": "[rollout.sglang], still copied field by field in engines/fleet.py",
     "PromptFormat": "[data]'s format keys, still copied in data/dataset.py",
     "MediaLimits": "[data]'s media limits, still copied in data/dataset.py",
