@@ -41,7 +41,6 @@ MIRRORS_LEFT = {
     "ActorConfig": "the trainer role's settings, still copied from the spec in driver/run.py",
     "OptimConfig": "the trainer's optimizer settings, still copied from [train] in driver/run.py",
     "AgenticConfig": "[rollout]'s agentic keys, still copied by agents/config.py",
-    "SGLangLaunch": "[rollout.sglang], still copied field by field in engines/fleet.py",
     "PromptFormat": "[data]'s format keys, still copied in data/dataset.py",
     "MediaLimits": "[data]'s media limits, still copied in data/dataset.py",
     "StepPlan": "the exactly-once check's reading of [rollout] and [train] steps",
@@ -100,6 +99,7 @@ OTHER_MEANING = {
     "CriticConfig.device": "the resolved device, runtime context",
     "ForwardConfig.device": "the resolved device, runtime context",
     "SGLangLaunch.device": "the resolved device, runtime context",
+    "SGLangLaunch.model_path": "the policy's [model] path, not [critic] model_path",
     "ForwardConfig.timeout_s": "how long the forward role waits for rows, not a reward timeout",
     "CriticConfig.timeout_s": "how long the critic waits for a step's rows, not a reward timeout",
 }
