@@ -25,13 +25,14 @@ import soundfile
 from media_samples import png_bytes, sine, video_frames
 from PIL import Image, ImageFile
 
-from relax_hpc.data.dataset import PromptFormat, load_prompt_rows
+from relax_hpc.data.dataset import load_dataset
 from relax_hpc.media import decode
 from relax_hpc.media.canonical import Geometry
 from relax_hpc.media.decode import MAX_AUDIO_CHANNELS, MAX_DECODED_BYTES, decode_audio, decode_image, decode_video
 from relax_hpc.media.encode import encode_video_mkv
 from relax_hpc.media.items import MediaError, PromptMedia
 from relax_hpc.media.load import MediaLimits, load_media
+from relax_hpc.spec.schema import DataSpec
 
 GEOM = Geometry(patch=8, merge=2, temporal=2, min_pixels=16 * 16, max_pixels=64 * 64, audio_rate=16000)
 
@@ -276,11 +277,11 @@ def test_a_memory_error_while_decoding_drops_the_row_and_the_load_goes_on(
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"what is it {k}", "answer": "x", "image": name}) + "\n"
                             for k, name in enumerate(["small.png", "large.png", "small.png"])))
-    rows, report = load_prompt_rows(data, _Tokenizer(), "prompt", "answer", 64, PromptFormat(image_key="image"),
-                                    _Reader())
+    rows, report = load_dataset(DataSpec(path=str(data), prompt_key="prompt", label_key="answer",
+                                         max_prompt_tokens=64, image_key="image"), _Tokenizer(), _Reader())
     assert [r.prompt_text for r in rows] == ["<image> what is it 0", "<image> what is it 2"]
     assert report.dropped == {"out of memory while decoding in 'image'": 1}
     assert "large.png" in report.first["out of memory while decoding in 'image'"]
     # Loading again (a resume) meets the row again and drops it the same way.
-    assert load_prompt_rows(data, _Tokenizer(), "prompt", "answer", 64, PromptFormat(image_key="image"),
-                            _Reader())[1].dropped == report.dropped
+    assert load_dataset(DataSpec(path=str(data), prompt_key="prompt", label_key="answer", max_prompt_tokens=64,
+                                 image_key="image"), _Tokenizer(), _Reader())[1].dropped == report.dropped
