@@ -167,10 +167,8 @@ class MediaReader(Protocol):
 def _load_row_media(record: dict[str, Any], fmt: DataSettings, base_dir: Path,
                     reader: MediaReader) -> PromptMedia:
     """The row's media, decoded and fitted (blanked with drop_media); MediaError names the column."""
-    from relax_hpc.media.load import MediaLimits, load_media
+    from relax_hpc.media.load import load_media
 
-    limits = MediaLimits(max_bytes=fmt.max_media_bytes, video_fps=fmt.video_fps, max_frames=fmt.max_frames,
-                         max_seconds=fmt.max_media_seconds)
     geometry = reader.geometry()
     items: list[MediaItem] = []
     for plural, key in sorted(media_keys(fmt).items(), key=lambda kv: MEDIA_ORDER.index(_KIND_OF[kv[0]])):
@@ -178,7 +176,7 @@ def _load_row_media(record: dict[str, Any], fmt: DataSettings, base_dir: Path,
         if cell is None:
             continue
         try:
-            loaded = load_media(cell, _KIND_OF[plural], base_dir=base_dir, geometry=geometry, limits=limits)
+            loaded = load_media(cell, _KIND_OF[plural], base_dir=base_dir, geometry=geometry, limits=fmt)
         except MediaError as e:
             raise MediaError(f"{e.reason} in '{key}'", e.detail) from e
         items.extend([_blank(i) for i in loaded] if fmt.drop_media else loaded)

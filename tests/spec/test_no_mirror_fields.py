@@ -41,7 +41,6 @@ MIRRORS_LEFT = {
     "ActorConfig": "the trainer role's settings, still copied from the spec in driver/run.py",
     "OptimConfig": "the trainer's optimizer settings, still copied from [train] in driver/run.py",
     "AgenticConfig": "[rollout]'s agentic keys, still copied by agents/config.py",
-    "MediaLimits": "[data]'s media limits, still copied in data/dataset.py",
     "StepPlan": "the exactly-once check's reading of [rollout] and [train] steps",
 }
 
