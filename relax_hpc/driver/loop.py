@@ -137,11 +137,10 @@ def run_loop(
     on_step: Callable[[int, dict[str, float]], None] = lambda step, m: None,
     *,
     on_save_failed: SaveFailedHook = lambda step, error: None,
-    restarted: bool = False,
+    restarted: bool = False,  # after a global restart: resume whatever [checkpoint] resume says
     final_save_retry_s: float = FINAL_SAVE_RETRY_S,
 ) -> LoopResult:
-    """Train from the newest checkpoint (when `[checkpoint] resume`, or always when `restarted`:
-    after a global restart) to `[train] steps` or a stop.
+    """Train from the newest checkpoint (when `[checkpoint] resume` or `restarted`) to `[train] steps` or a stop.
 
     `on_step(step, metrics)` follows each step's metrics; `on_save_failed(step, error)` each
     save that failed on its storage (the run goes on, or fails when it was its last save).
