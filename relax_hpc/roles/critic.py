@@ -17,9 +17,15 @@ it used for the advantages), `critic/value_error`, `critic/clip_frac`, `critic/g
 `critic/values_mean`, `critic/returns_mean`, and the step's `rows` and `reward_sum` (what the
 loop reports while the critic warms up and the actor does not train).
 
-A critic killed mid-step is a dead role like a trainer rank: the run restarts globally from the
-newest checkpoint, which holds the critic's model and optimizer (`save_checkpoint`, written with
-the actor's and loaded at the actor's step).
+With `[critic] num_processes` > 1 each rank (`CriticWorker(cfg, rank, world_size, master)`, in a
+process group of the critic's own) does 2 to 4 for its share of the rows: the whitening's mean
+and variance and the metrics come from sums all-reduced over the ranks, and the gradient is the
+whole step's (backends/value_model.py), so N ranks write and train what one would.
+`[critic] strategy` holds the value model whole on every rank (`ddp`) or sharded (`fsdp2`).
+
+A critic rank killed mid-step is a dead role like a trainer rank: the run restarts globally from
+the newest checkpoint, which holds the critic's model and optimizer (`save_checkpoint`, collective,
+written with the actor's and loaded at the actor's step).
 """
 
 from __future__ import annotations

@@ -119,7 +119,7 @@ class CriticRoles:
         return getattr(self.inner, name)
 
     def start_train(self, step: int, publish_version: int) -> TrainTicket:
-        warm = step < self.cfg.warmup_steps
+        warm = step < self.cfg.table.warmup_steps
         errors: Callable[[], str | None] = getattr(self.inner, "_errors")
         if self._local:
             critic = lambda: guarded_step(errors, lambda: self._critic.train_step(self._target, step))  # noqa: E731
@@ -129,7 +129,7 @@ class CriticRoles:
         actor = None
         if not warm:
             actor = _DeferredTrain(lambda: self.inner.start_train(step, publish_version))
-            if self._deferred or (0 < step == self.cfg.warmup_steps):
+            if self._deferred or (0 < step == self.cfg.table.warmup_steps):
                 self._deferred.append(actor)  # behind the warm-up's broadcast: submitted by `_flush`
             else:
                 actor.submit()

@@ -5,8 +5,8 @@ A cluster started by the job script carries a resource per component (`trainer`,
 component's nodes, and for nothing of the kind on a cluster without them. An actor whose role
 runs on CUDA takes one GPU (Ray then sets its CUDA_VISIBLE_DEVICES), half of one where engines
 and trainer ranks take turns on the devices ([cluster] colocate). Trainer rank 0 is pinned to
-the node that hosts its process group's TCP store (the critic's ranks likewise, `place_ranks`). `RayRoles` (roles/handles.py) places its
-roles through these functions.
+the node that hosts its process group's TCP store, and so is the critic's (`place_ranks`).
+`RayRoles` (roles/handles.py) and `CriticRoles` place their roles through these functions.
 """
 
 from __future__ import annotations
