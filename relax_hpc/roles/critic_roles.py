@@ -31,6 +31,7 @@ from relax_hpc.roles.supervision import (
     STATUS_TIMEOUT_S,
     get_from_roles,
     guarded_step,
+    result_of,
 )
 from relax_hpc.weights.base import PendingWeights
 
@@ -223,13 +224,15 @@ def _wait_polling(refs: list[Any], errors: Callable[[], str | None], doing: str,
     that dies or fails, or a producing role's failure (polled while it waits), ends it at once."""
     import ray
 
+    calls = [(_rank_name(rank, len(refs)), ref) for rank, ref in enumerate(refs)]
+    results: dict[Any, dict[str, float]] = {}
     pending = list(refs)
     while True:
         ready, pending = ray.wait(pending, num_returns=len(pending), timeout=poll_s)
-        for ref in ready:  # raises at once for a rank that died or failed
-            get_from_roles([(_rank_name(refs.index(ref), len(refs)), ref)], doing, 0.0)
+        for ref in ready:  # a rank that died or failed raises at once; a peer's death before its own failure
+            results[ref] = result_of(calls, ref, doing, results)
         if not pending:
-            return get_from_roles([(_rank_name(0, len(refs)), refs[0])], doing, 0.0)[0]
+            return results[refs[0]]
         error = errors()
         if error:
             raise RuntimeError(f"{error} (the critic was waiting for that step's rows)")
