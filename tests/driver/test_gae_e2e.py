@@ -61,4 +61,4 @@ def test_warmup_then_checkpoint_and_resume_the_critic_with_the_actor(tiny_model_
     resumed = _metrics(job)[4]
     # The resumed critic is the one saved at step 4, not a fresh one (whose values would all be 0).
     assert resumed["critic/values_mean"] != 0.0 and resumed["critic/warmup"] == 0.0
-    assert (job / "checkpoints_critic" / "step_6" / "critic.pt").is_file()
+    assert (job / "checkpoints_critic" / "step_6" / "critic.json").is_file()

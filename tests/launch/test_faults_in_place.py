@@ -1,7 +1,8 @@
 """`relax-hpc faults` group "in_place" (tests/launch/fault_suite.py). A killed Reference, then a
-stopped (hung) one, each restarted in place, then a killed critic (PPO, advantage = "gae"): a global
-restart from the newest checkpoint, the critic's included. All in one run on Ray, whose critic
-warms up for its first step (the fault run's `[critic] warmup_steps = 1`).
+stopped (hung) one, each restarted in place, then a killed critic rank (PPO, advantage = "gae", a
+critic of 2 fsdp2 ranks): a global restart from the newest checkpoint, the critic's sharded one
+included. All in one run on Ray, whose critic warms up for its first step (the fault run's
+`[critic] warmup_steps = 1`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]  # the first test pay
 
 
 def test_on_ray_the_critic_warms_up_and_the_steps_after_it_train(suite: SuiteResult) -> None:
-    """The critic is its own Ray actor; after the warm-up step (the trainer's unchanged weights
+    """The critic is two Ray actors (ranks of their own gloo group); after the warm-up step (the trainer's unchanged weights
     broadcast as its version) the trainer's queued steps follow that broadcast and train."""
     job_dir = Path(suite.rows["kill-critic"]["job_dir"])
     metrics = [json.loads(line) for line in (job_dir / "metrics.jsonl").read_text().splitlines()]
@@ -35,4 +36,5 @@ def test_on_ray_the_critic_warms_up_and_the_steps_after_it_train(suite: SuiteRes
     seen = next(i for i, m in enumerate(metrics) if m["critic/returns_mean"] != 0.0)
     assert any(m["critic/values_mean"] != 0.0 for m in metrics[seen + 1:])
     last = suite.rows["kill-critic"]["run_steps"]
-    assert (job_dir / "checkpoints_critic" / f"step_{last}" / "critic.pt").is_file()
+    meta = json.loads((job_dir / "checkpoints_critic" / f"step_{last}" / "critic.json").read_text())
+    assert meta == {"step": last, "strategy": "fsdp2", "num_processes": 2}
