@@ -91,6 +91,7 @@ def write_tool_model(out_dir: Path, seed: int = 0, size: TinyModelSize = TinyMod
 
 
 CALL_REWARD, ANSWER_REWARD = 0.3, 0.7
+NEAR_MISS_REWARD = 0.1  # a call the model did not end its turn after (cut at max_new_tokens)
 
 
 def box_reward(called: bool, answer: str | None, label: str) -> float:
