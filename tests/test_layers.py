@@ -132,7 +132,8 @@ ROLES_SEE_OF_ENGINES = {"relax_hpc.engines.base", "relax_hpc.engines.router", "r
                         "relax_hpc.engines.elastic.api"}
 # Where code still asks which kind of engine a spec names (a spec check of media/, the rehearsal's
 # mapping in launch/, the tiny model builder): not yet behind the fleet. roles/ and driver/ never.
-ENGINE_KIND_CHECKS_LEFT = {"media/plan.py", "models/tiny_mm.py", "launch/rehearse.py", "launch/rehearse_spec.py"}
+ENGINE_KIND_CHECKS_LEFT = {"media/plan.py", "models/tiny_mm.py", "launch/rehearse.py", "launch/rehearse_spec.py",
+                           "launch/image_check.py"}
 
 
 def engine_imports_of_roles() -> list[str]:

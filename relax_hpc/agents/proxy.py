@@ -295,12 +295,18 @@ class AgentProxy:
             return JSONResponse({"object": "list", "data": [
                 {"id": self.model_name, "object": "model", "created": 0, "owned_by": "relax-hpc"}]})
 
-        @app.get("/v1/chat/completions/{completion_id}")
-        async def get_completion(completion_id: str, request: Request) -> JSONResponse:
+        def session_of(request: Request) -> Any:
+            """The request's session, or the 401 response that names why there is none."""
             try:
-                session = self.sessions.lookup(key_of(request))
+                return self.sessions.lookup(key_of(request))
             except SessionAuthError as e:
                 return _error(401, str(e))
+
+        @app.get("/v1/chat/completions/{completion_id}")
+        async def get_completion(completion_id: str, request: Request) -> JSONResponse:
+            session = session_of(request)
+            if isinstance(session, Response):
+                return session
             record = session.find(completion_id)
             # A response of n > 1 choices is recorded as <id>-0, <id>-1, ...: its id names them all.
             records = [record] if record is not None else [
@@ -318,19 +324,17 @@ class AgentProxy:
 
         @app.post("/v1/chat/completions")
         async def chat(request: Request) -> Response:
-            try:
-                session = self.sessions.lookup(key_of(request))
-            except SessionAuthError as e:
-                return _error(401, str(e))
+            session = session_of(request)
+            if isinstance(session, Response):
+                return session
             try:
                 req = parse_chat_request(await read_json(request))
                 response_id, records = await self._complete(req, session=id(session))
             except RequestError as e:
                 return _error(e.status, e.message)
-            try:
-                session = self.sessions.lookup(key_of(request))  # it may have expired meanwhile
-            except SessionAuthError as e:
-                return _error(401, str(e))
+            session = session_of(request)  # it may have expired meanwhile
+            if isinstance(session, Response):
+                return session
             session.completions.extend(records)  # recorded before a stream starts: the same either way
             response = self._response(response_id, records)
             if req.stream:
@@ -340,20 +344,18 @@ class AgentProxy:
 
         @app.post("/v1/responses")
         async def responses(request: Request) -> Response:
-            try:
-                session = self.sessions.lookup(key_of(request))
-            except SessionAuthError as e:
-                return _error(401, str(e))
+            session = session_of(request)
+            if isinstance(session, Response):
+                return session
             try:
                 turn = responses_turn(await read_json(request), session.conversations)
                 response_id, [record] = await self._complete(parse_chat_request(turn.chat_body), id(session),
                                                              id_prefix="resp_")
             except RequestError as e:
                 return _error(e.status, e.message)
-            try:
-                session = self.sessions.lookup(key_of(request))  # it may have expired meanwhile
-            except SessionAuthError as e:
-                return _error(401, str(e))
+            session = session_of(request)  # it may have expired meanwhile
+            if isinstance(session, Response):
+                return session
             session.completions.append(record)
             response = response_object(response_id, record, turn, self.model_name)
             session.responses[response_id] = response
@@ -362,10 +364,9 @@ class AgentProxy:
 
         @app.get("/v1/responses/{response_id}")
         async def get_response(response_id: str, request: Request) -> JSONResponse:
-            try:
-                session = self.sessions.lookup(key_of(request))
-            except SessionAuthError as e:
-                return _error(401, str(e))
+            session = session_of(request)
+            if isinstance(session, Response):
+                return session
             if response_id not in session.responses:  # another session's id looks exactly like an unknown one
                 return _error(404, f"no response {response_id!r} in this session")
             return JSONResponse(session.responses[response_id])

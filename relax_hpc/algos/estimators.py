@@ -33,7 +33,8 @@ from torch import Tensor
 from relax_hpc.algos.advantages import advantages_by_group
 
 # The values of [algorithm] advantage (relax_hpc.spec.schema.AdvantageEstimator; a test holds the two equal).
-ESTIMATORS: Final[tuple[str, ...]] = ("group", "rloo", "reinforce_pp", "reinforce_pp_baseline")
+# "gae" is per token, from the critic's values: relax_hpc/algos/gae.py, written by the critic role.
+ESTIMATORS: Final[tuple[str, ...]] = ("group", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae")
 # Estimators that compare the samples of one prompt, so a group needs two samples or more.
 GROUP_ESTIMATORS: Final[tuple[str, ...]] = ("group", "rloo", "reinforce_pp_baseline")
 # Estimators whose values are whitened over the step's trained tokens.
@@ -118,6 +119,9 @@ def outcome_advantages(estimator: str, rewards: Tensor, group_ids: Sequence[int]
     if estimator == "reinforce_pp":
         _check(rewards, group_ids)
         return whiten_over_tokens(rewards, token_counts)
+    if estimator == "gae":
+        raise ValueError('[algorithm] advantage = "gae" is per token, from the critic\'s values: the critic role '
+                         "computes it (relax_hpc/algos/gae.py), not the rollout or Advantages role")
     raise ValueError(f"[algorithm] advantage = {estimator!r} is not one of {', '.join(ESTIMATORS)}")
 
 

@@ -28,7 +28,7 @@ class TrainBatch:
     targets: torch.Tensor  # [B, L-1] next tokens
     loss_mask: torch.Tensor  # [B, L-1] 1 on trained response tokens
     rollout_log_probs: torch.Tensor  # [B, L-1]
-    advantages: torch.Tensor  # [B]
+    advantages: torch.Tensor  # [B], or [B, L-1] per token (GAE)
     old_log_probs: torch.Tensor | None = None  # [B, L-1] from ActorFwd, when that role runs
     ref_log_probs: torch.Tensor | None = None  # [B, L-1] from Reference, when that role runs
     # [B, L, layers, top_k]: the engine's routed experts of every row (routing replay), else None
@@ -136,7 +136,11 @@ def pack_rows(rows: Sequence[Mapping[str, Any]], pad_id: int) -> TrainBatch:
     def optional(name: str) -> torch.Tensor | None:
         return per_token(name) if all(name in row for row in rows) else None
 
-    advantages = torch.tensor([float(row["advantages"]) for row in rows], dtype=torch.float32)
+    # One advantage per row, or one per response token (the critic's GAE: a tensor per row).
+    if all(isinstance(row["advantages"], torch.Tensor) and row["advantages"].dim() == 1 for row in rows):
+        advantages = per_token("advantages")
+    else:
+        advantages = torch.tensor([float(row["advantages"]) for row in rows], dtype=torch.float32)
     return TrainBatch(
         input_ids, attention.long(), input_ids[:, 1:].clone(), per_token("loss_mask"),
         per_token("rollout_log_probs"), advantages,

@@ -63,8 +63,15 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     spec, source = composed.spec, composed.label
     checked = check_spec_runs(spec, source)  # SpecError / ValueError: exit 2
     shape, media = checked.shape, checked.media
+    image_lines = []
+    if args.image is not None:  # ValueError listing what the image lacks: exit 2
+        from relax_hpc.launch.image_check import check_image
+
+        image_lines = check_image(spec, Path(args.image), source)
     print(f"{source}: ok (job '{spec.job.name}', {spec.train.steps} steps, "
           f"algorithm {spec.algorithm.name}, mode {spec.job.mode})")
+    for line in image_lines:
+        print(line)
     for line in media.lines:
         print(line)
     urls = notify_urls(spec)
@@ -416,6 +423,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("validate", help="check a job spec; exit 2 with every problem listed")
     add_spec_arguments(p)
+    p.add_argument("--image", default=None, metavar="ROOT",
+                   help="also check that the image whose root file system is ROOT (apptainer build --sandbox, "
+                        "tools/build-image-root; / inside the image) has everything the spec needs "
+                        "(docs/containers.md)")
     p.set_defaults(func=_cmd_validate)
 
     p = sub.add_parser("show", help="print the fully resolved job spec, each given value followed by where "

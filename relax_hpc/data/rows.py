@@ -166,10 +166,17 @@ def row_to_sample(row: dict[str, Any]) -> Sample:
         weight_version=int(row["weight_version"]), group_id=int(row["group_id"]),
         prompt_index=int(row.get("prompt_index", -1)),
         sample_id=int(row.get("sample_id", NO_SAMPLE_ID)), reward=float(row["rewards"]),
-        raw_reward=float(row["raw_reward"]), advantage=float(row["advantages"]),
+        raw_reward=float(row["raw_reward"]), advantage=_sample_advantage(row["advantages"]),
         loss_mask=[int(x) for x in row["loss_mask"].tolist()],
         old_log_probs=row["log_probs"].tolist() if "log_probs" in row else None,
         ref_log_probs=row["ref_log_probs"].tolist() if "ref_log_probs" in row else None,
         routed_experts=row.get(ROUTED_EXPERTS_FIELD),
         media=media_from_fields(row),
     )
+
+
+def _sample_advantage(value: Any) -> float:
+    """A row's advantage as a sample's one number: per-token ones (the critic's GAE) by their mean."""
+    if isinstance(value, torch.Tensor) and value.dim() == 1:
+        return float(value.double().mean()) if value.numel() else 0.0
+    return float(value)

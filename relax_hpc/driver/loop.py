@@ -72,6 +72,7 @@ def step_metrics(train: dict[str, float], rollout: dict[str, float], step_time: 
     rows = train.pop("rows")
     timings = {f"time/{k}": train.pop(k) for k in ("train_s", "sync_s", "queue_wait_s") if k in train}
     reward_sum = train.pop("reward_sum")
+    critic = {k: train.pop(k) for k in [k for k in train if k.startswith("critic/")]}  # the critic role's
     return {
         "reward/mean": reward_sum / rows,
         "samples/step": float(rows),  # trained in this step
@@ -80,6 +81,7 @@ def step_metrics(train: dict[str, float], rollout: dict[str, float], step_time: 
         "weight_version": float(version),
         **rollout,
         **{f"train/{k}": v for k, v in train.items()},
+        **critic,
     }
 
 

@@ -74,6 +74,8 @@ from relax_hpc.ops.run_status import RunStatus
 from relax_hpc.ops.trackers import ClearMLSink, MlflowSink, WandbSink, require_trackers
 from relax_hpc.roles.actor import ActorConfig
 from relax_hpc.roles.advantages import AdvantagesConfig
+from relax_hpc.roles.critic import CRITIC_CHECKPOINTS, critic_config
+from relax_hpc.roles.critic_roles import with_critic
 from relax_hpc.roles.forward import OUTPUT_FIELD, ForwardConfig
 from relax_hpc.roles.handles import LocalRoles, RayRoles, Roles
 from relax_hpc.roles.healing import RoleHealer
@@ -158,7 +160,8 @@ def role_configs(spec: JobSpec, job_dir: Path, device: str) -> tuple[RolloutConf
         device=device, num_threads=threads,
         normalize_std=a.normalize_std and normalizes_std(a.name),
         dynamic_sampling=r.dynamic_sampling, max_sampling_rounds=r.max_sampling_rounds,
-        agentic=agentic_from_spec(r), advantages_role=spec.train.advantages_role,
+        # With GAE the critic writes the advantages onto the queue, as the Advantages role would.
+        agentic=agentic_from_spec(r), advantages_role=spec.train.advantages_role or a.advantage == "gae",
         release_between_steps=shares_devices(spec),
         sglang_spec=sglang_spec_resolved(r.sglang), job_dir=str(job_dir), routing_replay=a.routing_replay,
         algorithm=a,
@@ -212,6 +215,8 @@ def prepare_job_dir(spec: JobSpec) -> Path:
     job_dir = make_private_dir(spec.job_dir())
     atomic_write_text(job_dir / "spec.toml", spec_to_toml(spec))
     make_private_dir(job_dir / "checkpoints")
+    if spec.critic is not None:
+        make_private_dir(job_dir / CRITIC_CHECKPOINTS)
     make_private_dir(job_dir / "health")
     # Weight versions for engines that join over HTTP (a grow job's serve-engine --weights-root).
     make_private_dir((job_dir / FEDERATION_WEIGHTS).parent)
@@ -495,10 +500,13 @@ def _start(stack: ExitStack, spec: JobSpec, job_dir: Path, in_process: bool, ray
     capacity = queue_capacity(r.prompts_per_step, spec.algorithm.max_staleness, r.n_samples_per_prompt)
     queue_roles = queue_role_configs(spec, role_cfgs[1].device)
 
+    critic = critic_config(spec, job_dir, role_cfgs[1].device)
+
     def build_roles() -> Roles:
         if in_process:
-            return LocalRoles(*role_cfgs, queue_roles, capacity)
-        return RayRoles(*role_cfgs, spec.train.num_processes, queue_roles, capacity, healer=healer)
+            return with_critic(LocalRoles(*role_cfgs, queue_roles, capacity), critic)
+        return with_critic(RayRoles(*role_cfgs, spec.train.num_processes, queue_roles, capacity, healer=healer),
+                           critic)
 
     roles = RebuildableRoles(build_roles)
     stack.callback(roles.shutdown)

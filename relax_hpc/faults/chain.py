@@ -52,7 +52,7 @@ from relax_hpc.faults.scenarios import (
 from relax_hpc.spec import JobSpec
 
 ONE_RUN_ORDER = ("kill-reference-3x", "kill-engine", "kill-reference", "hang-reference", "kill-actor-fwd",
-                 "kill-trainer-rank", "kill-driver", "corrupt-checkpoint")
+                 "kill-trainer-rank", "kill-critic", "kill-driver", "corrupt-checkpoint")
 FAULT_GAP = 2  # steps trained after a fault's injection (and its recovery) before the next fault
 IN_PLACE, GLOBAL = "health/in_place_restarts", "health/global_restarts"
 

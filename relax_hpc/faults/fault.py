@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from relax_hpc.spec import JobSpec, NotifySpec, parse_spec, spec_to_toml
+from relax_hpc.spec.schema import CriticSpec
 
 if TYPE_CHECKING:
     from relax_hpc.faults.process import StepRecord
@@ -64,6 +65,8 @@ FAULTS: tuple[Fault, ...] = (
     Fault("kill-reference-3x", "SIGKILL of the Reference role, then of its replacement, twice: the third "
                                "failure of one role restarts the whole run", "reference", "reference", times=3),
     Fault("kill-trainer-rank", "SIGKILL of trainer rank 1 (of 2)", "ranks", "trainer_rank_1"),
+    Fault("kill-critic", "SIGKILL of the critic role (PPO, advantage = \"gae\"): the run restarts from its "
+                         "newest checkpoint, the critic's included", "critic", "critic"),
     Fault("kill-driver", "SIGKILL of the driver and every process it started; the run is started "
                          "again and resumes from its newest checkpoint (what a Slurm requeue does)"),
     Fault("hang-reference", "SIGSTOP of the Reference role: it stops beating, goes stale and must be "
@@ -101,13 +104,18 @@ def derive_spec(spec: JobSpec, faults: Fault | Sequence[Fault], job_dir: Path, s
         t = dataclasses.replace(t, actor_fwd_role=True)
     if "ranks" in needs:
         t = dataclasses.replace(t, num_processes=max(2, t.num_processes))
+    critic = spec.critic
+    if "critic" in needs:  # PPO with a critic: the critic writes the advantages
+        a = dataclasses.replace(a, advantage="gae", name="grpo" if a.name == "opd" else a.name)
+        t = dataclasses.replace(t, advantages_role=False)
+        critic = critic or CriticSpec()
     suffix = faults[0].name if len(faults) == 1 else ONE_RUN
     return dataclasses.replace(
         spec,
         job=dataclasses.replace(spec.job, name=f"{spec.job.name}-{suffix}"[:64], output_dir=str(job_dir)),
         model=dataclasses.replace(spec.model, path=str(Path(spec.model.path).absolute())),
         data=dataclasses.replace(spec.data, path=str(Path(spec.data.path).absolute())),
-        rollout=r, algorithm=a,
+        rollout=r, algorithm=a, critic=critic,
         train=dataclasses.replace(t, steps=steps),
         checkpoint=dataclasses.replace(spec.checkpoint, save_interval=SAVE_INTERVAL,
                                        keep_last=max(2, spec.checkpoint.keep_last), resume=True),

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from relax_hpc.launch.container import render_wrapper
+from relax_hpc.launch.container import IMAGE_MEGATRON_PYTHON, render_wrapper
 from relax_hpc.spec import ComponentSpec, JobSpec
 from relax_hpc.spec.text_checks import control_character
 
@@ -83,6 +83,14 @@ def components(spec: JobSpec) -> list[Component]:
         out.append(Component(group, name, component, slot, also_hosts))
         slot += component.nodes
     return out
+
+
+def critic_component(spec: JobSpec) -> str | None:
+    """Where PPO's critic runs ([critic], roles/critic_roles.py): the forward group when the job
+    has one, else the trainer's nodes; None without a critic."""
+    if spec.critic is None:
+        return None
+    return "forward" if spec.cluster.forward is not None else "trainer"
 
 
 def _plain(text: str, what: str) -> str:
@@ -146,7 +154,8 @@ def sbatch_headers(spec: JobSpec, job_dir: str) -> list[str]:
         c = component.spec
         if component.group > 0:
             lines.append("#SBATCH hetjob")
-        lines.append(f"# group {component.group}: {component.name}, {_count(c.nodes, 'nodes')} node(s)")
+        hosts = ", and the critic" if component.name == critic_component(spec) else ""
+        lines.append(f"# group {component.group}: {component.name}, {_count(c.nodes, 'nodes')} node(s){hosts}")
         lines += [_option("nodes", c.nodes), _option("ntasks-per-node", 1),
                   _option("cpus-per-task", c.cpus_per_node), _option("time", c.time)]
         if c.gpus_per_node > 0:
@@ -187,10 +196,16 @@ def _fill(template: str, values: dict[str, str], source: str) -> str:
     return _PLACEHOLDER.sub(lambda m: values[m.group(1)], template)
 
 
+def image_python(spec: JobSpec) -> str:
+    """The interpreter inside the image: the Megatron environment's for backend = "megatron" (its
+    transformers cannot share the main environment, container/relax.def), else python3 on PATH."""
+    return IMAGE_MEGATRON_PYTHON if spec.train.backend == "megatron" else "python3"
+
+
 def render_sbatch(spec: JobSpec, job_dir: str, spec_file: str) -> str:
     """The sbatch script of ``spec``; ``job_dir`` and ``spec_file`` as the job will see them."""
     groups = components(spec)
-    python = "python3" if spec.container.image is not None else '"${RELAX_HPC_PYTHON:-python3}"'
+    python = image_python(spec) if spec.container.image is not None else '"${RELAX_HPC_PYTHON:-python3}"'
     values = {
         "job_name": _plain(spec.job.name, "job.name"),  # in a comment line
         "sbatch_headers": "\n".join(sbatch_headers(spec, job_dir)),

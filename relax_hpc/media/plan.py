@@ -90,10 +90,29 @@ def _check(spec: JobSpec, plan: MediaPlan, columns: dict[str, str]) -> None:
             'engine = "native" to train on video on CPU, or run the engines on GPUs'))
     if columns and spec.rollout.engine == "sglang":
         problems += _sglang_env_problems(spec, columns)
+    if spec.container.image is None:  # in an image, `validate --image` checks its environment
+        problems += _decoder_problems(columns)
     if columns and spec.rollout.engine == "sglang" and family is not None and not family.sglang:
         problems.append(SpecProblem(
             "rollout.engine", show_value(spec.rollout.engine),
             f'SGLang has no model for {family.model_type}; set engine = "native" for this model'))
+
+
+# The packages relax_hpc/media/decode.py reads each kind with (the [media] extra).
+MEDIA_DECODERS = {"video": ("av",), "audio": ("soundfile", "soxr", "av")}
+
+
+def _decoder_problems(columns: dict[str, str]) -> list[SpecProblem]:
+    """The media kinds whose decoders this interpreter lacks (looked up, not imported)."""
+    problems = []
+    for kind, key in columns.items():
+        missing = [name for name in MEDIA_DECODERS.get(kind, ()) if importlib.util.find_spec(name) is None]
+        if missing:
+            problems.append(SpecProblem(
+                f"data.{kind}_key", show_value(key),
+                f"this environment has no {', '.join(missing)}, which decode {kind}: pip install "
+                f"'relax-hpc[media]', or unset [data] {kind}_key"))
+    return problems
 
 
 def _sglang_env_problems(spec: JobSpec, columns: dict[str, str]) -> list[SpecProblem]:

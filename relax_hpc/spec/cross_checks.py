@@ -76,11 +76,11 @@ def _samples_split_into_mini_batches(spec: Resolved) -> list[SpecProblem]:
 
 def _groups_have_two_samples(spec: Resolved) -> list[SpecProblem]:
     got = spec.get("algorithm.name", "algorithm.advantage", "rollout.n_samples_per_prompt")
-    if got is None or got[0] not in GROUP_NORMALISED_ALGORITHMS or got[1] == "reinforce_pp" or got[2] >= 2:
+    if got is None or got[0] not in GROUP_NORMALISED_ALGORITHMS or got[1] in ("reinforce_pp", "gae") or got[2] >= 2:
         return []
     message = (
         f'must be >= 2 with algorithm.name = "{got[0]}" and advantage = "{got[1]}": the advantage compares the '
-        'samples of one prompt, and a group of one has no baseline (advantage = "reinforce_pp" needs no group)'
+        'samples of one prompt, and a group of one has no baseline (advantage = "reinforce_pp" needs no group, nor does "gae")'
     )
     return [SpecProblem(key="rollout.n_samples_per_prompt", value=show_value(got[2]), message=message)]
 
@@ -365,6 +365,38 @@ def _reference_role_has_a_use(spec: Resolved) -> list[SpecProblem]:
     return [SpecProblem(key="train.reference_role", value="true", message=message)]
 
 
+def _gae_and_critic_go_together(spec: Resolved) -> list[SpecProblem]:
+    got = spec.get("algorithm.advantage", "critic")
+    if got is None or (got[0] == "gae") == (got[1] is not None):
+        return []
+    if got[0] == "gae":
+        message = ("needs a [critic] table: PPO's advantages come from a learned value model; add [critic] "
+                   '(its keys have defaults, docs/spec.md) or choose another advantage')
+        return [SpecProblem(key="algorithm.advantage", value='"gae"', message=message)]
+    message = (f'is used only with algorithm.advantage = "gae", not "{got[0]}": set advantage = "gae" for PPO '
+               "with a critic, or remove the [critic] table")
+    return [SpecProblem(key="critic", value=None, message=message)]
+
+
+def _gae_writes_the_advantages(spec: Resolved) -> list[SpecProblem]:
+    got = spec.get("algorithm.advantage", "train.advantages_role", "algorithm.name", "train.steps", "critic")
+    if got is None or got[0] != "gae":
+        return []
+    problems = []
+    if got[1]:
+        problems.append(SpecProblem(key="train.advantages_role", value="true", message=(
+            'cannot be combined with algorithm.advantage = "gae": the critic role writes each token\'s advantage; '
+            "set advantages_role = false")))
+    if got[2] == "opd":
+        problems.append(SpecProblem(key="algorithm.name", value='"opd"', message=(
+            'cannot be combined with algorithm.advantage = "gae": on-policy distillation shapes a per-sample '
+            'advantage; use name = "grpo" (PPO-clip), "gspo" or "sapo" with GAE')))
+    if got[4] is not None and got[4].warmup_steps >= got[3]:
+        problems.append(SpecProblem(key="critic.warmup_steps", value=show_value(got[4].warmup_steps), message=(
+            f"must be below train.steps = {got[3]}: the actor does not train during the critic's warm-up")))
+    return problems
+
+
 def _stale_after_several_heartbeats(spec: Resolved) -> list[SpecProblem]:
     got = spec.get("health.heartbeat_s", "health.stale_s")
     if got is None or got[1] >= 2 * got[0]:
@@ -399,4 +431,6 @@ CROSS_CHECKS: tuple[Callable[[Resolved], list[SpecProblem]], ...] = (
     _cuda_needs_gpus,
     _grace_fits_time_limit,
     _stale_after_several_heartbeats,
+    _gae_and_critic_go_together,
+    _gae_writes_the_advantages,
 )

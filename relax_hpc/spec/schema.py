@@ -61,6 +61,7 @@ __all__ = [
     "ClusterSpec",
     "ComponentSpec",
     "ContainerSpec",
+    "CriticSpec",
     "DataSpec",
     "JobInfoSpec",
     "JobSpec",
@@ -87,7 +88,7 @@ SECRET = "secret"
 AlgorithmName = Literal["grpo", "dr_grpo", "gspo", "sapo", "opd"]
 ALGORITHMS: tuple[str, ...] = get_args(AlgorithmName)
 # How a step's rewards become advantages ([algorithm] advantage; relax_hpc/algos/estimators.py).
-AdvantageEstimator = Literal["group", "rloo", "reinforce_pp", "reinforce_pp_baseline"]
+AdvantageEstimator = Literal["group", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae"]
 # How trainer ranks hold the model ([train] strategy; relax_hpc/backends/parallel.py).
 TrainStrategy = Literal["ddp", "fsdp2"]
 # Algorithms whose advantage compares samples of the same prompt, so a group needs >= 2.
@@ -243,6 +244,10 @@ class AlgorithmSpec:
     # before rollout.max_new_tokens (0: no penalty)
     overlong_buffer_len: int = setting(0, within(0, MAX_TOKENS))
     overlong_penalty: float = setting(1.0, at_least(0))
+    # advantage = "gae" (PPO with the [critic] role; docs/algorithms/gae.md)
+    gamma: float = setting(1.0, within(0, 1))  # discount per token
+    lam: float = setting(1.0, within(0, 1))  # GAE's lambda
+    value_clip_eps: float | None = setting(0.5, greater_than(0))  # the value loss's clip; unset: unclipped
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -307,6 +312,17 @@ class TrainSpec:
     advantages_role: bool = setting(False)  # group advantages from a separate Advantages role
     device: Literal["auto", "cpu", "cuda"] = setting("auto")
     megatron: MegatronSpec = setting_from(MegatronSpec)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CriticSpec:
+    """[critic]: PPO's value model, its own role and optimizer (advantage = "gae")."""
+
+    model_path: str | None = setting(None, non_empty, plain_text)  # unset: [model] path with a fresh value head
+    lr: float = setting(1e-5, greater_than(0))
+    warmup_steps: int = setting(0, within(0, MAX_STEPS))  # the actor does not train during the first N steps
+    micro_batch_size: int = setting(8, within(1, MAX_COUNT))
+    grad_clip: float = setting(1.0, at_least(0))  # 0 disables clipping
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -438,6 +454,7 @@ class JobSpec:
     algorithm: AlgorithmSpec = setting_from(AlgorithmSpec)
     reward: RewardSpec = required()
     train: TrainSpec = required()
+    critic: CriticSpec | None = setting(None)  # required by, and only with, algorithm.advantage = "gae"
     checkpoint: CheckpointSpec = setting_from(CheckpointSpec)
     metrics: MetricsSpec = setting_from(MetricsSpec)
     notify: NotifySpec = setting_from(NotifySpec)

@@ -107,7 +107,9 @@ def test_the_group_estimator_is_grpo() -> None:
 
 
 def test_an_unknown_estimator_or_mismatched_inputs_are_refused() -> None:
-    with pytest.raises(ValueError, match=r"advantage = 'gae' is not one of group, rloo"):
+    with pytest.raises(ValueError, match=r"advantage = 'ppo' is not one of group, rloo"):
+        outcome_advantages("ppo", torch.ones(2), [0, 0], torch.ones(2))
+    with pytest.raises(ValueError, match="the critic role computes it"):
         outcome_advantages("gae", torch.ones(2), [0, 0], torch.ones(2))
     with pytest.raises(ValueError, match="2 rewards but 3 group ids"):
         rloo_advantages(torch.ones(2), [0, 0, 1])

@@ -13,8 +13,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 
-def relax(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+def relax(*args: str, cwd: Path = REPO, drop: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k not in drop} | {"RAY_AUTH_MODE": "disabled"}
     return subprocess.run([sys.executable, "-m", "relax_hpc.cli.main", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=120)
 
@@ -120,7 +120,8 @@ def test_run_refuses_a_backend_this_build_does_not_have(tmp_path: Path) -> None:
         f'[data]\npath = "{REPO / "jobspecs/data/tiny_sum.jsonl"}"\n[rollout]\nengine = "sglang"\n'
         '[reward]\nfunction = "tiny_sum"\n[train]\nsteps = 1\n'
     )
-    result = relax("run", str(spec), "--in-process", "--no-progress")
+    # No SGLang environment beside this one: `make test` points RELAX_SGLANG_ENV at .venv-sglang.
+    result = relax("run", str(spec), "--in-process", "--no-progress", drop=("RELAX_SGLANG_ENV",))
     assert result.returncode == 2 and "Traceback" not in result.stderr
     # This interpreter has no SGLang and [rollout.sglang] python is unset.
     assert 'rollout.engine = "sglang" but' in result.stderr and "[rollout.sglang] python" in result.stderr

@@ -15,11 +15,14 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_the_checkout_paths_link_to_the_one_packaged_copy() -> None:
-    assert embedded_names() == ["tiny_local", "tiny_slurm", "tiny_slurm_fwd"]
+    # Every example spec ships in the wheel, with the data files the checkout's specs read.
+    assert embedded_names() == sorted(p.stem for p in (REPO / "jobspecs").glob("*.toml"))
+    assert {"tiny_local", "tiny_slurm", "tiny_sglang", "tiny_megatron", "qwen3_omni"} <= set(embedded_names())
     for name in embedded_names():
         assert (REPO / "jobspecs" / f"{name}.toml").resolve() == embedded_dir() / f"{name}.toml"
-    data = embedded_dir() / "data" / "tiny_sum.jsonl"
-    assert (REPO / "jobspecs" / "data" / "tiny_sum.jsonl").resolve() == data and data.is_file()
+    for checkout_data in (REPO / "jobspecs" / "data").iterdir():
+        data = embedded_dir() / "data" / checkout_data.name
+        assert checkout_data.resolve() == data and data.is_file()
     template = REPO / "relax_hpc" / "launch" / "templates" / "hetjob.sbatch.in"
     assert (REPO / "sbatch" / "hetjob.sbatch.in").resolve() == template
 

@@ -42,3 +42,18 @@ def test_run_of_the_embedded_spec_from_any_directory(wheel_venv: tuple[Path, dic
     # stderr is a pipe, not a terminal: plain progress lines instead of a redrawn bar.
     assert "\r" not in done.stderr
     assert re.search(r"(?m)^step 3/3  reward \d\.\d{3}  \d+\.\d\d s/step  ", done.stderr), done.stderr
+
+
+def test_the_wheel_ships_every_example_spec_and_its_data(wheel_venv: tuple[Path, dict[str, str]],
+                                                         tmp_path: Path) -> None:
+    bin_dir, env = wheel_venv
+    listing = _check([str(bin_dir / "python"), "-c", "from relax_hpc.jobspecs import embedded_dir, embedded_names; "
+                      "import json; d = embedded_dir(); print(json.dumps([embedded_names(), "
+                      "sorted(p.name for p in (d / 'data').iterdir()), str(d)]))"], tmp_path, env)
+    names, data, where = json.loads(listing.stdout)
+    assert names == sorted(p.stem for p in (REPO / "jobspecs").glob("*.toml"))
+    assert data == sorted(p.name for p in (REPO / "jobspecs" / "data").iterdir())
+    assert "site-packages" in where  # the installed copy, not the checkout
+    # An example whose data lies beside it runs its checks from any directory.
+    shown = _check([str(bin_dir / "relax-hpc"), "validate", "agent_calculator"], tmp_path, env)
+    assert "agent_calculator.toml: ok" in shown.stdout

@@ -40,6 +40,7 @@ RESTART: dict[str, tuple[str, ...]] = {
     "kill-reference": ("in place",),
     "kill-reference-3x": ("global",),
     "kill-trainer-rank": ("global",),
+    "kill-critic": ("global",),
     "kill-driver": ("rerun",),
     "hang-reference": ("in place",),
     "corrupt-checkpoint": ("rerun",),
@@ -63,6 +64,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "three_kills": ("kill-reference-3x", "kill-engine"),
     "in_place": ("kill-reference", "hang-reference"),
     "global": ("kill-actor-fwd", "kill-trainer-rank"),
+    "critic": ("kill-critic",),
     "rerun": ("kill-driver", "corrupt-checkpoint"),
     "disk_full": ("disk-full",),
 }

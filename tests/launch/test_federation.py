@@ -94,7 +94,7 @@ def test_grow_job_never_requeues_and_takes_the_named_partition_without_the_compo
 
 def test_grow_script_runs_in_the_jobs_container_and_passes_the_model_path() -> None:
     text = rendered("qwen3_omni")
-    assert "WRAP_grow=(apptainer exec --nv" in text and '--env-file "$JOB_DIR/container.env"' in text
+    assert "WRAP_grow=(bash -c " in text and "' container --nv --bind" in text and '--env-file "$JOB_DIR/container.env"' in text
     assert "--model-dir /models/Qwen3-Omni-30B-A3B-Instruct --dtype bfloat16" in text
     assert "--qos=scavenger" in _headers(text) and "--partition=gpu" not in _headers(text)
 

@@ -154,7 +154,7 @@ def test_cluster_json_is_owner_only(tmp_path: Path) -> None:
 def test_container_prefix_nv_only_for_gpu_components() -> None:
     c = ContainerSpec(image="/img/relax.sif", binds=["/models", "/data:/d:ro"], env=["A=1", "B=x y"])
     gpu, cpu = container_prefix(c, 8), container_prefix(c, 0)
-    assert gpu[:3] == ["apptainer", "exec", "--nv"] and "--nv" not in cpu
+    assert gpu[:2] == ["bash", "-c"] and gpu[3:5] == ["container", "--nv"] and "--nv" not in cpu
     assert gpu[-1] == "/img/relax.sif"
     assert "/data:/d:ro" in gpu and '"$JOB_DIR"' in gpu
     assert gpu[-3:-1] == ["--env-file", '"$JOB_DIR/container.env"'] and "'B=x y'" not in gpu

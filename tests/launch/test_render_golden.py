@@ -24,6 +24,7 @@ SPECS = {
     "tiny_slurm_fwd": REPO / "jobspecs" / "tiny_slurm_fwd.toml",
     "gpu_1node": Path(__file__).parent / "specs" / "gpu_1node.toml",
     "colocate_1node": Path(__file__).parent / "specs" / "colocate_1node.toml",
+    "critic_fwd": Path(__file__).parent / "specs" / "critic_fwd.toml",
     "qwen3_omni": REPO / "jobspecs" / "qwen3_omni.toml",
 }
 
@@ -98,7 +99,7 @@ def test_qwen3_omni_asks_for_16_gpus_on_2_nodes() -> None:
     nodes = sum(c.spec.nodes for c in components(spec))
     assert (gpus, nodes) == (16, 2)
     text = rendered("qwen3_omni")
-    assert "apptainer exec --nv" in text and "--bind /models" in text
+    assert "container --nv --bind" in text and "--bind /models" in text and "exec --cleanenv" in text
     # [container] env goes through the owner-only env file, never onto the command line.
     assert '--env-file "$JOB_DIR/container.env"' in text and "NCCL_DEBUG" not in text
 

@@ -103,3 +103,23 @@ def test_the_loader_and_the_media_layer_know_the_same_families() -> None:
     from relax_hpc.models.hf import MULTIMODAL_FAMILIES
 
     assert sorted(MULTIMODAL_FAMILIES) == sorted(FAMILIES)
+
+
+def test_a_spec_with_audio_and_video_is_refused_where_the_media_extra_is_not_installed(
+        tiny: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    table = tomllib.loads((REPO / "jobspecs" / "qwen3_omni.toml").read_text())
+    table["model"]["path"] = str(tiny["qwen3_omni"])
+    del table["container"]  # the host's environment decodes, not an image's
+    spec = parse_spec(tomli_w.dumps(table), "qwen3_omni.toml")
+    check_media_plan(spec, "qwen3_omni.toml")  # the decoders are installed here: no problem
+
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in ("av", "soxr") else real(name, *a))
+    with pytest.raises(SpecError) as refused:
+        check_media_plan(spec, "qwen3_omni.toml")
+    text = str(refused.value)
+    assert "data.video_key = 'video': this environment has no av, which decode video" in text
+    assert "data.audio_key = 'audio': this environment has no soxr, av, which decode audio" in text
+    assert "pip install 'relax-hpc[media]'" in text

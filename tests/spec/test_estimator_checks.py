@@ -23,7 +23,7 @@ def test_each_estimator_is_accepted() -> None:
 
 
 def test_an_unknown_estimator_lists_the_allowed_ones() -> None:
-    (problem,) = _problems({"algorithm": {"advantage": "gae"}})
+    (problem,) = _problems({"algorithm": {"advantage": "ppo"}})
     assert problem.key == "algorithm.advantage" and "rloo" in problem.format("x.toml")
 
 

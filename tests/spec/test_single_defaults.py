@@ -26,6 +26,8 @@ OTHER_SETTINGS = {
     ("RolloutConfig", "device"): "the resolved device (cpu, cuda:N), not the spec's choice (auto)",
     ("ForwardConfig", "device"): "the resolved device, as above",
     ("ActorConfig", "device"): "the resolved device, as above",
+    ("CriticConfig", "device"): "the resolved device, as above",
+    ("CriticConfig", "timeout_s"): "how long the critic waits for a step's rows, not a reward timeout",
     ("Sample", "reward"): "a sample's reward, not the [reward] table",
     ("Sample", "advantage"): "a sample's advantage value, not the [algorithm] advantage estimator",
     ("EngineServers", "urls"): "a grow job's engine servers, not [notify] urls",

@@ -35,6 +35,13 @@ def _raw_key(raw: dist.Store, key: str) -> str:
     return found
 
 
+def _set_seen(store: SealedStore, key: str, value: bytes) -> None:
+    """Set `key` through `store` and read it back on the same connection: a TCPStore client's set
+    is not answered, so another connection's `list_keys` could run before the server has it."""
+    store.set(key, value)
+    assert store.get(key) == value
+
+
 def _agree(stores: list[SealedStore]) -> list[SealedStore]:
     """Every rank's `agree_epoch`, ranks as threads."""
     out: list[Any] = [None] * len(stores)
@@ -60,7 +67,7 @@ def test_a_value_sealed_in_one_attempt_does_not_open_in_the_next(monkeypatch: py
     secret = JobSecret.generate()  # a requeue keeps the secret
     monkeypatch.setenv("SLURM_RESTART_COUNT", "3")
     first, first_client = _pair()
-    seal_store(first_client, secret, "weights").set(ADDRESS_KEY, b"10.0.0.7:41000")
+    _set_seen(seal_store(first_client, secret, "weights"), ADDRESS_KEY, b"10.0.0.7:41000")
     recorded = first.get(_raw_key(first, ADDRESS_KEY))  # what anyone who reaches the port can read
     assert seal_store(first, secret, "weights").get(ADDRESS_KEY) == b"10.0.0.7:41000"  # same attempt: opens
 
@@ -92,7 +99,7 @@ def test_a_value_of_one_rendezvous_does_not_open_in_the_next_of_the_same_attempt
         again[0].get(ADDRESS_KEY)
     # What the agreed epoch adds: a value sealed in the attempt's epoch alone would open here.
     plain = seal_store(first_client, secret, "weights")
-    plain.set("plain", b"10.0.0.7:41000")
+    _set_seen(plain, "plain", b"10.0.0.7:41000")
     second.set(_raw_key(first, "/plain"), first.get(_raw_key(first, "/plain")))
     assert base.get("plain") == b"10.0.0.7:41000"
 
