@@ -245,6 +245,10 @@ def ensure_model(spec: JobSpec) -> None:
         from relax_hpc.models.tiny import write_tiny_model
 
         write_tiny_model(path, seed=spec.job.seed)
+    elif spec.model.tiny_arch == "qwen3_tools":
+        from relax_hpc.models.tiny_tools import write_tool_model
+
+        write_tool_model(path, seed=spec.job.seed)
     else:
         from relax_hpc.models.tiny_mm import shape_for_engine, write_tiny_multimodal
 
