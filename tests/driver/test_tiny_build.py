@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from relax_hpc.cli.main import main
 from relax_hpc.driver.run import ensure_model
 from relax_hpc.models.tiny_tools import TOOL_CALL
 from relax_hpc.spec import JobSpec, load_spec
@@ -47,11 +46,3 @@ def test_a_model_that_is_there_is_left_alone(tmp_path: Path) -> None:
     written = {p.name: p.stat().st_mtime_ns for p in model_dir.iterdir()}
     ensure_model(_shipped("agent_tools_sdk", model_dir))  # write_tool_model would refuse an existing dir
     assert {p.name: p.stat().st_mtime_ns for p in model_dir.iterdir()} == written
-
-
-def test_validate_passes_the_tool_specs_before_their_model_exists(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                                 capsys: pytest.CaptureFixture[str]) -> None:
-    monkeypatch.chdir(tmp_path)  # runs/models/tiny-qwen3-tools is not here
-    for name in ("agent_tools_sdk", "agent_tools_langchain"):
-        assert main(["validate", name]) == 0, capsys.readouterr()
-    assert not (tmp_path / "runs").exists()  # validate writes nothing
