@@ -18,7 +18,7 @@ template writes one placeholder per part, and `MediaProcessor.expand` fills each
 placeholders with that kind's items in order.
 
 At most MAX_CONCURRENT_DECODES request media decode at once, whatever the number of requests
-(`load_part` takes one of `DECODE_SLOTS`): each may take up to `MediaLimits.max_decoded_bytes`
+(`load_part` takes one of `DECODE_SLOTS`): each may take up to `load_media`'s `max_decoded_bytes`
 while it decodes, so the proxy's peak is bounded by that product, not by how many agents send
 media at the same moment. The others wait for a slot in their worker thread.
 """

@@ -68,7 +68,7 @@ from relax_hpc.engines.http.body import JsonBodyError, RequestRefused, load_json
 from relax_hpc.engines.http.serving import ServingLimits, uvicorn_config
 from relax_hpc.media.families import supported_model_types
 from relax_hpc.media.items import MediaError, PromptMedia
-from relax_hpc.media.load import MediaLimits
+from relax_hpc.media.load import DEFAULT_MEDIA_LIMITS, MediaLimits
 
 # A chat request's body: 8 MiB is about 2M tokens of text, far beyond any model's context, or a
 # few images inline (a multi-turn request re-sends every image of the conversation so far).
@@ -233,7 +233,7 @@ class AgentProxy:
                  max_json_depth: int = MAX_JSON_DEPTH, media_processor: Any = None,
                  media_limits: MediaLimits | None = None, limits: ServingLimits | None = None) -> None:
         self.batcher, self.tokenizer, self.sampling = batcher, tokenizer, sampling
-        self.media_processor, self.media_limits = media_processor, media_limits or MediaLimits()
+        self.media_processor, self.media_limits = media_processor, media_limits or DEFAULT_MEDIA_LIMITS
         self.model_name, self.host = model_name, host
         self.max_context_tokens = max_context_tokens
         self.max_body_bytes, self.max_json_depth = max_body_bytes, max_json_depth

@@ -25,6 +25,7 @@ aggregated like the policy loss (``loss_agg``). Everything here is a pure functi
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -100,6 +101,61 @@ def gae_step(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: f
     ``[B]`` and the value pass ``[B, T]``: what the critic role writes onto the queued rows."""
     adv, returns = gae_advantages_returns(terminal_rewards(rewards, mask), values, mask, gamma, lam)
     return masked_whiten(adv, mask), returns
+
+
+def token_moments(values: Tensor, mask: Tensor) -> Tensor:
+    """``[count, sum, sum of squares]`` (float64) of `values` over the tokens where `mask` is 1.
+
+    They add up over shards of a step's rows: critic ranks all-reduce them, and
+    `whiten_by_moments` with the sums whitens each shard as `masked_whiten` whitens the whole."""
+    _check_token_shapes(values=values, mask=mask)
+    keep = mask.to(torch.bool)
+    wide = values.detach().double()[keep]
+    return torch.stack([torch.tensor(float(wide.numel()), dtype=torch.float64), wide.sum(), (wide ** 2).sum()])
+
+
+def whiten_by_moments(values: Tensor, mask: Tensor, moments: Tensor, eps: float = WHITEN_EPS) -> Tensor:
+    """`masked_whiten` with the mean and variance of `moments` (`token_moments`, possibly summed
+    over every shard of the step): ``mean = s / n``, ``var = (q - s * mean) / (n - 1)``; all 0 when
+    fewer than two tokens are trained in all."""
+    _check_token_shapes(values=values, mask=mask)
+    count, total, squares = (float(v) for v in moments.double())
+    if count < 2:
+        return torch.zeros_like(values)
+    mean = total / count
+    var = max((squares - total * mean) / (count - 1), 0.0)
+    keep = mask.to(torch.bool)
+    wide = values.detach().double()
+    out = torch.where(keep, (wide - mean) / math.sqrt(var + eps), torch.zeros_like(wide))
+    return out.to(values.dtype)
+
+
+def value_moments(values: Tensor, returns: Tensor, mask: Tensor) -> Tensor:
+    """Sums over the trained tokens (float64) that the critic's metrics need, additive over shards:
+    ``[count, sum V, sum R, sum R^2, sum (R - V), sum (R - V)^2]``."""
+    _check_token_shapes(values=values, returns=returns, mask=mask)
+    keep = mask.to(torch.bool)
+    v, r = values.detach().double()[keep], returns.detach().double()[keep]
+    e = r - v
+    return torch.stack([torch.tensor(float(v.numel()), dtype=torch.float64), v.sum(), r.sum(), (r ** 2).sum(),
+                        e.sum(), (e ** 2).sum()])
+
+
+def value_metrics(moments: Tensor) -> dict[str, float]:
+    """`explained_variance`, the mean value and the mean return from `value_moments` (summed over
+    every shard of the step): the same numbers as from the whole step at once."""
+    count, v_sum, r_sum, r_sq, e_sum, e_sq = (float(x) for x in moments.double())
+    if count == 0:
+        return {"explained_variance": float("nan"), "values_mean": 0.0, "returns_mean": 0.0}
+    means = {"values_mean": v_sum / count, "returns_mean": r_sum / count}
+    if count < 2:
+        return {"explained_variance": float("nan"), **means}
+    var_r = (r_sq - r_sum * r_sum / count) / (count - 1)
+    var_e = (e_sq - e_sum * e_sum / count) / (count - 1)
+    # Returns that do not vary (all 0 before any reward): NaN, as `explained_variance` says; the
+    # one-pass variance of equal values may round to a few ulps of their square instead of 0.
+    constant = var_r <= 1e-12 * (r_sq / count)
+    return {"explained_variance": float("nan") if constant else 1.0 - var_e / var_r, **means}
 
 
 @dataclass

@@ -71,13 +71,18 @@ def model_facts(spec: JobSpec, config: Mapping[str, Any] | None) -> ModelFacts |
 
 
 def backend_support_problems(spec: JobSpec, config: Mapping[str, Any] | None,
-                             teacher_config: Mapping[str, Any] | None = None) -> list[SpecProblem]:
-    """The spec's combinations with this model (and OPD teacher) that the trainer would refuse at start."""
+                             teacher_config: Mapping[str, Any] | None = None,
+                             critic_config: Mapping[str, Any] | None = None) -> list[SpecProblem]:
+    """The spec's combinations with this model (and OPD teacher, and critic: `critic_config`,
+    None for the policy's own) that the trainer or the critic would refuse at start."""
     facts = model_facts(spec, config)
     problems: list[SpecProblem] = []
     if facts is not None:
         problems += _strategy_problems(spec, facts)
         problems += _megatron_problems(spec, facts)
+    critic_facts = model_facts(spec, critic_config) if critic_config is not None else facts
+    if critic_facts is not None:
+        problems += _critic_strategy_problems(spec, critic_facts)
     if teacher_config is not None and spec.algorithm.name == "opd" and _multimodal(teacher_config):
         message = (f"is a multimodal model (model_type {teacher_config.get('model_type')}): on-policy distillation "
                    "takes a text-only teacher in this version (the trainer refuses it at start); use a text model "
@@ -95,6 +100,24 @@ def _strategy_problems(spec: JobSpec, facts: ModelFacts) -> list[SpecProblem]:
         return []
     message = f"{reason.removeprefix(_STRATEGY_PREFIX)} (from {facts.source})"
     return [SpecProblem("train.strategy", show_value(spec.train.strategy), message)]
+
+
+def _critic_strategy_problems(spec: JobSpec, facts: ModelFacts) -> list[SpecProblem]:
+    """The critic's value model (roles/critic.py) under FSDP2: its backbone's decoder layers as units."""
+    critic = spec.critic
+    if critic is None or (critic.strategy or spec.train.strategy) != "fsdp2":
+        return []
+    inherited = "" if critic.strategy else ' (unset: it follows train.strategy = "fsdp2")'
+    if facts.multimodal:
+        message = (f"is fsdp2{inherited}, and {facts.model_type} (from {facts.source}) is multimodal: the critic "
+                   "reads no media and shards the value model of text models only; set critic.strategy = \"ddp\"")
+    else:
+        reason = fsdp2_refusal(facts.config)
+        if reason is None:
+            return []
+        message = (f"is fsdp2{inherited}: {reason.removeprefix(_STRATEGY_PREFIX)} (from {facts.source}); "
+                   'set critic.strategy = "ddp"')
+    return [SpecProblem("critic.strategy", show_value(critic.strategy or spec.train.strategy), message)]
 
 
 def _megatron_problems(spec: JobSpec, facts: ModelFacts) -> list[SpecProblem]:
@@ -127,6 +150,8 @@ def check_backend_support(spec: JobSpec, source: str) -> None:
     config = _read(spec.model.path, "model.path", source)
     teacher_path = spec.algorithm.opd_teacher_path if spec.algorithm.name == "opd" else None
     teacher = _read(teacher_path, "algorithm.opd_teacher_path", source) if teacher_path else None
-    problems = backend_support_problems(spec, config, teacher)
+    critic_path = spec.critic.model_path if spec.critic is not None else None
+    critic = _read(critic_path, "critic.model_path", source) if critic_path else None
+    problems = backend_support_problems(spec, config, teacher, critic)
     if problems:
         raise SpecError(problems, source)

@@ -8,30 +8,50 @@ model_path` (or the policy's `[model] path`). `ValueTrainer` holds it with its o
 on the clipped value loss (relax_hpc/algos/gae.py) with the whole step's token count as
 denominator, so micro-batching does not change the gradient.
 
-Checkpoints are the trainer's own, next to the actor's: ``<root>/step_N/critic.pt`` (model and
-optimizer state), written as ``tmp_step_N`` and renamed, so a crash never leaves a half-written
-step that looks complete; the newest `keep_last` are kept.
+Several critic ranks (a default process group of their own: roles/critic.py) hold the model as
+the trainer's ranks hold the policy (`strategy`, backends/parallel.py): `ddp` a whole copy each,
+the gradients summed with all-reduce; `fsdp2` sharded by `parallel.shard_model` (each decoder
+layer of the backbone, then the root with the head), the gradients summed by FSDP2's
+reduce-scatter. The loss is divided by the token count over every rank's rows, so the summed
+gradient is the whole step's, as in one process. Sharded, every forward is a collective: ranks
+with fewer micro-batches run empty passes until all are done. Every rank loads the whole model on
+its device before `fsdp2` shards it (the policy's meta-device loading is not used here).
+
+Checkpoints are the trainer's own, next to the actor's: ``<root>/step_N/critic/`` a torch DCP
+checkpoint of model and optimizer (sharded as trained; DCP reshards on load), written by every
+rank, and ``<root>/step_N/critic.json`` (the step, strategy and rank count) written by rank 0
+once the tensors are down. The step is written as ``tmp_step_N`` and renamed, so a crash never
+leaves a half-written step that looks complete; the newest `keep_last` are kept.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import torch
+import torch.distributed as dist
 
 from relax_hpc.algos.aggregation import loss_denominator
 from relax_hpc.algos.gae import value_loss
 from relax_hpc.backends.batch import TrainBatch
+from relax_hpc.backends.parallel import Strategy, shard_model
 from relax_hpc.models.hf import load_policy_model
+from relax_hpc.spec.schema import TrainSpec
 
-CHECKPOINT_FILE = "critic.pt"
+CHECKPOINT_DIR = "critic"  # the DCP checkpoint in step_N/
+CHECKPOINT_META = "critic.json"  # written last, by rank 0: the step is complete
+T = TypeVar("T")
 
 
 class ValueModel(torch.nn.Module):
     """A causal LM's backbone and a scalar head: ``values(input_ids, attention_mask) -> [B, L]``."""
+
+    base_model_prefix = "backbone"  # where `parallel.fsdp_units` finds the decoder layers
 
     def __init__(self, model_path: str) -> None:
         super().__init__()
@@ -54,90 +74,194 @@ class ValueOptimConfig:
     micro_batch_size: int
     clip_eps: float | None  # [algorithm] value_clip_eps
     loss_agg: str  # [algorithm] loss_agg
+    strategy: Strategy = TrainSpec.strategy  # [critic] strategy, resolved
 
 
 class ValueTrainer:
-    """The critic's model and optimizer on one device."""
+    """The critic's model and optimizer on one rank (of the default process group, if any)."""
 
-    def __init__(self, model_path: str, cfg: ValueOptimConfig, device: str = "cpu", seed: int = 0) -> None:
+    def __init__(self, model_path: str, cfg: ValueOptimConfig, device: str = "cpu", seed: int = 0,
+                 pad_id: int = 0) -> None:
         torch.manual_seed(seed)
         self.cfg = cfg
         self.device = torch.device(device)
-        self.model = ValueModel(model_path).to(self.device)
+        self.pad_id = pad_id
+        self.world_size = dist.get_world_size() if dist.is_initialized() else 1
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        # As the policy's: one CPU process has nothing to shard; one CUDA rank in a group still wraps.
+        self.sharded = cfg.strategy == "fsdp2" and (
+            self.world_size > 1 or (self.device.type == "cuda" and dist.is_initialized()))
+        model = ValueModel(model_path).to(self.device)
+        self.model = shard_model(model, self.device) if self.sharded else model
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=0.0)
 
-    def values(self, batch: TrainBatch) -> torch.Tensor:
+    def values(self, batch: TrainBatch | None) -> torch.Tensor | None:
         """``[B, L-1]`` float32, in the shifted columns of `batch` (column t: the state before
-        token t+1), so they line up with its `loss_mask`."""
+        token t+1), so they line up with its `loss_mask`; None for a rank without rows (which
+        still runs the empty passes a sharded model's collectives need)."""
         self.model.eval()
         out = []
         with torch.no_grad():
-            for start in range(0, len(batch), self.cfg.micro_batch_size):
+            for start in self._in_lockstep(range(0, 0 if batch is None else len(batch), self.cfg.micro_batch_size)):
+                if start is None or batch is None:
+                    self._empty_pass(backward=False)
+                    continue
                 micro = batch.slice(start, start + self.cfg.micro_batch_size).to(self.device)
                 out.append(self.model(micro.input_ids, micro.attention_mask)[:, :-1].float().cpu())
-        return torch.cat(out)
+        return torch.cat(out) if out else None
 
-    def train(self, batch: TrainBatch, old_values: torch.Tensor, returns: torch.Tensor) -> dict[str, float]:
-        """One optimizer step on the clipped value loss over the whole `batch`."""
+    def train(self, batch: TrainBatch | None, old_values: torch.Tensor | None,
+              returns: torch.Tensor | None) -> dict[str, float]:
+        """One optimizer step on the clipped value loss over every rank's `batch` (None: this rank
+        has no rows this step and still takes part); the statistics are the whole step's."""
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        denominator = max(loss_denominator(batch.loss_mask, self.cfg.loss_agg), 1.0)
+        local = 0.0 if batch is None else loss_denominator(batch.loss_mask, self.cfg.loss_agg)
+        (denominator,) = self._sum_over_ranks([local])
+        denominator = max(denominator, 1.0)  # no trained token at all: the loss is 0 whatever we divide by
         loss_sum, clipped, error_sum, tokens = 0.0, 0.0, 0.0, 0.0
-        for start in range(0, len(batch), self.cfg.micro_batch_size):
-            stop = start + self.cfg.micro_batch_size
-            micro = batch.slice(start, stop).to(self.device)
+        step = self.cfg.micro_batch_size
+        for start in self._in_lockstep(range(0, 0 if batch is None else len(batch), step)):
+            if start is None or batch is None or old_values is None or returns is None:
+                self._empty_pass(backward=True)
+                continue
+            micro = batch.slice(start, start + step).to(self.device)
             mask = micro.loss_mask
             pred = self.model(micro.input_ids, micro.attention_mask)[:, :-1]
-            terms = value_loss(pred, old_values[start:stop].to(self.device), returns[start:stop].to(self.device),
-                               mask, self.cfg.clip_eps, self.cfg.loss_agg, denominator)
+            terms = value_loss(pred, old_values[start:start + step].to(self.device),
+                               returns[start:start + step].to(self.device), mask, self.cfg.clip_eps,
+                               self.cfg.loss_agg, denominator)
             terms.loss.backward()
             count = float(mask.sum().item())
             loss_sum += float(terms.loss.item())
             clipped += terms.clip_frac * count
             error_sum += terms.value_error * count
             tokens += count
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        if self.cfg.grad_clip > 0:
-            norm = float(torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip).item())
-        else:
-            norm = float(torch.norm(torch.stack([p.grad.detach().norm() for p in params])).item())
-        self.optimizer.step()
+        self._all_reduce_grads()
+        norm = self._clip_and_step()
+        loss_sum, clipped, error_sum, tokens = self._sum_over_ranks([loss_sum, clipped, error_sum, tokens])
         tokens = max(tokens, 1.0)
         return {"loss": loss_sum, "clip_frac": clipped / tokens, "value_error": error_sum / tokens, "grad_norm": norm}
+
+    # -- ranks ---------------------------------------------------------------------------------
+
+    def sum_over_ranks(self, values: torch.Tensor) -> torch.Tensor:
+        """`values` (float64, on CPU) summed over the critic's ranks."""
+        if self.world_size == 1:
+            return values
+        wide = values.to(self.device, torch.float64)  # NCCL needs a GPU tensor
+        dist.all_reduce(wide, op=dist.ReduceOp.SUM)
+        return wide.cpu()
+
+    def _sum_over_ranks(self, values: list[float]) -> list[float]:
+        return self.sum_over_ranks(torch.tensor(values, dtype=torch.float64)).tolist()
+
+    def _in_lockstep(self, items: Iterable[T]) -> Iterator[T | None]:
+        """This rank's items, then None (an empty pass) until every rank is through its own:
+        sharded, every forward and backward is a collective. Without sharding, only the items."""
+        if not self.sharded:
+            yield from items
+            return
+        remaining = iter(items)
+        while True:
+            item = next(remaining, None)
+            (busy,) = self._sum_over_ranks([0.0 if item is None else 1.0])
+            if busy == 0:
+                return
+            yield item
+
+    def _empty_pass(self, backward: bool) -> None:
+        """A forward (and backward) of one pad token with a zero loss: a pass's collectives,
+        adding nothing to any gradient."""
+        ids = torch.full((1, 1), self.pad_id, dtype=torch.long, device=self.device)
+        with torch.set_grad_enabled(backward):
+            out = self.model(ids, torch.ones_like(ids))
+            if backward:
+                (out.sum() * 0.0).backward()
+
+    def _all_reduce_grads(self) -> None:
+        """`ddp`: sum the gradients over ranks (the loss was divided by the global count);
+        sharded, FSDP2 has summed them at each backward."""
+        if self.world_size == 1 or self.sharded:
+            return
+        for p in self.model.parameters():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
+
+    def _clip_and_step(self) -> float:
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        clip = self.cfg.grad_clip
+        norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
+        if hasattr(norm, "full_tensor"):  # over sharded (DTensor) gradients
+            norm = norm.full_tensor()
+        self.optimizer.step()
+        return float(norm)
+
+    def parameter_bytes(self) -> int:
+        """The bytes of parameters this rank holds (its shards, sharded)."""
+        local = [p.to_local() if hasattr(p, "to_local") else p for p in self.model.parameters()]
+        return sum(t.numel() * t.element_size() for t in local)
 
     # -- checkpoints ---------------------------------------------------------------------------
 
     def save(self, root: Path, step: int, keep_last: int) -> Path:
-        """``root/step_<step>/critic.pt`` via ``tmp_step_<step>``; the newest `keep_last` kept."""
-        root.mkdir(parents=True, exist_ok=True)
+        """``root/step_<step>/`` via ``tmp_step_<step>``; the newest `keep_last` kept. Collective:
+        every rank writes its part of the DCP checkpoint; rank 0 the metadata, the rename, the pruning."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        from relax_hpc.ckpt.manager import single_process_quiet
+
         final, tmp = root / f"step_{step}", root / f"tmp_step_{step}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        torch.save({"step": step, "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()},
-                   tmp / CHECKPOINT_FILE)
-        shutil.rmtree(final, ignore_errors=True)
-        tmp.rename(final)
-        for old in saved_steps(root)[:-keep_last]:
-            shutil.rmtree(root / f"step_{old}", ignore_errors=True)
+        if self.rank == 0:
+            root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+        self._barrier()
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        with single_process_quiet():  # its end is collective: every rank's files are written by then
+            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp / CHECKPOINT_DIR,
+                     no_dist=self.world_size == 1)
+        if self.rank == 0:
+            meta = {"step": step, "strategy": self.cfg.strategy, "num_processes": self.world_size}
+            (tmp / CHECKPOINT_META).write_text(json.dumps(meta))
+            shutil.rmtree(final, ignore_errors=True)
+            tmp.rename(final)
+            for old in saved_steps(root)[:-keep_last]:
+                shutil.rmtree(root / f"step_{old}", ignore_errors=True)
+        self._barrier()
         return final
 
     def load(self, root: Path, step: int) -> None:
-        """Restore the critic saved at `step`: the actor resumes from that step, so must the critic."""
-        path = root / f"step_{step}" / CHECKPOINT_FILE
-        if not path.is_file():
+        """Restore the critic saved at `step`: the actor resumes from that step, so must the critic.
+        Collective; DCP reshards, so any rank count and strategy loads it."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        from relax_hpc.ckpt.manager import single_process_quiet
+
+        path = root / f"step_{step}"
+        if not (path / CHECKPOINT_META).is_file():
             have = ", ".join(str(s) for s in saved_steps(root)) or "none"
             raise FileNotFoundError(
                 f"the run resumes from step {step} but the critic has no checkpoint of that step at {path} "
                 f"(critic steps saved: {have}); resume from a job directory whose checkpoints the critic "
                 "wrote too, or set [checkpoint] resume = false to start afresh")
-        state = torch.load(path, map_location=self.device, weights_only=True)
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        holder = {"model": model_sd, "optim": optim_sd}
+        with single_process_quiet():
+            dcp.load(holder, checkpoint_id=path / CHECKPOINT_DIR, no_dist=self.world_size == 1)
+        set_state_dict(self.model, self.optimizer, model_state_dict=holder["model"], optim_state_dict=holder["optim"])
+
+    def _barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier()
 
 
 def saved_steps(root: Path) -> Sequence[int]:
     """The steps with a complete critic checkpoint under `root`, oldest first."""
     if not root.is_dir():
         return []
-    found = [int(p.name[5:]) for p in root.glob("step_*") if p.name[5:].isdigit() and (p / CHECKPOINT_FILE).is_file()]
+    found = [int(p.name[5:]) for p in root.glob("step_*") if p.name[5:].isdigit() and (p / CHECKPOINT_META).is_file()]
     return sorted(found)

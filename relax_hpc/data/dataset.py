@@ -23,7 +23,6 @@ from typing import Any, Protocol, Sequence
 
 from relax_hpc.data.records import get_dotted, has_dotted, iter_records
 from relax_hpc.media.items import MEDIA_ORDER, MediaError, MediaItem, PromptMedia
-from relax_hpc.spec.schema import DataSpec
 
 MEDIA_KINDS = ("images", "audios", "videos")
 _KIND_OF = {"images": "image", "audios": "audio", "videos": "video"}
@@ -59,37 +58,13 @@ class LoadReport:
         return f"{self.kept} of {self.rows_read} rows kept (dropped: {drops})"
 
 
-@dataclass(frozen=True)
-class PromptFormat:
-    """How a row becomes prompt text and metadata (the [data] keys other than path and limits)."""
-
-    prompt_key: str = DataSpec.prompt_key
-    label_key: str = DataSpec.label_key
-    metadata_keys: Sequence[str] = ()  # empty: every other top-level field
-    prompt_template: str | None = DataSpec.prompt_template
-    apply_chat_template: bool = DataSpec.apply_chat_template
-    system_prompt: str | None = DataSpec.system_prompt
-    image_key: str | None = DataSpec.image_key
-    audio_key: str | None = DataSpec.audio_key
-    video_key: str | None = DataSpec.video_key
-    drop_media: bool = DataSpec.drop_media
-    max_media_bytes: int = DataSpec.max_media_bytes
-    video_fps: float = DataSpec.video_fps
-    max_frames: int = DataSpec.max_frames
-    max_media_seconds: float = DataSpec.max_media_seconds
-
-    def media_keys(self) -> dict[str, str]:
-        keys = {"images": self.image_key, "audios": self.audio_key, "videos": self.video_key}
-        return {kind: key for kind, key in keys.items() if key}
-
-
 class DataSettings(Protocol):
     """The fields of `[data]` the loader reads (relax_hpc.spec.DataSpec has them)."""
 
     path: str
     prompt_key: str
     label_key: str
-    metadata_keys: list[str]
+    metadata_keys: list[str]  # empty: every other top-level field
     prompt_template: str | None
     apply_chat_template: bool
     system_prompt: str | None
@@ -111,6 +86,12 @@ def _template_value(value: Any) -> str:
     return str(value)
 
 
+def media_keys(data: DataSettings) -> dict[str, str]:
+    """The media columns [data] names, by kind ("images", "audios", "videos")."""
+    keys = {"images": data.image_key, "audios": data.audio_key, "videos": data.video_key}
+    return {kind: key for kind, key in keys.items() if key}
+
+
 def _fill_template(template: str, record: dict[str, Any]) -> str:
     names = [name for _, name, _, _ in string.Formatter().parse(template) if name]
     missing = [n for n in names if not has_dotted(record, n)]
@@ -125,7 +106,7 @@ def _fill_template(template: str, record: dict[str, Any]) -> str:
     return out
 
 
-def _messages(prompt: Any, fmt: PromptFormat, media: PromptMedia | None = None) -> list[dict[str, Any]] | None:
+def _messages(prompt: Any, fmt: DataSettings, media: PromptMedia | None = None) -> list[dict[str, Any]] | None:
     """Chat messages for the prompt, or None when it is used as plain text. With `media`, a
     string prompt always becomes a user message whose content parts are the media, then the text
     (the chat template renders one placeholder per part)."""
@@ -145,16 +126,15 @@ def _messages(prompt: Any, fmt: PromptFormat, media: PromptMedia | None = None) 
     return messages
 
 
-def _prompt_text(prompt: Any, tokenizer: Any, fmt: PromptFormat = PromptFormat(),
-                 media: PromptMedia | None = None) -> str:
+def _prompt_text(prompt: Any, tokenizer: Any, fmt: DataSettings, media: PromptMedia | None = None) -> str:
     messages = _messages(prompt, fmt, media)
     if messages is None:
         return str(prompt)
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
 
-def _metadata(record: dict[str, Any], fmt: PromptFormat) -> dict[str, Any]:
-    media = fmt.media_keys()
+def _metadata(record: dict[str, Any], fmt: DataSettings) -> dict[str, Any]:
+    media = media_keys(fmt)
     if fmt.metadata_keys:
         meta = {k: get_dotted(record, k) for k in fmt.metadata_keys if has_dotted(record, k)}
     else:
@@ -184,21 +164,19 @@ class MediaReader(Protocol):
     def expand(self, prompt_ids: Sequence[int], media: PromptMedia) -> list[int]: ...
 
 
-def _load_row_media(record: dict[str, Any], fmt: PromptFormat, base_dir: Path,
+def _load_row_media(record: dict[str, Any], fmt: DataSettings, base_dir: Path,
                     reader: MediaReader) -> PromptMedia:
     """The row's media, decoded and fitted (blanked with drop_media); MediaError names the column."""
-    from relax_hpc.media.load import MediaLimits, load_media
+    from relax_hpc.media.load import load_media
 
-    limits = MediaLimits(max_bytes=fmt.max_media_bytes, video_fps=fmt.video_fps, max_frames=fmt.max_frames,
-                         max_seconds=fmt.max_media_seconds)
     geometry = reader.geometry()
     items: list[MediaItem] = []
-    for plural, key in sorted(fmt.media_keys().items(), key=lambda kv: MEDIA_ORDER.index(_KIND_OF[kv[0]])):
+    for plural, key in sorted(media_keys(fmt).items(), key=lambda kv: MEDIA_ORDER.index(_KIND_OF[kv[0]])):
         cell = get_dotted(record, key, None)
         if cell is None:
             continue
         try:
-            loaded = load_media(cell, _KIND_OF[plural], base_dir=base_dir, geometry=geometry, limits=limits)
+            loaded = load_media(cell, _KIND_OF[plural], base_dir=base_dir, geometry=geometry, limits=fmt)
         except MediaError as e:
             raise MediaError(f"{e.reason} in '{key}'", e.detail) from e
         items.extend([_blank(i) for i in loaded] if fmt.drop_media else loaded)
@@ -220,28 +198,19 @@ def _missing_key_error(location: str, record: Any, key: str) -> ValueError:
     )
 
 
-def load_prompt_rows(
-    path: str | Path,
-    tokenizer: Any,
-    prompt_key: str,
-    label_key: str,
-    max_prompt_tokens: int,
-    fmt: PromptFormat | None = None,
-    media_reader: MediaReader | None = None,
-) -> tuple[list[PromptRow], LoadReport]:
-    """Read, tokenize and filter a jsonl / Parquet dataset. Raises ValueError naming the row of a bad row.
-
-    `fmt` carries the optional [data] keys; its prompt_key / label_key are replaced by the
-    positional ones so the two never disagree. `media_reader`: the model's media processor,
-    needed when `fmt` names media keys.
+def load_dataset(data: DataSettings, tokenizer: Any,
+                 media_reader: MediaReader | None = None) -> tuple[list[PromptRow], LoadReport]:
+    """Read, tokenize and filter the jsonl / Parquet dataset of a `[data]` table. Raises ValueError
+    naming the row of a bad row. `media_reader`: the model's media processor, needed when [data]
+    names media keys.
     """
-    path = Path(path)
+    path = Path(data.path)
     if not path.is_file():
         raise FileNotFoundError(f"dataset {path} does not exist; check [data] path")
-    fmt = PromptFormat(**{**(fmt or PromptFormat()).__dict__, "prompt_key": prompt_key, "label_key": label_key})
-    media_keys = fmt.media_keys()
-    if media_keys and media_reader is None:
-        raise ValueError(f"[data] names media columns ({', '.join(media_keys.values())}) but the model reads "
+    prompt_key, label_key, max_prompt_tokens = data.prompt_key, data.label_key, data.max_prompt_tokens
+    kinds = media_keys(data)
+    if kinds and media_reader is None:
+        raise ValueError(f"[data] names media columns ({', '.join(kinds.values())}) but the model reads "
                          "text only; point [model] path at a multimodal model (docs/multimodal.md)")
     rows: list[PromptRow] = []
     report = LoadReport()
@@ -251,21 +220,21 @@ def load_prompt_rows(
             raise _missing_key_error(location, record, prompt_key)
         prompt = get_dotted(record, prompt_key)
         media: PromptMedia | None = None
-        if media_keys:
-            if all(get_dotted(record, key, None) is None for key in media_keys.values()):
-                report.drop("no " + " / ".join(f"'{k}'" for k in media_keys.values()) + " field", location)
+        if kinds:
+            if all(get_dotted(record, key, None) is None for key in kinds.values()):
+                report.drop("no " + " / ".join(f"'{k}'" for k in kinds.values()) + " field", location)
                 continue
             try:
-                media = _load_row_media(record, fmt, path.parent, media_reader)  # type: ignore[arg-type]
+                media = _load_row_media(record, data, path.parent, media_reader)  # type: ignore[arg-type]
             except MediaError as e:
                 report.drop(e.reason, f"{location}: {e.detail}" if e.detail else location)
                 continue
         try:
-            if fmt.prompt_template is not None:
-                prompt = _fill_template(fmt.prompt_template, record)
-            text = _prompt_text(prompt, tokenizer, fmt, media)
+            if data.prompt_template is not None:
+                prompt = _fill_template(data.prompt_template, record)
+            text = _prompt_text(prompt, tokenizer, data, media)
         except ValueError as e:
-            where = "" if fmt.prompt_template is not None and isinstance(prompt, str) else f"'{prompt_key}' "
+            where = "" if data.prompt_template is not None and isinstance(prompt, str) else f"'{prompt_key}' "
             raise ValueError(f"{location}: {where}{e}") from e
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         if media is not None:
@@ -281,29 +250,11 @@ def load_prompt_rows(
             report.drop(f"longer than max_prompt_tokens={max_prompt_tokens}")
             continue
         label = get_dotted(record, label_key, None)
-        rows.append(PromptRow(len(rows), list(ids), text, label, _metadata(record, fmt), media))
+        rows.append(PromptRow(len(rows), list(ids), text, label, _metadata(record, data), media))
     report.kept = len(rows)
     if not rows:
         raise ValueError(f"dataset {path} has no usable rows: {report.summary()}")
     return rows, report
-
-
-def load_dataset(settings: DataSettings, tokenizer: Any,
-                 media_reader: MediaReader | None = None) -> tuple[list[PromptRow], LoadReport]:
-    """`load_prompt_rows` with every option taken from a `[data]` table."""
-    fmt = PromptFormat(
-        prompt_key=settings.prompt_key, label_key=settings.label_key,
-        metadata_keys=tuple(settings.metadata_keys), prompt_template=settings.prompt_template,
-        apply_chat_template=settings.apply_chat_template, system_prompt=settings.system_prompt,
-        image_key=settings.image_key, audio_key=settings.audio_key, video_key=settings.video_key,
-        drop_media=settings.drop_media, max_media_bytes=settings.max_media_bytes,
-        video_fps=settings.video_fps, max_frames=settings.max_frames,
-        max_media_seconds=settings.max_media_seconds,
-    )
-    return load_prompt_rows(
-        settings.path, tokenizer, settings.prompt_key, settings.label_key, settings.max_prompt_tokens, fmt,
-        media_reader,
-    )
 
 
 class DataCursor:

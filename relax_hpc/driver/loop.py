@@ -32,22 +32,40 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Protocol
 
 from relax_hpc.ckpt import ResumeState
 from relax_hpc.driver.checkpointing import CheckpointSaver, SaveFailedHook
 from relax_hpc.ops.metrics import MetricsSink
 from relax_hpc.roles.handles import RoleDiedError, Roles, TrainTicket
+from relax_hpc.spec.schema import AlgorithmSpec, CheckpointSpec, TrainSpec
 from relax_hpc.weights.base import PendingWeights
+
+FINAL_SAVE_RETRY_S = 30.0  # the wait before the one retry of a run's last save
+
+
+class LoopSpec(Protocol):
+    """The spec tables the loop reads: [train] steps, [algorithm] max_staleness (0: strictly
+    on-policy; N: rollout may run N steps ahead), [checkpoint] save_interval and resume. A
+    JobSpec is one; LoopTables holds just these three."""
+
+    @property
+    def train(self) -> TrainSpec: ...
+
+    @property
+    def algorithm(self) -> AlgorithmSpec: ...
+
+    @property
+    def checkpoint(self) -> CheckpointSpec: ...
 
 
 @dataclass(frozen=True)
-class LoopConfig:
-    total_steps: int
-    max_staleness: int  # 0: strictly on-policy (colocate); N: rollout may run N steps ahead
-    save_interval: int
-    resume: bool
-    final_save_retry_s: float = 30.0  # the wait before the one retry of a run's last save
+class LoopTables:
+    """The three tables of LoopSpec without a whole JobSpec (a loop driven by a test)."""
+
+    train: TrainSpec
+    algorithm: AlgorithmSpec
+    checkpoint: CheckpointSpec
 
 
 @dataclass
@@ -100,10 +118,10 @@ def raise_broadcast_error_first(pending: PendingWeights | None, error: Exception
         raise broadcast_error from error
 
 
-def _resume_point(cfg: LoopConfig, roles: Roles) -> tuple[ResumeState | None, int, int, int]:
+def _resume_point(resume: bool, roles: Roles) -> tuple[ResumeState | None, int, int, int]:
     """Where the loop starts: the newest checkpoint's state, step, weight version and samples
     trained (its data cursor restored, its weights on the engines), or the beginning."""
-    state = roles.load_checkpoint() if cfg.resume else None
+    state = roles.load_checkpoint() if resume else None
     if state is None:
         return None, 0, 0, 0
     roles.restore_cursor(state.data_cursor)
@@ -112,34 +130,37 @@ def _resume_point(cfg: LoopConfig, roles: Roles) -> tuple[ResumeState | None, in
 
 
 def run_loop(
-    cfg: LoopConfig,
+    spec: LoopSpec,
     roles: Roles,
     metrics: MetricsSink,
     stop: StopFlag,
     on_step: Callable[[int, dict[str, float]], None] = lambda step, m: None,
     *,
     on_save_failed: SaveFailedHook = lambda step, error: None,
+    restarted: bool = False,  # after a global restart: resume whatever [checkpoint] resume says
+    final_save_retry_s: float = FINAL_SAVE_RETRY_S,
 ) -> LoopResult:
-    """Train from the newest checkpoint (when `cfg.resume`) to `cfg.total_steps` or a stop.
+    """Train from the newest checkpoint (when `[checkpoint] resume` or `restarted`) to `[train] steps` or a stop.
 
     `on_step(step, metrics)` follows each step's metrics; `on_save_failed(step, error)` each
     save that failed on its storage (the run goes on, or fails when it was its last save).
     """
-    state, step, version, samples_trained = _resume_point(cfg, roles)
+    total_steps, save_interval = spec.train.steps, spec.checkpoint.save_interval
+    state, step, version, samples_trained = _resume_point(spec.checkpoint.resume or restarted, roles)
     result = LoopResult(step, step, samples_trained, False, None)
-    saver = CheckpointSaver(roles, cfg.final_save_retry_s, on_save_failed,
+    saver = CheckpointSaver(roles, final_save_retry_s, on_save_failed,
                             last_saved=None if state is None else state.step)
-    roles.start_rollout(step, cfg.total_steps, cfg.max_staleness, version)
+    roles.start_rollout(step, total_steps, spec.algorithm.max_staleness, version)
     first_step, first_version = step, version
 
     def checkpoint_due(trained: int) -> bool:   # after `trained` steps in all
-        return trained % cfg.save_interval == 0 or trained == cfg.total_steps
+        return trained % save_interval == 0 or trained == total_steps
 
     def last_save(trained: int) -> bool:        # nothing follows it: it must succeed
-        return trained == cfg.total_steps or stop.requested
+        return trained == total_steps or stop.requested
 
     def submit(at: int) -> TrainTicket | None:  # step `at` trains into the next version
-        if at >= cfg.total_steps or stop.requested:
+        if at >= total_steps or stop.requested:
             return None
         return roles.start_train(at, publish_version=first_version + (at - first_step) + 1)
 
@@ -186,5 +207,5 @@ def run_loop(
 
     result.end_step, result.samples_trained = step, samples_trained
     result.save_failures = saver.failures
-    result.stopped_early = step < cfg.total_steps
+    result.stopped_early = step < total_steps
     return result

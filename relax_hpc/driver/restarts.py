@@ -17,14 +17,13 @@ is itself killed is restarted from outside: on Slurm the batch script requeues t
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import sys
 from collections.abc import Callable
 from typing import Any
 
 from relax_hpc.driver.checkpointing import SaveFailedHook
-from relax_hpc.driver.loop import LoopConfig, LoopResult, StopFlag, run_loop
+from relax_hpc.driver.loop import LoopResult, LoopSpec, StopFlag, run_loop
 from relax_hpc.ops.metrics import MetricsSink
 from relax_hpc.roles.errors import GlobalRestartNeeded, RestartsExhausted
 from relax_hpc.roles.handles import RoleDiedError, Roles, RoleTimeoutError
@@ -66,7 +65,7 @@ def failure_of(error: BaseException) -> tuple[str, str]:
     return "the weight channel", "failed"
 
 
-def run_with_restarts(cfg: LoopConfig, roles: RebuildableRoles, metrics: MetricsSink, stop: StopFlag,
+def run_with_restarts(spec: LoopSpec, roles: RebuildableRoles, metrics: MetricsSink, stop: StopFlag,
                       on_step: Callable[[int, dict[str, float]], None], healer: RoleHealer | None,
                       on_restart: Callable[[], None] = lambda: None,
                       on_save_failed: SaveFailedHook = lambda step, error: None) -> LoopResult:
@@ -78,10 +77,11 @@ def run_with_restarts(cfg: LoopConfig, roles: RebuildableRoles, metrics: Metrics
         rewards[step] = m["reward/mean"]  # a step trained again replaces its first reward
         on_step(step, m)
 
+    restarted = False
     while True:
         try:
-            result = run_loop(cfg, roles, metrics, stop, record,  # type: ignore[arg-type]
-                              on_save_failed=on_save_failed)
+            result = run_loop(spec, roles, metrics, stop, record,  # type: ignore[arg-type]
+                              on_save_failed=on_save_failed, restarted=restarted)
             break
         except RestartsExhausted:
             raise
@@ -101,7 +101,7 @@ def run_with_restarts(cfg: LoopConfig, roles: RebuildableRoles, metrics: Metrics
             roles.rebuild()
             healer.reset_after_global_restart()
             on_restart()
-            cfg = dataclasses.replace(cfg, resume=True)
+            restarted = True  # resume from the newest checkpoint, whatever [checkpoint] resume says
     if rewards:  # an earlier attempt may have started before the checkpoint the last one resumed
         result.start_step = min(result.start_step, min(rewards) - 1)
     result.rewards = [rewards[s] for s in sorted(rewards)]

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from relax_hpc.agents.config import agentic_from_spec, samples_per_session
-from relax_hpc.algos import LossConfig, normalizes_std
+from relax_hpc.algos import LossConfig
 from relax_hpc.auth import SECRET_ENV
 from relax_hpc.backends.base import OptimConfig, require_backend
 from relax_hpc.ckpt.fs import atomic_write_text
@@ -51,7 +51,7 @@ from relax_hpc.driver.alerts import (
 from relax_hpc.driver.credentials import job_secret_env
 from relax_hpc.driver.grow_policy import GrowDriver, GrowSubmitter
 from relax_hpc.driver.jobdir import JobDirLock, create_private_file, make_private_dir
-from relax_hpc.driver.loop import LoopConfig, LoopResult, StopFlag
+from relax_hpc.driver.loop import LoopResult, StopFlag
 from relax_hpc.driver.rest import publish_rest_url, serve_rest_api
 from relax_hpc.driver.restarts import RebuildableRoles, run_with_restarts
 from relax_hpc.driver.spec_checks import check_spec_runs
@@ -60,7 +60,6 @@ from relax_hpc.engines.disk_weights import FEDERATION_WEIGHTS
 from relax_hpc.engines.factory import check_engine_available
 from relax_hpc.ops.archive import archive_dir
 from relax_hpc.ops.health import (
-    HealthConfig,
     HealthEvent,
     HeartbeatWriter,
     heartbeat_path,
@@ -73,7 +72,7 @@ from relax_hpc.ops.ray_node_env import apply_ray_node_env
 from relax_hpc.ops.run_status import RunStatus
 from relax_hpc.ops.trackers import ClearMLSink, MlflowSink, WandbSink, require_trackers
 from relax_hpc.roles.actor import ActorConfig
-from relax_hpc.roles.advantages import AdvantagesConfig
+from relax_hpc.roles.advantages import AdvantagesConfig, divides_by_std
 from relax_hpc.roles.critic import CRITIC_CHECKPOINTS, critic_config
 from relax_hpc.roles.critic_roles import with_critic
 from relax_hpc.roles.forward import OUTPUT_FIELD, ForwardConfig
@@ -158,7 +157,7 @@ def role_configs(spec: JobSpec, job_dir: Path, device: str) -> tuple[RolloutConf
         sampling=sampling, engine=r.engine, num_engines=r.num_engines, chunks_per_engine=r.chunks_per_engine,
         dtype=spec.model.dtype,
         device=device, num_threads=threads,
-        normalize_std=a.normalize_std and normalizes_std(a.name),
+        normalize_std=divides_by_std(a),
         dynamic_sampling=r.dynamic_sampling, max_sampling_rounds=r.max_sampling_rounds,
         # With GAE the critic writes the advantages onto the queue, as the Advantages role would.
         agentic=agentic_from_spec(r), advantages_role=spec.train.advantages_role or a.advantage == "gae",
@@ -197,13 +196,10 @@ def queue_role_configs(spec: JobSpec, device: str) -> list[ForwardConfig | Advan
     kinds = [k for k, on in (("actor_fwd", spec.train.actor_fwd_role),
                              ("reference", spec.train.reference_role)) if on]
     roles: list[ForwardConfig | AdvantagesConfig] = [
-        ForwardConfig(kind=k, model_path=spec.model.path, micro_batch_size=spec.train.micro_batch_size,
-                      temperature=spec.rollout.temperature, dtype=spec.model.dtype, device=device,
+        ForwardConfig(kind=k, model=spec.model, train=spec.train, rollout=spec.rollout, device=device,
                       num_threads=1) for k in kinds]
     if spec.train.advantages_role:
-        a = spec.algorithm
-        roles.append(AdvantagesConfig(normalize_std=a.normalize_std and normalizes_std(a.name),
-                                      estimator=a.advantage))
+        roles.append(AdvantagesConfig(spec.algorithm))
     return roles
 
 
@@ -332,11 +328,6 @@ def memory_report(roles: Roles) -> list[dict[str, Any]]:
 
 def log_status_problem(error: Exception) -> None:
     print(f"status: could not read the engines ({type(error).__name__}: {error})", file=sys.stderr)
-
-
-def health_config(spec: JobSpec) -> HealthConfig:
-    h = spec.health
-    return HealthConfig(h.heartbeat_s, h.stale_s, h.max_in_place_restarts, h.max_global_restarts)
 
 
 def make_grow_driver(spec: JobSpec, submitter: GrowSubmitter | None, roles: Roles) -> GrowDriver | None:
@@ -499,7 +490,7 @@ def _start(stack: ExitStack, spec: JobSpec, job_dir: Path, in_process: bool, ray
     # Roles in Ray actors are watched and restarted (docs/operations.md, "Health"); in one
     # process there is nothing to restart.
     health = _HealthReporter(status, alerts)
-    healer = health.healer = None if in_process else RoleHealer(health_config(spec), job_dir, on_event=health)
+    healer = health.healer = None if in_process else RoleHealer(spec.health, job_dir, on_event=health)
     r = spec.rollout
     # An agent session may export several samples (agents/config.py: up to max_turns).
     capacity = queue_capacity(r.prompts_per_step, spec.algorithm.max_staleness,
@@ -539,13 +530,11 @@ def run_authenticated(spec: JobSpec, job_dir: Path, in_process: bool, ray_addres
     status.json once, before anything is stopped."""
     role_cfgs = role_configs(spec, job_dir, resolve_device(spec.train.device))
     status = RunStatus(job_dir, spec.job.name, spec.train.steps)  # `relax-hpc status JOBDIR` reads it
-    loop_cfg = LoopConfig(total_steps=spec.train.steps, max_staleness=spec.algorithm.max_staleness,
-                          save_interval=spec.checkpoint.save_interval, resume=spec.checkpoint.resume)
     with ExitStack() as stack:
         try:
             attempt = _start(stack, spec, job_dir, in_process, ray_address, progress, alerts, grow_submitter,
                              status, role_cfgs)
-            result = run_with_restarts(loop_cfg, attempt.roles, attempt.metrics, attempt.stop,
+            result = run_with_restarts(spec, attempt.roles, attempt.metrics, attempt.stop,
                                        attempt.reporter.on_step, attempt.healer,
                                        on_restart=lambda: status.set_state("running", "after a global restart"),
                                        on_save_failed=attempt.reporter.on_save_failed)

@@ -94,12 +94,10 @@ def sglang_launch(settings: FleetSettings) -> SGLangLaunch:
     log_dir = Path(settings.job_dir) / "logs" if settings.job_dir else Path(tempfile.mkdtemp(prefix="relax-sglang-"))
     replay = settings.routing_replay
     return SGLangLaunch(
-        python=s.python or sys.executable, model_path=settings.model_path, device=settings.device,
-        log_dir=str(log_dir), api_key=engine_token(), tp_size=s.tp_size,
-        mem_fraction_static=s.mem_fraction_static, context_length=s.context_length,
-        extra_args=tuple(s.extra_args) + (("--enable-return-routed-experts",) if replay else ()),
-        update_mode=mode, request_fields={"return_routed_experts": True} if replay else {},
-        update_bucket_mb=s.update_bucket_mb, startup_timeout_s=s.startup_timeout_s, max_restarts=s.max_restarts)
+        interpreter=s.python or sys.executable, model_path=settings.model_path, device=settings.device,
+        log_dir=str(log_dir), api_key=engine_token(), sglang=s,
+        more_args=("--enable-return-routed-experts",) if replay else (),
+        update_mode=mode, request_fields={"return_routed_experts": True} if replay else {})
 
 
 def build_router(settings: FleetSettings, engines: list[RolloutEngine] | None = None,

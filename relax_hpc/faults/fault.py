@@ -65,8 +65,8 @@ FAULTS: tuple[Fault, ...] = (
     Fault("kill-reference-3x", "SIGKILL of the Reference role, then of its replacement, twice: the third "
                                "failure of one role restarts the whole run", "reference", "reference", times=3),
     Fault("kill-trainer-rank", "SIGKILL of trainer rank 1 (of 2)", "ranks", "trainer_rank_1"),
-    Fault("kill-critic", "SIGKILL of the critic role (PPO, advantage = \"gae\"): the run restarts from its "
-                         "newest checkpoint, the critic's included", "critic", "critic"),
+    Fault("kill-critic", "SIGKILL of critic rank 1 (of 2, fsdp2; PPO, advantage = \"gae\"): the run restarts "
+                         "from its newest checkpoint, the critic's included", "critic", "critic_rank_1"),
     Fault("kill-driver", "SIGKILL of the driver and every process it started; the run is started "
                          "again and resumes from its newest checkpoint (what a Slurm requeue does)"),
     Fault("hang-reference", "SIGSTOP of the Reference role: it stops beating, goes stale and must be "
@@ -108,7 +108,11 @@ def derive_spec(spec: JobSpec, faults: Fault | Sequence[Fault], job_dir: Path, s
     if "critic" in needs:  # PPO with a critic: the critic writes the advantages
         a = dataclasses.replace(a, advantage="gae", name="grpo" if a.name == "opd" else a.name)
         t = dataclasses.replace(t, advantages_role=False)
-        critic = critic or CriticSpec()
+        # A critic of its own warms up one step first, as PPO runs usually start: the run also
+        # crosses the hand-over from the warm-up step to the actor's first.
+        # Two ranks sharded (fsdp2), so the restart resumes a sharded critic from its DCP checkpoint.
+        critic = critic or CriticSpec(warmup_steps=1, strategy="fsdp2")
+        critic = dataclasses.replace(critic, num_processes=max(2, critic.num_processes))
     suffix = faults[0].name if len(faults) == 1 else ONE_RUN
     return dataclasses.replace(
         spec,

@@ -9,8 +9,8 @@ decoded and fitted to `geometry`. A bad value raises `MediaError`, whose detail 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
@@ -21,19 +21,32 @@ from relax_hpc.media.sources import read_source
 from relax_hpc.spec.schema import DataSpec
 
 
-@dataclass(frozen=True)
-class MediaLimits:
-    max_bytes: int = DataSpec.max_media_bytes  # per file, checked before reading it
-    video_fps: float = DataSpec.video_fps  # frames per second sampled from a video
-    max_frames: int = DataSpec.max_frames  # per video, by uniform subsampling of the whole clip
-    max_seconds: float = DataSpec.max_media_seconds  # per video or audio clip
-    # per medium, what decoding it makes, checked from its header before decoding it
-    max_decoded_bytes: int = MAX_DECODED_BYTES
+class MediaLimits(Protocol):
+    """The [data] keys that bound each medium (a DataSpec is one)."""
+
+    @property
+    def max_media_bytes(self) -> int: ...  # per file, checked before reading it
+
+    @property
+    def video_fps(self) -> float: ...  # frames per second sampled from a video
+
+    @property
+    def max_frames(self) -> int: ...  # per video, by uniform subsampling of the whole clip
+
+    @property
+    def max_media_seconds(self) -> float: ...  # per video or audio clip
+
+
+# [data] at its defaults, for media read outside a dataset (an agent's requests); the path the
+# spec requires of the table is never read through it.
+DEFAULT_MEDIA_LIMITS: MediaLimits = DataSpec(path="-")
 
 
 def load_media(
-    cell: object, kind: MediaKind, *, base_dir: Path, geometry: Geometry, limits: MediaLimits = MediaLimits()
+    cell: object, kind: MediaKind, *, base_dir: Path, geometry: Geometry,
+    limits: MediaLimits = DEFAULT_MEDIA_LIMITS, max_decoded_bytes: int = MAX_DECODED_BYTES,
 ) -> list[MediaItem]:
+    """`max_decoded_bytes`: per medium, what decoding it makes, checked from its header before decoding it."""
     if kind not in MEDIA_ORDER:
         raise ValueError(f"media kind {kind!r} is not one of {', '.join(MEDIA_ORDER)}")
     if cell is None:
@@ -41,13 +54,14 @@ def load_media(
     if isinstance(cell, np.ndarray) and cell.dtype == object:  # a list column read through pandas
         cell = cell.tolist()
     values = cell if isinstance(cell, (list, tuple)) else [cell]
-    return [_load_one(value, kind, base_dir=base_dir, geometry=geometry, limits=limits) for value in values]
+    return [_load_one(value, kind, base_dir, geometry, limits, max_decoded_bytes) for value in values]
 
 
-def _load_one(value: object, kind: MediaKind, *, base_dir: Path, geometry: Geometry, limits: MediaLimits) -> MediaItem:
-    data, name = read_source(value, base_dir=base_dir, max_bytes=limits.max_bytes)
+def _load_one(value: object, kind: MediaKind, base_dir: Path, geometry: Geometry, limits: MediaLimits,
+              max_decoded_bytes: int) -> MediaItem:
+    data, name = read_source(value, base_dir=base_dir, max_bytes=limits.max_media_bytes)
     try:
-        return _decode_and_fit(data, kind, geometry, limits)
+        return _decode_and_fit(data, kind, geometry, limits, max_decoded_bytes)
     except MediaError as e:
         raise MediaError(e.reason, f"{name}: {e.detail}" if e.detail else name) from e
     except MemoryError as e:  # fitting a large medium: the row is dropped, the run goes on
@@ -55,13 +69,14 @@ def _load_one(value: object, kind: MediaKind, *, base_dir: Path, geometry: Geome
                          f"{name}: lower [data] max_media_bytes or max_frames, or give the process more memory") from e
 
 
-def _decode_and_fit(data: bytes, kind: MediaKind, geometry: Geometry, limits: MediaLimits) -> MediaItem:
+def _decode_and_fit(data: bytes, kind: MediaKind, geometry: Geometry, limits: MediaLimits,
+                    max_decoded_bytes: int) -> MediaItem:
     if kind == "image":
-        return MediaItem("image", fit_image(decode_image(data, max_decoded_bytes=limits.max_decoded_bytes), geometry))
+        return MediaItem("image", fit_image(decode_image(data, max_decoded_bytes=max_decoded_bytes), geometry))
     if kind == "video":
         frames, fps = decode_video(data, fps=limits.video_fps, max_frames=limits.max_frames,
-                                   max_seconds=limits.max_seconds, max_decoded_bytes=limits.max_decoded_bytes)
+                                   max_seconds=limits.max_media_seconds, max_decoded_bytes=max_decoded_bytes)
         return MediaItem("video", fit_video(frames, geometry), rate=fps)
-    wave = decode_audio(data, sample_rate=geometry.audio_rate, max_seconds=limits.max_seconds,
-                        max_decoded_bytes=limits.max_decoded_bytes)
+    wave = decode_audio(data, sample_rate=geometry.audio_rate, max_seconds=limits.max_media_seconds,
+                        max_decoded_bytes=max_decoded_bytes)
     return MediaItem("audio", fit_audio(wave, geometry.audio_rate, geometry), rate=float(geometry.audio_rate))

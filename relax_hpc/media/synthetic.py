@@ -10,7 +10,7 @@ writes `train.jsonl` and, under `media/`, one file per row (kinds round-robin):
   amplitude 0.3..0.8. "tone? a:250 b:500 c:1000 d:2000"
 - video: 8 frames of 32x32 at 8 fps (lossless ffv1 in Matroska), grey (40) with 1..4 white
   frames at random distinct places. "flashes? a:1 b:2 c:3 d:4"
-  Load it with `MediaLimits(video_fps=OMNI_VIDEO_FPS)` or more: at the default 2 fps only two
+  Load it with `[data] video_fps = 8` (OMNI_VIDEO_FPS) or more: at the default 2 fps only two
   of its frames remain and the flashes can no longer be counted.
 
 A row is `{"prompt", "<kind>": "media/00012.png", "answer": "c", "kind"}`; the text is the same

@@ -32,20 +32,11 @@ from pathlib import Path
 from typing import Any, Literal
 
 from relax_hpc.ops.files import write_private_text
+from relax_hpc.spec.schema import HealthSpec
 
 HEALTH_DIR = "health"
 
 Action = Literal["in_place", "global", "give_up"]
-
-
-@dataclass(frozen=True)
-class HealthConfig:
-    """[health] of the spec (relax_hpc.spec.schema.HealthSpec)."""
-
-    heartbeat_s: float
-    stale_s: float
-    max_in_place_restarts: int
-    max_global_restarts: int
 
 
 def health_dir(job_dir: str | Path) -> Path:
@@ -172,10 +163,10 @@ class HealthEvent:
 
 @dataclass
 class RestartBook:
-    """Counts failures per role and decides each one's cost (module docstring)."""
+    """Counts failures per role and decides each one's cost (module docstring), under [health]'s
+    `max_in_place_restarts` and `max_global_restarts`."""
 
-    max_in_place_restarts: int
-    max_global_restarts: int
+    limits: HealthSpec
     clock: Callable[[], float] = time.time
     in_place: int = 0
     global_restarts: int = 0
@@ -190,13 +181,13 @@ class RestartBook:
         driver met outside the health checks); it still counts as a failure of the role."""
         count = self.failures.get(role, 0) + 1
         self.failures[role] = count
-        if not core and in_place_possible and count < self.max_in_place_restarts:
+        if not core and in_place_possible and count < self.limits.max_in_place_restarts:
             action: Action = "in_place"
             self.in_place += 1
-        elif self.global_restarts < self.max_global_restarts:
+        elif self.global_restarts < self.limits.max_global_restarts:
             action = "global"
             self.global_restarts += 1
-            if not core and count >= self.max_in_place_restarts:
+            if not core and count >= self.limits.max_in_place_restarts:
                 detail = (f"{detail}; " if detail else "") + f"failure {count} of this role in a row"
             self.failures.clear()  # every role starts afresh
         else:

@@ -102,10 +102,12 @@ def rendezvous_address() -> str:
     return f"{host}:{port}"
 
 
-def trainer_store(host: str, port: int, rank: int, world_size: int, secret: JobSecret) -> SealedStore:
-    """The trainer group's store: rank 0 hosts it listening on `host` only (the address the other
-    ranks are given). Every key, the process group's rendezvous included, lives under the job
-    secret's prefix and every value is sealed with it (docs/weights.md, "Who can reach the store").
+def trainer_store(host: str, port: int, rank: int, world_size: int, secret: JobSecret,
+                  group: str = "trainer") -> SealedStore:
+    """The trainer group's store (or another group of ranks': `group`, e.g. "critic"): rank 0
+    hosts it listening on `host` only (the address the other ranks are given). Every key, the
+    process group's rendezvous included, lives under the job secret's prefix and every value is
+    sealed with it (docs/weights.md, "Who can reach the store").
 
     Kept alive until the process exits: `init_process_group` holds only the C++ half of a store
     written in Python, and the default group lives that long (weights/sealed_store.py)."""
@@ -113,7 +115,33 @@ def trainer_store(host: str, port: int, rank: int, world_size: int, secret: JobS
         raw = host_store(host, port, world_size, RENDEZVOUS_TIMEOUT, wait_for_workers=True)
     else:
         raw = dist.TCPStore(host, port, world_size, is_master=False, timeout=RENDEZVOUS_TIMEOUT)
-    return keep_until_exit(seal_store(raw, secret, "trainer"))
+    return keep_until_exit(seal_store(raw, secret, group))
+
+
+def join_rank_group(group: str, requested_device: str, rank: int, world_size: int, master: str) -> str:
+    """This process as rank `rank` of `world_size` ranks of `group` ("trainer", "critic"): with
+    several, the rendezvous through rank 0's sealed store at `master` (a fresh epoch each time)
+    and the default process group (gloo on CPU, NCCL on GPU); returns the rank's device
+    (`rank_device`), made current on CUDA. The process group is the process's own: a group of
+    ranks never shares a process with another group's."""
+    store: dist.Store | None = None
+    local_rank = 0
+    if world_size > 1:
+        if not master:
+            raise ValueError(f"a {group} with several ranks needs the rendezvous address of rank 0")
+        host, port = master.rsplit(":", 1)
+        # A fresh epoch per rendezvous: a rank address recorded before a restart cannot be put back.
+        store = keep_until_exit(agree_epoch(trainer_store(host, int(port), rank, world_size, job_secret(), group),
+                                            rank, world_size, group))
+        local_rank = local_rank_on_node(store, rank)
+    device = rank_device(requested_device, local_rank, ray_gpu_ids=ray_gpu_ids())
+    if device.startswith("cuda"):
+        torch.cuda.set_device(device)  # NCCL and the weight channel use the current device
+    if store is not None:
+        group_backend = "nccl" if device.startswith("cuda") else "gloo"
+        dist.init_process_group(group_backend, store=store, rank=rank, world_size=world_size,
+                                timeout=COLLECTIVE_TIMEOUT)
+    return device
 
 
 def local_rank_on_node(store: dist.Store, rank: int) -> int:
@@ -137,23 +165,7 @@ class ActorWorker(WeightSenderEndpoint, Heartbeats):
         the one `[train] backend` names, here."""
         if cfg.num_threads > 0:
             torch.set_num_threads(cfg.num_threads)
-        store: dist.Store | None = None
-        local_rank = 0
-        if world_size > 1:
-            if not master:
-                raise ValueError("a trainer with several ranks needs the rendezvous address of rank 0")
-            host, port = master.rsplit(":", 1)
-            # A fresh epoch per rendezvous: a rank address recorded before a restart cannot be put back.
-            store = keep_until_exit(agree_epoch(trainer_store(host, int(port), rank, world_size, job_secret()),
-                                                rank, world_size, "trainer"))
-            local_rank = local_rank_on_node(store, rank)
-        self.device = rank_device(cfg.device, local_rank, ray_gpu_ids=ray_gpu_ids())
-        if self.device.startswith("cuda"):
-            torch.cuda.set_device(self.device)  # NCCL and the weight channel use the current device
-        if store is not None:
-            group_backend = "nccl" if self.device.startswith("cuda") else "gloo"
-            dist.init_process_group(group_backend, store=store, rank=rank, world_size=world_size,
-                                    timeout=COLLECTIVE_TIMEOUT)
+        self.device = join_rank_group("trainer", cfg.device, rank, world_size, master)
         torch.manual_seed(cfg.seed + rank)
         self.rank, self.world_size = rank, world_size
         self.cfg_micro_batch, self.mini_batches = cfg.optim.micro_batch_size, cfg.optim.mini_batches

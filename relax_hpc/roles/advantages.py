@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from relax_hpc.algos.advantages import normalizes_std
 from relax_hpc.algos.estimators import WHITENED_ESTIMATORS, outcome_advantages
 from relax_hpc.roles.heartbeat import Heartbeats
 from relax_hpc.roles.step_loop import StepLoopWorker
@@ -34,10 +35,17 @@ OUTPUT_FIELD = "advantages"
 WHOLE_STEP = 1 << 30
 
 
+def divides_by_std(algorithm: AlgorithmSpec) -> bool:
+    """Whether group advantages are divided by the group's std: `[algorithm] normalize_std`,
+    unless the algorithm never does (Dr.GRPO's)."""
+    return algorithm.normalize_std and normalizes_std(algorithm.name)
+
+
 @dataclass(frozen=True)
 class AdvantagesConfig:
-    normalize_std: bool = AlgorithmSpec.normalize_std  # False for Dr.GRPO
-    estimator: str = AlgorithmSpec.advantage  # [algorithm] advantage
+    """The Advantages role: the [algorithm] table it reads (`advantage`, `normalize_std`, `name`)."""
+
+    algorithm: AlgorithmSpec
     kind: str = "advantages"  # the queue task name, and how the role handles tell it apart
 
 
@@ -47,7 +55,7 @@ class AdvantagesWorker(StepLoopWorker, Heartbeats):
     def __init__(self, cfg: AdvantagesConfig) -> None:
         super().__init__(cfg.kind)
         self.cfg = cfg
-        self._fields = INPUT_FIELDS + (("loss_mask",) if cfg.estimator in WHITENED_ESTIMATORS else ())
+        self._fields = INPUT_FIELDS + (("loss_mask",) if cfg.algorithm.advantage in WHITENED_ESTIMATORS else ())
 
     def weight_version(self) -> int:
         """Advantages need no model: always 0 (the role handles ask every worker once it is up)."""
@@ -66,8 +74,8 @@ class AdvantagesWorker(StepLoopWorker, Heartbeats):
                 groups = [int(g) for g in batch.column("group_id")]  # type: ignore[arg-type]
                 trained = (torch.tensor([float(sum(m)) for m in batch.column("loss_mask")])  # type: ignore[arg-type]
                            if "loss_mask" in self._fields else torch.zeros(len(groups)))
-                values = outcome_advantages(self.cfg.estimator, rewards, groups, trained,
-                                            self.cfg.normalize_std).tolist()
+                values = outcome_advantages(self.cfg.algorithm.advantage, rewards, groups, trained,
+                                            divides_by_std(self.cfg.algorithm)).tolist()
                 queue.write(partition, batch.indices, [{OUTPUT_FIELD: v} for v in values])
                 queue.ack(partition, self.cfg.kind, batch.indices)
                 self.rows_done += len(batch.indices)

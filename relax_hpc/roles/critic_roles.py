@@ -9,28 +9,34 @@ step. A checkpoint saves the critic first, then the actor (`checkpoints_critic/s
 `checkpoints/`); a resume loads the critic at the step the actor resumes from. A critic that dies
 is a dead role like a trainer rank (`RoleDiedError`): the run restarts globally.
 
-On Ray the critic is one actor on the trainer's component (or the forward component's when the
-cluster has one), with one GPU when the trainer runs on CUDA.
+On Ray the critic's `[critic] num_processes` ranks are actors on the forward component when the
+cluster has one, else on the trainer's, each with one GPU when the trainer runs on CUDA, placed
+like the trainer's ranks (rank 0 pinned to the node that hosts their group's store). Every call
+goes to every rank (they are collective); rank 0 answers for them. In one process (`LocalRoles`)
+the critic is one rank, as the trainer is.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable
 
 from relax_hpc.ckpt import ResumeState
 from relax_hpc.roles.critic import CriticConfig, CriticWorker
 from relax_hpc.roles.handles import LocalRoles, RayRoles, Roles, TrainTicket
-from relax_hpc.roles.placement import component_placement, gpus
+from relax_hpc.roles.placement import gpus, place_ranks
 from relax_hpc.roles.supervision import (
     CHECKPOINT_TIMEOUT_S,
     ROLE_START_TIMEOUT_S,
     STATUS_TIMEOUT_S,
     get_from_roles,
     guarded_step,
+    result_of,
 )
 from relax_hpc.weights.base import PendingWeights
 
 CRITIC_ROLE = "critic"
+log = logging.getLogger(__name__)
 
 
 class _DeferredTrain:
@@ -90,35 +96,41 @@ class CriticRoles:
         self._local = isinstance(inner, LocalRoles)
         self._deferred: list[_DeferredTrain] = []
         if self._local:
+            if cfg.table.num_processes > 1:
+                log.warning("[critic] num_processes = %d: an in-process run holds one critic rank (and one "
+                            "trainer rank); run on Ray for several", cfg.table.num_processes)
             self._critic: Any = CriticWorker(cfg)
             self._target: Any = inner.queue
         else:
-            self._critic = _place_critic(cfg)
+            self._ranks = _place_critic(cfg)
+            self._critic = self._ranks[0]
             self._target = inner.queue_address
-            get_from_roles([(CRITIC_ROLE, self._critic.weight_version.remote())],
+            get_from_roles([(_rank_name(r, len(self._ranks)), a.weight_version.remote())
+                            for r, a in enumerate(self._ranks)],
                            "starting (placed by Ray, loading its model)", ROLE_START_TIMEOUT_S)
             healer = getattr(inner, "_healer", None)
             if healer is not None:
-                get_from_roles([(CRITIC_ROLE, self._critic.start_heartbeat.remote(
-                    str(healer.job_dir), CRITIC_ROLE, healer.cfg.heartbeat_s))], "starting its heartbeat",
-                    STATUS_TIMEOUT_S)
-                healer.watch(CRITIC_ROLE)
+                names = [_rank_name(r, len(self._ranks)).replace(" ", "_") for r in range(len(self._ranks))]
+                get_from_roles([(name, a.start_heartbeat.remote(str(healer.job_dir), name, healer.cfg.heartbeat_s))
+                                for name, a in zip(names, self._ranks)], "starting its heartbeat", STATUS_TIMEOUT_S)
+                for name in names:
+                    healer.watch(name)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
     def start_train(self, step: int, publish_version: int) -> TrainTicket:
-        warm = step < self.cfg.warmup_steps
+        warm = step < self.cfg.table.warmup_steps
         errors: Callable[[], str | None] = getattr(self.inner, "_errors")
         if self._local:
             critic = lambda: guarded_step(errors, lambda: self._critic.train_step(self._target, step))  # noqa: E731
         else:
-            ref = self._critic.train_step.remote(self._target, step)
-            critic = lambda: _wait_polling(ref, errors, f"critic step {step}")  # noqa: E731
+            refs = [a.train_step.remote(self._target, step) for a in self._ranks]
+            critic = lambda: _wait_polling(refs, errors, f"critic step {step}")  # noqa: E731
         actor = None
         if not warm:
             actor = _DeferredTrain(lambda: self.inner.start_train(step, publish_version))
-            if self._deferred or (0 < step == self.cfg.warmup_steps):
+            if self._deferred or (0 < step == self.cfg.table.warmup_steps):
                 self._deferred.append(actor)  # behind the warm-up's broadcast: submitted by `_flush`
             else:
                 actor.submit()
@@ -152,7 +164,9 @@ class CriticRoles:
         return state
 
     def memory_report(self) -> list[dict[str, Any]]:
-        return [*self.inner.memory_report(), self._call("memory_record", "reporting the bytes it holds",
+        if self._local:
+            return [*self.inner.memory_report(), self._critic.memory_record()]
+        return [*self.inner.memory_report(), *self._all("memory_record", "reporting the bytes it holds",
                                                         STATUS_TIMEOUT_S)]
 
     def critic_pid(self) -> int:
@@ -166,14 +180,20 @@ class CriticRoles:
             else:
                 import ray
 
-                ray.kill(self._critic)
+                for rank in self._ranks:
+                    ray.kill(rank)
         finally:
             self.inner.shutdown(abandon=abandon)
 
     def _call(self, method: str, doing: str, timeout_s: float, *args: Any) -> Any:
+        """`method` on every rank (saving and loading are collective); rank 0's answer."""
         if self._local:
             return getattr(self._critic, method)(*args)
-        return get_from_roles([(CRITIC_ROLE, getattr(self._critic, method).remote(*args))], doing, timeout_s)[0]
+        return self._all(method, doing, timeout_s, *args)[0]
+
+    def _all(self, method: str, doing: str, timeout_s: float, *args: Any) -> list[Any]:
+        calls = [(_rank_name(r, len(self._ranks)), getattr(a, method).remote(*args)) for r, a in enumerate(self._ranks)]
+        return get_from_roles(calls, doing, timeout_s)
 
 
 def with_critic(inner: Roles, cfg: CriticConfig | None) -> Roles:
@@ -184,24 +204,35 @@ def with_critic(inner: Roles, cfg: CriticConfig | None) -> Roles:
     return CriticRoles(inner, cfg)  # type: ignore[return-value]
 
 
-def _place_critic(cfg: CriticConfig) -> Any:
+def _rank_name(rank: int, ranks: int) -> str:
+    """How a critic rank is named in errors and health files: "critic" when it is the only one."""
+    return CRITIC_ROLE if ranks == 1 else f"{CRITIC_ROLE} rank {rank}"
+
+
+def _place_critic(cfg: CriticConfig) -> list[Any]:
+    """The critic's ranks, by rank: on the forward component when the cluster has one, else the trainer's.
+    One call at a time, in order (as the trainer's): step N+1's values need the critic trained on N."""
     import ray
 
-    placement = component_placement("forward")
-    if "resources" not in placement:
-        placement = component_placement("trainer")
-    # One call at a time, in order (as the trainer's): step N+1's values need the critic trained on N.
-    return ray.remote(CriticWorker).options(**placement, **gpus(cfg.device)).remote(cfg)
+    component = "forward" if ray.cluster_resources().get("forward", 0) > 0 else "trainer"
+    return place_ranks(CriticWorker, cfg, cfg.table.num_processes, component, gpus(cfg.device), CRITIC_ROLE)
 
 
-def _wait_polling(ref: Any, errors: Callable[[], str | None], doing: str, poll_s: float = 1.0) -> dict[str, float]:
-    """The critic's step result; a producing role's failure (polled while it waits) ends it at once."""
+def _wait_polling(refs: list[Any], errors: Callable[[], str | None], doing: str,
+                  poll_s: float = 1.0) -> dict[str, float]:
+    """The critic's step result (rank 0's: every rank returns the whole step's statistics); a rank
+    that dies or fails, or a producing role's failure (polled while it waits), ends it at once."""
     import ray
 
+    calls = [(_rank_name(rank, len(refs)), ref) for rank, ref in enumerate(refs)]
+    results: dict[Any, dict[str, float]] = {}
+    pending = list(refs)
     while True:
-        ready, _ = ray.wait([ref], timeout=poll_s)
-        if ready:
-            return get_from_roles([(CRITIC_ROLE, ref)], doing, 0.0)[0]
+        ready, pending = ray.wait(pending, num_returns=len(pending), timeout=poll_s)
+        for ref in ready:  # a rank that died or failed raises at once; a peer's death before its own failure
+            results[ref] = result_of(calls, ref, doing, results)
+        if not pending:
+            return results[refs[0]]
         error = errors()
         if error:
             raise RuntimeError(f"{error} (the critic was waiting for that step's rows)")

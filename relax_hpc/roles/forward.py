@@ -43,14 +43,16 @@ INPUT_FIELDS = ("tokens", "prompt_length")
 
 @dataclass(frozen=True)
 class ForwardConfig:
+    """An ActorFwd or Reference role: the spec tables it reads ([model] path and dtype, [train]
+    micro_batch_size, [rollout] temperature) and where it runs."""
+
     kind: ForwardKind
-    model_path: str
-    micro_batch_size: int = TrainSpec.micro_batch_size
-    temperature: float = RolloutSpec.temperature
-    dtype: str = ModelSpec.dtype
-    device: str = "cpu"
-    num_threads: int = 0
-    timeout_s: float = 3600.0
+    model: ModelSpec
+    train: TrainSpec
+    rollout: RolloutSpec
+    device: str = "cpu"  # resolved (cpu, cuda:N)
+    num_threads: int = 0  # torch's intra-op threads; 0: torch's own choice
+    timeout_s: float = 3600.0  # the longest wait for the weights of a step
 
 
 def response_log_probs(model: torch.nn.Module, samples: list[Sample], pad_id: int,
@@ -84,11 +86,11 @@ class ForwardWorker(StepLoopWorker, WeightReceiverEndpoint, Heartbeats):
         if cfg.num_threads > 0:
             torch.set_num_threads(cfg.num_threads)
         self.cfg = cfg
-        self.model = load_policy_model(cfg.model_path, dtype=cfg.dtype, device=cfg.device).eval()
-        self.media_processor = media_processor_for(cfg.model_path)
+        self.model = load_policy_model(cfg.model.path, dtype=cfg.model.dtype, device=cfg.device).eval()
+        self.media_processor = media_processor_for(cfg.model.path)
         # A multimodal model reads each row's media too.
         self.input_fields = INPUT_FIELDS if self.media_processor is None else (*INPUT_FIELDS, *MEDIA_FIELDS)
-        tok = load_tokenizer(cfg.model_path)
+        tok = load_tokenizer(cfg.model.path)
         self.pad_id = int(tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
         self._version = 0
         self._inbox = WeightInbox()
@@ -150,11 +152,11 @@ class ForwardWorker(StepLoopWorker, WeightReceiverEndpoint, Heartbeats):
             # The next micro-batch is fetched while this one runs; each is acked once written
             # (a worker killed before that has its unacked rows redone by its restart).
             try:
-                for batch in queue.stream(partition, self.cfg.kind, self.input_fields, self.cfg.micro_batch_size,
+                for batch in queue.stream(partition, self.cfg.kind, self.input_fields, self.cfg.train.micro_batch_size,
                                           timeout=1.0):
                     if batch.rows:
                         samples = [_sample_of(row) for row in batch.rows]
-                        values = response_log_probs(self.model, samples, self.pad_id, self.cfg.temperature,
+                        values = response_log_probs(self.model, samples, self.pad_id, self.cfg.rollout.temperature,
                                                     self.cfg.device, self.media_processor)
                         queue.write(partition, batch.indices, [{field: v} for v in values])
                         self.rows_done += len(batch.indices)

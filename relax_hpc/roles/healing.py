@@ -22,7 +22,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 from relax_hpc.ops.health import (
-    HealthConfig,
     HealthEvent,
     RestartBook,
     StaleWatch,
@@ -32,6 +31,7 @@ from relax_hpc.ops.health import (
 from relax_hpc.roles.errors import (
     GlobalRestartNeeded, RestartsExhausted, RoleDiedError, RoleFailure, RoleTimeoutError, short_cause,
 )
+from relax_hpc.spec.schema import HealthSpec
 
 log = logging.getLogger(__name__)
 
@@ -46,10 +46,10 @@ def is_core(role: str) -> bool:
 
 
 class RoleHealer:
-    def __init__(self, cfg: HealthConfig, job_dir: str | Path,
+    def __init__(self, cfg: HealthSpec, job_dir: str | Path,
                  on_event: Callable[[HealthEvent], None] = lambda e: None) -> None:
         self.cfg, self.job_dir, self.on_event = cfg, Path(job_dir), on_event
-        self.book = RestartBook(cfg.max_in_place_restarts, cfg.max_global_restarts)
+        self.book = RestartBook(cfg)
         self.stale = StaleWatch(cfg.stale_s)
         self.restarting: dict[str, str] = {}  # role -> state shown by status ("restarting", "dead")
 

@@ -5,8 +5,8 @@ A cluster started by the job script carries a resource per component (`trainer`,
 component's nodes, and for nothing of the kind on a cluster without them. An actor whose role
 runs on CUDA takes one GPU (Ray then sets its CUDA_VISIBLE_DEVICES), half of one where engines
 and trainer ranks take turns on the devices ([cluster] colocate). Trainer rank 0 is pinned to
-the node that hosts its process group's TCP store. `RayRoles` (roles/handles.py) places its
-roles through these functions.
+the node that hosts its process group's TCP store, and so is the critic's (`place_ranks`).
+`RayRoles` (roles/handles.py) and `CriticRoles` place their roles through these functions.
 """
 
 from __future__ import annotations
@@ -77,23 +77,29 @@ def place_rollout(rollout: RolloutConfig, shared: bool) -> tuple[Any, list[Any]]
 
 
 def place_trainer_ranks(actor: ActorConfig, num_processes: int, shared: bool) -> list[Any]:
-    """The trainer's ranks, by rank. Rank 0's node hosts the TCP store of the trainer's process
-    group: a task on a trainer node picks the address, and rank 0 is pinned to that node."""
+    """The trainer's ranks, by rank (`place_ranks` on the trainer's component)."""
+    return place_ranks(ActorWorker, actor, num_processes, "trainer", gpus(actor.device, shared), "trainer")
+
+
+def place_ranks(worker: type, cfg: Any, num_processes: int, component: str, devices: dict[str, float],
+                group: str) -> list[Any]:
+    """`num_processes` ranks of one process group (`worker(cfg, rank, num_processes, master)`),
+    by rank, on `component`'s nodes, each with `devices`. Rank 0's node hosts the TCP store of
+    the group: a task on a node of the component picks the address, and rank 0 is pinned there."""
     import ray
 
-    placement = component_placement("trainer")
+    placement = component_placement(component)
     master, rank0 = "", placement
     if num_processes > 1:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         task = ray.remote(_node_and_rendezvous).options(**placement).remote()
-        node_id, master = get_from_roles([("a task on a trainer node", task)],
-                                         "picking the trainer's rendezvous address", ROLE_START_TIMEOUT_S)[0]
+        node_id, master = get_from_roles([(f"a task on a {component} node", task)],
+                                         f"picking the {group}'s rendezvous address", ROLE_START_TIMEOUT_S)[0]
         rank0 = {**placement, "scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=False)}
     return [
-        ray.remote(ActorWorker).options(**(rank0 if rank == 0 else placement),
-                                        **gpus(actor.device, shared)).remote(
-            actor, rank, num_processes, master)
+        ray.remote(worker).options(**(rank0 if rank == 0 else placement), **devices).remote(
+            cfg, rank, num_processes, master)
         for rank in range(num_processes)
     ]
 

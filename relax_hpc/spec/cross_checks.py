@@ -397,6 +397,27 @@ def _gae_writes_the_advantages(spec: Resolved) -> list[SpecProblem]:
     return problems
 
 
+def _critic_processes_fit(spec: Resolved) -> list[SpecProblem]:
+    """On GPUs each critic rank takes one of the forward component's when the cluster has one,
+    else one of the trainer's beside the trainer's own ranks (roles/critic_roles.py places them)."""
+    got = spec.get("critic.num_processes", "train.device", "train.num_processes")
+    if got is None or got[1] == "cpu":
+        return []
+    count, _, trainer_ranks = got
+    forward = spec.get("cluster.forward.nodes", "cluster.forward.gpus_per_node")
+    component, others = ("forward", 0) if forward is not None else ("trainer", trainer_ranks)
+    sizes = forward if forward is not None else spec.get("cluster.trainer.nodes", "cluster.trainer.gpus_per_node")
+    if sizes is None or sizes[1] == 0 or count + others <= sizes[0] * sizes[1]:
+        return []
+    nodes, gpus = sizes
+    beside = f" beside train.num_processes = {trainer_ranks} trainer ranks" if others else ""
+    message = (f"needs {count} GPUs of [cluster.{component}]{beside}, which has {nodes} * {gpus} = {nodes * gpus} "
+               f"(each critic rank takes a GPU there); lower it, raise nodes / gpus_per_node in "
+               f"[cluster.{component}]" + ("" if forward is not None else ", or add a [cluster.forward] component")
+               + ', or use train.device = "cpu"')
+    return [SpecProblem(key="critic.num_processes", value=show_value(count), message=message)]
+
+
 def _stale_after_several_heartbeats(spec: Resolved) -> list[SpecProblem]:
     got = spec.get("health.heartbeat_s", "health.stale_s")
     if got is None or got[1] >= 2 * got[0]:
@@ -433,4 +454,5 @@ CROSS_CHECKS: tuple[Callable[[Resolved], list[SpecProblem]], ...] = (
     _stale_after_several_heartbeats,
     _gae_and_critic_go_together,
     _gae_writes_the_advantages,
+    _critic_processes_fit,
 )

@@ -325,6 +325,8 @@ class CriticSpec:
     warmup_steps: int = setting(0, within(0, MAX_STEPS))  # the actor does not train during the first N steps
     micro_batch_size: int = setting(8, within(1, MAX_COUNT))
     grad_clip: float = setting(1.0, at_least(0))  # 0 disables clipping
+    num_processes: int = setting(1, within(1, MAX_COUNT))  # the critic's data-parallel ranks
+    strategy: TrainStrategy | None = setting(None)  # how they hold the value model; unset: [train] strategy
 
 
 @dataclass(frozen=True, kw_only=True)

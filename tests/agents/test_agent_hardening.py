@@ -23,7 +23,7 @@ from relax_hpc.agents.subproc import run_agent_in_worker
 from relax_hpc.auth.worker_env import CREDENTIAL_VARS
 from relax_hpc.media.canonical import Geometry
 from relax_hpc.media.encode import data_url
-from relax_hpc.media.load import MediaLimits
+from relax_hpc.media.load import DEFAULT_MEDIA_LIMITS
 
 GEOM = Geometry(patch=8, merge=2, temporal=2, min_pixels=16 * 16, max_pixels=64 * 64, audio_rate=16000)
 
@@ -78,7 +78,7 @@ def test_request_media_decode_at_most_a_few_at_once(monkeypatch: pytest.MonkeyPa
     url = _png_url()
     items: list[Any] = []
     threads = [threading.Thread(target=lambda k=k: items.append(
-        load_part(MediaPart("image", url, f"messages[{k}].content[0]"), _Processor(), MediaLimits())))
+        load_part(MediaPart("image", url, f"messages[{k}].content[0]"), _Processor(), DEFAULT_MEDIA_LIMITS)))
         for k in range(8)]
     for t in threads:
         t.start()

@@ -44,6 +44,10 @@ def recorded_set(samples: list) -> list[tuple]:
 
 def test_inline_sdk_chat_records_exactly_what_the_engine_produced() -> None:
     svc, engine = service("agent_doubles:ChatAgent", ["ab", "cd"])
+    # A batch goes when every live session waits, or after max_wait_s; with the wait that long,
+    # the batches below are the sessions', whatever the load (a session's request through the
+    # proxy can take longer than the default 50 ms on a busy machine).
+    svc.batcher.max_wait_s = 60.0
     try:
         groups, stats = svc.generate_groups(ROWS, 2, seed=5, first_group_id=1)
     finally:

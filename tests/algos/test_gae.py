@@ -14,7 +14,11 @@ from relax_hpc.algos.gae import (
     gae_step,
     masked_whiten,
     terminal_rewards,
+    token_moments,
     value_loss,
+    value_metrics,
+    value_moments,
+    whiten_by_moments,
 )
 
 
@@ -129,3 +133,24 @@ def test_gae_and_value_loss_agree_with_verl_on_a_padded_batch() -> None:
     want_loss, want_frac = _verl_value_loss(pred, ret, values, mask, 0.2)
     assert terms.loss.item() == pytest.approx(want_loss, abs=1e-6)
     assert terms.clip_frac == pytest.approx(want_frac, abs=1e-6)
+
+
+def test_moments_summed_over_shards_whiten_and_measure_as_the_whole_step() -> None:
+    # x = [[1, 2, 9], [3, -, 5]] over the trained tokens (the masked 9 and the hole are skipped):
+    # n = 4, sum = 11, sum of squares = 1 + 4 + 9 + 25 = 39, mean 2.75,
+    # var = (39 - 11 * 2.75) / 3 = 8.75 / 3, so token 1 whitens to (1 - 2.75) / sqrt(8.75 / 3 + 1e-8).
+    x = torch.tensor([[1.0, 2.0, 9.0], [3.0, 7.0, 5.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 1]])
+    moments = token_moments(x[:1], mask[:1]) + token_moments(x[1:], mask[1:])  # two ranks' shards
+    assert moments.tolist() == [4.0, 11.0, 39.0]
+    shards = torch.cat([whiten_by_moments(x[:1], mask[:1], moments), whiten_by_moments(x[1:], mask[1:], moments)])
+    assert torch.allclose(shards, masked_whiten(x, mask), atol=1e-12)
+    assert shards[0, 0].item() == pytest.approx(-1.75 / math.sqrt(8.75 / 3 + 1e-8), abs=1e-7)
+    assert shards[0, 2].item() == 0.0 and shards[1, 1].item() == 0.0
+    assert whiten_by_moments(x, mask, token_moments(x[:1, :1], mask[:1, :1])).abs().sum() == 0  # one token
+    values = torch.tensor([[0.5, 1.0, 0.0], [2.0, 0.0, 4.0]])
+    summed = value_moments(values[:1], x[:1], mask[:1]) + value_moments(values[1:], x[1:], mask[1:])
+    metrics = value_metrics(summed)
+    assert metrics["explained_variance"] == pytest.approx(explained_variance(values, x, mask), abs=1e-12)
+    assert metrics["values_mean"] == pytest.approx(7.5 / 4) and metrics["returns_mean"] == pytest.approx(2.75)
+    assert math.isnan(value_metrics(value_moments(values, torch.full((2, 3), 0.3), mask))["explained_variance"])

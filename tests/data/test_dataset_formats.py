@@ -12,7 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from relax_hpc.data.dataset import PromptFormat, load_dataset, load_prompt_rows
+from relax_hpc.data.dataset import load_dataset
 from relax_hpc.data.records import get_dotted
 from relax_hpc.media.encode import encode_audio_wav, encode_image_png, encode_video_mkv
 from relax_hpc.media.processor import MediaProcessor
@@ -64,7 +64,8 @@ DAPO_ROWS = [
 
 def test_dapo_math_17k_parquet(tmp_path: Path, tokenizer: Any) -> None:
     path = _parquet(tmp_path / "dapo-math-17k.parquet", DAPO_ROWS)
-    rows, report = load_prompt_rows(path, tokenizer, "prompt", "reward_model.ground_truth", 512)
+    rows, report = load_dataset(DataSpec(path=str(path), prompt_key="prompt", label_key="reward_model.ground_truth",
+                                         max_prompt_tokens=512), tokenizer)
     assert [r.label for r in rows] == ["2", "12"] and report.kept == 2
     assert rows[1].prompt_text == "<|im_start|>user:What is 3*4?<|im_end|><|im_start|>assistant:"
     assert rows[0].metadata["data_source"] == "math_dapo"  # picks the dapo reward via type_key
@@ -76,8 +77,10 @@ def test_same_rows_from_jsonl_and_parquet_agree(tmp_path: Path, tokenizer: Any) 
     jsonl = tmp_path / "d.jsonl"
     jsonl.write_text("".join(json.dumps(r) + "\n" for r in DAPO_ROWS))
     parquet = _parquet(tmp_path / "d.parquet", DAPO_ROWS)
-    from_jsonl, _ = load_prompt_rows(jsonl, tokenizer, "prompt", "reward_model.ground_truth", 512)
-    from_parquet, _ = load_prompt_rows(parquet, tokenizer, "prompt", "reward_model.ground_truth", 512)
+    from_jsonl, _ = load_dataset(DataSpec(path=str(jsonl), prompt_key="prompt",
+                                          label_key="reward_model.ground_truth", max_prompt_tokens=512), tokenizer)
+    from_parquet, _ = load_dataset(DataSpec(path=str(parquet), prompt_key="prompt",
+                                            label_key="reward_model.ground_truth", max_prompt_tokens=512), tokenizer)
     assert from_jsonl == from_parquet
 
 
@@ -112,8 +115,9 @@ def test_multimodal_open_r1_parquet(tmp_path: Path, vl_dir: Path) -> None:
          "original_question": "a", "original_answer": "4"},
     ]
     path = _parquet(tmp_path / "mm-open-r1.parquet", rows)
-    fmt = PromptFormat(image_key="image", apply_chat_template=True, system_prompt="Think, then answer.")
-    loaded, report = load_prompt_rows(path, tokenizer, "problem", "solution", 512, fmt, processor)
+    fmt = dict(image_key="image", apply_chat_template=True, system_prompt="Think, then answer.")
+    loaded, report = load_dataset(DataSpec(path=str(path), prompt_key="problem", label_key="solution",
+                                           max_prompt_tokens=512, **fmt), tokenizer, processor)
     assert report.summary() == f"2 of 3 rows kept (dropped: 1 no 'image' field (first: {path}:row 2))"
     row = loaded[0]
     assert row.label == "<answer> 5 </answer>"  # the openr1mm reward reads the <answer> tag
@@ -149,9 +153,10 @@ def test_avqa_r1_jsonl_with_template(tmp_path: Path, omni_dir: Path) -> None:
     (tmp_path / "videos" / "17.mkv").write_bytes(encode_video_mkv(np.stack([_picture(s, 16, 32) for s in range(4)]), 2))
     path = tmp_path / "avqa.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in AVQA_ROWS))
-    fmt = PromptFormat(prompt_template="{question}\n{choices}", audio_key="audio", video_key="video",
-                       metadata_keys=("id", "choices"))
-    rows, _ = load_prompt_rows(path, tokenizer, "question", "answer", 512, fmt, processor)
+    fmt = dict(prompt_template="{question}\n{choices}", audio_key="audio", video_key="video",
+               metadata_keys=["id", "choices"])
+    rows, _ = load_dataset(DataSpec(path=str(path), prompt_key="question", label_key="answer", max_prompt_tokens=512,
+                                    **fmt), tokenizer, processor)
     text = "What makes the sound?\nA. dog\nB. car\nC. rain\nD. bell"
     # With media the template's text becomes a user turn: the video, then the audio, then the text.
     parts = [{"type": "video"}, {"type": "audio"}, {"type": "text", "text": text}]
@@ -175,40 +180,45 @@ def test_template_naming_a_missing_field(tmp_path: Path, tokenizer: Any) -> None
     path = tmp_path / "avqa.jsonl"
     path.write_text(json.dumps(AVQA_ROWS[0]) + "\n")
     with pytest.raises(ValueError, match=r"avqa.jsonl:1: \[data\] prompt_template uses \{options\} but the row"):
-        load_prompt_rows(path, tokenizer, "question", "answer", 512, PromptFormat(prompt_template="{options}"))
+        load_dataset(DataSpec(path=str(path), prompt_key="question", label_key="answer", max_prompt_tokens=512,
+                              prompt_template="{options}"), tokenizer)
 
 
 def test_string_prompt_through_chat_template(tmp_path: Path, tokenizer: Any) -> None:
     path = tmp_path / "d.jsonl"
     path.write_text(json.dumps({"prompt": "1+2=", "label": "3"}) + "\n")
-    rows, _ = load_prompt_rows(path, tokenizer, "prompt", "label", 64, PromptFormat(apply_chat_template=True))
+    rows, _ = load_dataset(DataSpec(path=str(path), prompt_key="prompt", label_key="label", max_prompt_tokens=64,
+                                    apply_chat_template=True), tokenizer)
     assert rows[0].prompt_text == "<|im_start|>user:1+2=<|im_end|><|im_start|>assistant:"
 
 
 def test_json_array_file_and_unknown_suffix(tmp_path: Path, tokenizer: Any) -> None:
     path = tmp_path / "d.json"
     path.write_text(json.dumps([{"prompt": "1+2=", "label": "3"}, {"prompt": "2+2=", "label": "4"}]))
-    rows, _ = load_prompt_rows(path, tokenizer, "prompt", "label", 64)
+    rows, _ = load_dataset(DataSpec(path=str(path), prompt_key="prompt", label_key="label", max_prompt_tokens=64),
+                                    tokenizer)
     assert [r.label for r in rows] == ["3", "4"]
     bad = tmp_path / "d.csv"
     bad.write_text("prompt,label\n")
     with pytest.raises(ValueError, match=r"unknown file type '\.csv'; \[data\] path must end in"):
-        load_prompt_rows(bad, tokenizer, "prompt", "label", 64)
+        load_dataset(DataSpec(path=str(bad), prompt_key="prompt", label_key="label", max_prompt_tokens=64), tokenizer)
 
 
 def test_parquet_errors_name_the_row(tmp_path: Path, tokenizer: Any) -> None:
     path = _parquet(tmp_path / "d.parquet", [{"question": "1+2=", "label": "3"}])
     with pytest.raises(ValueError, match=r"d.parquet:row 1: row has no 'prompt' key.*\['label', 'question'\]"):
-        load_prompt_rows(path, tokenizer, "prompt", "label", 64)
+        load_dataset(DataSpec(path=str(path), prompt_key="prompt", label_key="label", max_prompt_tokens=64), tokenizer)
     not_parquet = tmp_path / "e.parquet"
     not_parquet.write_text("hello")
     with pytest.raises(ValueError, match="is not a readable Parquet file"):
-        load_prompt_rows(not_parquet, tokenizer, "prompt", "label", 64)
+        load_dataset(DataSpec(path=str(not_parquet), prompt_key="prompt", label_key="label", max_prompt_tokens=64),
+                              tokenizer)
 
 
 def test_length_filter_counts_on_parquet(tmp_path: Path, tokenizer: Any) -> None:
     path = _parquet(tmp_path / "d.parquet", [{"prompt": "1+2=", "label": "3"}, {"prompt": "12+34=", "label": "46"}])
-    rows, report = load_prompt_rows(path, tokenizer, "prompt", "label", 4)
+    rows, report = load_dataset(DataSpec(path=str(path), prompt_key="prompt", label_key="label",
+                                         max_prompt_tokens=4), tokenizer)
     assert [r.prompt_text for r in rows] == ["1+2="]
     assert report.summary() == "1 of 2 rows kept (dropped: 1 longer than max_prompt_tokens=4)"
 

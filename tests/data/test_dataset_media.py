@@ -12,16 +12,17 @@ from typing import Any
 import numpy as np
 import pytest
 
-from relax_hpc.data.dataset import PromptFormat, load_prompt_rows
+from relax_hpc.data.dataset import load_dataset
 from relax_hpc.media.encode import encode_image_png
 from relax_hpc.media.processor import MediaProcessor
 from relax_hpc.media.synthetic import OMNI_VIDEO_FPS, write_omni_task
 from relax_hpc.models.hf import load_tokenizer
 from relax_hpc.models.tiny_mm import write_tiny_multimodal
+from relax_hpc.spec.schema import DataSpec
 
 # The synthetic task's videos hold 8 frames at 8 fps; the default 2 fps would keep 2 of them.
-FMT = PromptFormat(image_key="image", audio_key="audio", video_key="video", video_fps=OMNI_VIDEO_FPS,
-                   max_media_bytes=100_000)
+FMT = dict(image_key="image", audio_key="audio", video_key="video", video_fps=OMNI_VIDEO_FPS,
+           max_media_bytes=100_000)
 LIMIT = 512
 
 
@@ -55,7 +56,8 @@ def _placeholders(processor: MediaProcessor) -> set[int]:
 
 
 def test_omni_task_loads_every_row(task: Path, tokenizer: Any, processor: MediaProcessor) -> None:
-    rows, report = load_prompt_rows(task, tokenizer, "prompt", "answer", LIMIT, FMT, processor)
+    rows, report = load_dataset(DataSpec(path=str(task), prompt_key="prompt", label_key="answer",
+                                         max_prompt_tokens=LIMIT, **FMT), tokenizer, processor)
     records = _records(task)
     assert report.kept == report.rows_read == 12 and report.dropped == {}
     placeholders = _placeholders(processor)
@@ -81,7 +83,7 @@ def test_unusable_media_are_counted_drops(tmp_path: Path, tokenizer: Any, proces
     (media / "garbage.png").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 4)
     noise = np.random.default_rng(0).integers(0, 256, (256, 256, 3), dtype=np.uint8)
     (media / "huge.png").write_bytes(encode_image_png(noise))
-    assert (media / "huge.png").stat().st_size > FMT.max_media_bytes
+    assert (media / "huge.png").stat().st_size > FMT["max_media_bytes"]
     bad = [
         {"prompt": "a", "image": "media/nowhere.png", "answer": "a"},
         {"prompt": "b", "image": "media/garbage.png", "answer": "a"},
@@ -92,7 +94,8 @@ def test_unusable_media_are_counted_drops(tmp_path: Path, tokenizer: Any, proces
     ]
     path = tmp_path / "mixed.jsonl"
     path.write_text(task.read_text() + "".join(json.dumps(r) + "\n" for r in bad))
-    rows, report = load_prompt_rows(path, tokenizer, "prompt", "answer", LIMIT, FMT, processor)
+    rows, report = load_dataset(DataSpec(path=str(path), prompt_key="prompt", label_key="answer",
+                                         max_prompt_tokens=LIMIT, **FMT), tokenizer, processor)
     assert report.rows_read == 18 and report.kept == 12 and len(rows) == 12
     no_media = "no 'image' / 'audio' / 'video' field"
     assert report.dropped == {
@@ -114,9 +117,10 @@ def test_unusable_media_are_counted_drops(tmp_path: Path, tokenizer: Any, proces
 
 
 def test_drop_media_blanks_the_content_only(task: Path, tokenizer: Any, processor: MediaProcessor) -> None:
-    real, _ = load_prompt_rows(task, tokenizer, "prompt", "answer", LIMIT, FMT, processor)
-    blank, report = load_prompt_rows(task, tokenizer, "prompt", "answer", LIMIT,
-                                     PromptFormat(**{**FMT.__dict__, "drop_media": True}), processor)
+    real, _ = load_dataset(DataSpec(path=str(task), prompt_key="prompt", label_key="answer", max_prompt_tokens=LIMIT,
+                                    **FMT), tokenizer, processor)
+    blank, report = load_dataset(DataSpec(path=str(task), prompt_key="prompt", label_key="answer",
+                                          max_prompt_tokens=LIMIT, **FMT, drop_media=True), tokenizer, processor)
     assert report.kept == 12
     for a, b in zip(real, blank):
         assert b.prompt_ids == a.prompt_ids and b.prompt_text == a.prompt_text
@@ -135,10 +139,12 @@ def test_max_prompt_tokens_counts_expanded_placeholders(tmp_path: Path, tokenize
     [row] = _records(task)
     small_row, big_row = {**row, "image": "media/small.png"}, {**row, "image": "media/big.png"}
     task.write_text("".join(json.dumps(r) + "\n" for r in (small_row, big_row)))
-    unlimited, _ = load_prompt_rows(task, tokenizer, "prompt", "answer", LIMIT, FMT, processor)
+    unlimited, _ = load_dataset(DataSpec(path=str(task), prompt_key="prompt", label_key="answer",
+                                         max_prompt_tokens=LIMIT, **FMT), tokenizer, processor)
     small, big_ = (len(r.prompt_ids) for r in unlimited)
     unexpanded = len(tokenizer(unlimited[1].prompt_text, add_special_tokens=False)["input_ids"])
     assert unexpanded < small < big_  # same text, so the same unexpanded length
-    rows, report = load_prompt_rows(task, tokenizer, "prompt", "answer", small, FMT, processor)
+    rows, report = load_dataset(DataSpec(path=str(task), prompt_key="prompt", label_key="answer",
+                                         max_prompt_tokens=small, **FMT), tokenizer, processor)
     assert [len(r.prompt_ids) for r in rows] == [small]
     assert report.dropped == {f"longer than max_prompt_tokens={small}": 1}

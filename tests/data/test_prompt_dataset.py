@@ -8,9 +8,10 @@ from typing import Any
 
 import pytest
 
-from relax_hpc.data.dataset import DataCursor, load_prompt_rows
+from relax_hpc.data.dataset import DataCursor, load_dataset
 from relax_hpc.data.tiny_task import tiny_sum_rows, write_tiny_sum_dataset
 from relax_hpc.models.hf import load_tokenizer
+from relax_hpc.spec.schema import DataSpec
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +30,8 @@ def test_string_and_chat_prompts(tmp_path: Path, tokenizer: Any) -> None:
         "",  # blank lines are skipped, not counted
         {"prompt": [{"role": "user", "content": "4+5="}], "label": "9"},
     ])
-    rows, report = load_prompt_rows(path, tokenizer, "prompt", "label", max_prompt_tokens=64)
+    rows, report = load_dataset(DataSpec(path=str(path), prompt_key="prompt", label_key="label",
+                                         max_prompt_tokens=64), tokenizer)
     assert [r.index for r in rows] == [0, 1]
     assert rows[0].prompt_text == "1+2="
     assert rows[0].prompt_ids == tokenizer("1+2=", add_special_tokens=False)["input_ids"]
@@ -45,7 +47,8 @@ def test_string_and_chat_prompts(tmp_path: Path, tokenizer: Any) -> None:
 
 def test_custom_keys(tmp_path: Path, tokenizer: Any) -> None:
     path = _write(tmp_path / "d.jsonl", [{"question": "2+2=", "answer": 4}])
-    rows, _ = load_prompt_rows(path, tokenizer, "question", "answer", max_prompt_tokens=8)
+    rows, _ = load_dataset(DataSpec(path=str(path), prompt_key="question", label_key="answer", max_prompt_tokens=8),
+                                    tokenizer)
     assert rows[0].prompt_text == "2+2=" and rows[0].label == 4
 
 
@@ -56,7 +59,8 @@ def test_long_rows_dropped_and_counted(tmp_path: Path, tokenizer: Any) -> None:
         {"prompt": "5+", "label": "?"},  # 2 tokens: kept
         {"prompt": [{"role": "user", "content": "1"}], "label": "1"},  # 19 tokens: dropped
     ])
-    rows, report = load_prompt_rows(path, tokenizer, "prompt", "label", max_prompt_tokens=4)
+    rows, report = load_dataset(DataSpec(path=str(path), prompt_key="prompt", label_key="label",
+                                         max_prompt_tokens=4), tokenizer)
     assert [r.prompt_text for r in rows] == ["1+2=", "5+"]
     assert [r.index for r in rows] == [0, 1]  # indices of the filtered dataset
     assert report.rows_read == 4 and report.kept == 2
@@ -66,19 +70,19 @@ def test_long_rows_dropped_and_counted(tmp_path: Path, tokenizer: Any) -> None:
 def test_everything_dropped_is_an_error(tmp_path: Path, tokenizer: Any) -> None:
     path = _write(tmp_path / "d.jsonl", [{"prompt": "12+34=", "label": "46"}])
     with pytest.raises(ValueError, match=r"no usable rows: 0 of 1 rows kept \(dropped: 1 longer"):
-        load_prompt_rows(path, tokenizer, "prompt", "label", max_prompt_tokens=3)
+        load_dataset(DataSpec(path=str(path), prompt_key="prompt", label_key="label", max_prompt_tokens=3), tokenizer)
 
 
 def test_invalid_json_names_file_and_line(tmp_path: Path, tokenizer: Any) -> None:
     path = _write(tmp_path / "bad.jsonl", [{"prompt": "1+2=", "label": "3"}, "", '{"prompt": "1+'])
     with pytest.raises(ValueError, match=rf"{path}:3: not valid JSON"):
-        load_prompt_rows(path, tokenizer, "prompt", "label", max_prompt_tokens=8)
+        load_dataset(DataSpec(path=str(path), prompt_key="prompt", label_key="label", max_prompt_tokens=8), tokenizer)
 
 
 def test_missing_prompt_key_lists_the_keys(tmp_path: Path, tokenizer: Any) -> None:
     path = _write(tmp_path / "d.jsonl", [{"prompt": "1+2="}, {"question": "1+2=", "label": "3"}])
     with pytest.raises(ValueError) as info:
-        load_prompt_rows(path, tokenizer, "prompt", "label", max_prompt_tokens=8)
+        load_dataset(DataSpec(path=str(path), prompt_key="prompt", label_key="label", max_prompt_tokens=8), tokenizer)
     message = str(info.value)
     assert f"{path}:2:" in message and "no 'prompt' key" in message and "prompt_key" in message
     assert "['label', 'question']" in message
@@ -87,20 +91,22 @@ def test_missing_prompt_key_lists_the_keys(tmp_path: Path, tokenizer: Any) -> No
 def test_non_object_row_and_bad_prompt_type(tmp_path: Path, tokenizer: Any) -> None:
     path = _write(tmp_path / "d.jsonl", [[1, 2]])
     with pytest.raises(ValueError, match=rf"{path}:1: row has no 'prompt' key"):
-        load_prompt_rows(path, tokenizer, "prompt", "label", max_prompt_tokens=8)
+        load_dataset(DataSpec(path=str(path), prompt_key="prompt", label_key="label", max_prompt_tokens=8), tokenizer)
     path = _write(tmp_path / "e.jsonl", [{"prompt": 12}])
     with pytest.raises(ValueError, match=rf"{path}:1: 'prompt' must be a string or a list of chat"):
-        load_prompt_rows(path, tokenizer, "prompt", "label", max_prompt_tokens=8)
+        load_dataset(DataSpec(path=str(path), prompt_key="prompt", label_key="label", max_prompt_tokens=8), tokenizer)
 
 
 def test_missing_file(tmp_path: Path, tokenizer: Any) -> None:
     with pytest.raises(FileNotFoundError, match=r"nope\.jsonl does not exist; check \[data\] path"):
-        load_prompt_rows(tmp_path / "nope.jsonl", tokenizer, "prompt", "label", 8)
+        load_dataset(DataSpec(path=str(tmp_path / "nope.jsonl"), prompt_key="prompt", label_key="label",
+                              max_prompt_tokens=8), tokenizer)
 
 
 def test_tiny_sum_dataset_loads(tmp_path: Path, tokenizer: Any) -> None:
     path = write_tiny_sum_dataset(tmp_path / "sub" / "tiny_sum.jsonl")
-    rows, report = load_prompt_rows(path, tokenizer, "prompt", "label", max_prompt_tokens=8)
+    rows, report = load_dataset(DataSpec(path=str(path), prompt_key="prompt", label_key="label",
+                                         max_prompt_tokens=8), tokenizer)
     assert len(rows) == report.kept == len(tiny_sum_rows()) > 0
     assert all(int(r.prompt_text[0]) + int(r.prompt_text[2]) == int(r.label) for r in rows)
     assert not list(path.parent.glob("*.tmp"))

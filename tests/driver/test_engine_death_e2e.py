@@ -13,11 +13,12 @@ import pytest
 from e2e_helpers import ray_roles, tiny_spec_text
 
 from relax_hpc.data.dataset import DataCursor, load_dataset
-from relax_hpc.driver.loop import LoopConfig, StopFlag, run_loop
+from relax_hpc.driver.loop import LoopTables, StopFlag, run_loop
 from relax_hpc.models.hf import load_tokenizer
 from relax_hpc.ops.archive import read_archive
 from relax_hpc.ops.metrics import FanOut
 from relax_hpc.spec import parse_spec
+from relax_hpc.spec.schema import AlgorithmSpec, CheckpointSpec, TrainSpec
 
 pytestmark = pytest.mark.slow
 
@@ -42,7 +43,9 @@ def test_killing_one_of_two_engines_loses_no_prompt_and_trains_none_twice(
             if step == KILL_AFTER:  # rollout is generating the next step by now
                 os.kill(victim, signal.SIGKILL)
 
-        result = run_loop(LoopConfig(total_steps=STEPS, max_staleness=0, save_interval=100, resume=False),
+        loop = LoopTables(TrainSpec(steps=STEPS), AlgorithmSpec(max_staleness=0),
+                          CheckpointSpec(save_interval=100, resume=False))
+        result = run_loop(loop,
                           roles, FanOut([]), StopFlag(), on_step)
         engines = roles.engine_report()
 

@@ -17,10 +17,11 @@ import pytest
 
 from e2e_helpers import tiny_spec_text
 from relax_hpc.ckpt import ResumeState
-from relax_hpc.driver.loop import LoopConfig, StopFlag, run_loop
+from relax_hpc.driver.loop import LoopTables, StopFlag, run_loop
 from relax_hpc.ops.metrics import InMemorySink
 from relax_hpc.roles.handles import RoleDiedError
 from relax_hpc.weights.channel import WeightChannelError
+from relax_hpc.spec.schema import AlgorithmSpec, CheckpointSpec, TrainSpec
 
 CHANNEL_ERROR = "weight sync to version 2 failed: sender: WeightChannelTimeout: receiver rank(s) [1] did not start"
 
@@ -107,7 +108,8 @@ class RecordedRoles:
 
 def _run(roles: RecordedRoles, total: int, resume: bool = False) -> InMemorySink:
     sink = InMemorySink()
-    run_loop(LoopConfig(total_steps=total, max_staleness=1, save_interval=2, resume=resume), roles, sink, StopFlag())
+    run_loop(LoopTables(TrainSpec(steps=total), AlgorithmSpec(max_staleness=1), CheckpointSpec(save_interval=2, resume=resume)),
+             roles, sink, StopFlag())
     return sink
 
 
@@ -145,7 +147,8 @@ def test_a_stop_lets_the_queued_step_finish_then_checkpoints_it() -> None:
     def stop_after_first(step: int, m: dict[str, float]) -> None:
         stop.requested = step == 1 or stop.requested
 
-    result = run_loop(LoopConfig(total_steps=6, max_staleness=1, save_interval=10, resume=False),
+    result = run_loop(LoopTables(TrainSpec(steps=6), AlgorithmSpec(max_staleness=1),
+                                 CheckpointSpec(save_interval=10, resume=False)),
                       roles, InMemorySink(), stop, stop_after_first)
     assert roles.events[1:] == [
         "submit 0 publish 1", "submit 1 publish 2", "train 0", "clear 0", "post 1",
@@ -234,7 +237,8 @@ def test_in_process_run_with_a_broken_broadcast_fails_with_the_channel_error(
     roles.weights = BreaksAtVersion(roles.weights, broken=2)
     try:
         with pytest.raises(WeightChannelError, match=r"weight sync to version 2 failed") as caught:
-            run_loop(LoopConfig(total_steps=5, max_staleness=0, save_interval=50, resume=False),
+            run_loop(LoopTables(TrainSpec(steps=5), AlgorithmSpec(max_staleness=0),
+                                CheckpointSpec(save_interval=50, resume=False)),
                      roles, InMemorySink(), StopFlag())
         # The trainer gave up on step 2's rows because rollout could not get version 2.
         assert "needs weight version 2" in str(caught.value.__cause__)

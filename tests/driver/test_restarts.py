@@ -13,17 +13,18 @@ from typing import Any
 import pytest
 from e2e_helpers import tiny_spec_text
 
-from relax_hpc.driver.loop import LoopConfig, StopFlag
+from relax_hpc.driver.loop import LoopTables, StopFlag
 from relax_hpc.driver.restarts import RebuildableRoles, run_with_restarts
 from relax_hpc.driver.run import prepare_job_dir, role_configs
-from relax_hpc.ops.health import HealthConfig
 from relax_hpc.ops.metrics import FanOut
 from relax_hpc.roles.errors import RestartsExhausted
 from relax_hpc.roles.handles import LocalRoles, RoleDiedError
 from relax_hpc.roles.healing import RoleHealer
 from relax_hpc.spec import parse_spec
+from relax_hpc.spec.schema import AlgorithmSpec, CheckpointSpec, HealthSpec, TrainSpec
 
 STEPS = 8
+LOOP = LoopTables(TrainSpec(steps=STEPS), AlgorithmSpec(max_staleness=0), CheckpointSpec(save_interval=4, resume=True))
 
 
 class DyingRoles:
@@ -65,12 +66,12 @@ def _died() -> RoleDiedError:
 
 def test_a_dead_role_rebuilds_the_roles_and_the_run_resumes_from_the_checkpoint(tmp_path, tiny_model_dir):
     job_dir, build, built = _build(tmp_path, tiny_model_dir, deaths=1, error=_died())
-    healer = RoleHealer(HealthConfig(10.0, 120.0, 3, 3), job_dir)
+    healer = RoleHealer(HealthSpec(), job_dir)
     steps: list[int] = []
     restarted: list[bool] = []
     roles = RebuildableRoles(build)
     try:
-        result = run_with_restarts(LoopConfig(STEPS, 0, 4, resume=True), roles, FanOut([]), StopFlag(),
+        result = run_with_restarts(LOOP, roles, FanOut([]), StopFlag(),
                                    lambda step, m: steps.append(step), healer,
                                    on_restart=lambda: restarted.append(True))
     finally:
@@ -90,8 +91,8 @@ def test_a_role_that_raises_is_not_restarted(tmp_path, tiny_model_dir):
     roles = RebuildableRoles(build)
     try:
         with pytest.raises(ValueError, match="a bug"):
-            run_with_restarts(LoopConfig(STEPS, 0, 4, resume=True), roles, FanOut([]), StopFlag(),
-                              lambda step, m: None, RoleHealer(HealthConfig(10.0, 120.0, 3, 3), job_dir))
+            run_with_restarts(LOOP, roles, FanOut([]), StopFlag(),
+                              lambda step, m: None, RoleHealer(HealthSpec(), job_dir))
     finally:
         roles.shutdown()
     assert len(built) == 1
@@ -99,11 +100,11 @@ def test_a_role_that_raises_is_not_restarted(tmp_path, tiny_model_dir):
 
 def test_without_global_restarts_left_the_run_fails_naming_the_role(tmp_path, tiny_model_dir):
     job_dir, build, built = _build(tmp_path, tiny_model_dir, deaths=2, error=_died())
-    healer = RoleHealer(HealthConfig(10.0, 120.0, 3, max_global_restarts=1), job_dir)
+    healer = RoleHealer(HealthSpec(max_global_restarts=1), job_dir)
     roles = RebuildableRoles(build)
     try:
         with pytest.raises(RestartsExhausted, match="trainer_rank_0 died: no restarts left") as caught:
-            run_with_restarts(LoopConfig(STEPS, 0, 4, resume=True), roles, FanOut([]), StopFlag(),
+            run_with_restarts(LOOP, roles, FanOut([]), StopFlag(),
                               lambda step, m: None, healer)
     finally:
         roles.shutdown()

@@ -32,10 +32,11 @@ from relax_hpc.driver.checkpointing import (
     FinalSaveError,
     storage_failure,
 )
-from relax_hpc.driver.loop import LoopConfig, LoopResult, StopFlag, run_loop
+from relax_hpc.driver.loop import LoopResult, LoopTables, StopFlag, run_loop
 from relax_hpc.ops.metrics import InMemorySink, read_metrics
 from relax_hpc.roles.handles import LocalRoles, RoleTimeoutError
 from relax_hpc.spec import parse_spec
+from relax_hpc.spec.schema import AlgorithmSpec, CheckpointSpec, TrainSpec
 
 WARN = "relax_hpc.driver.checkpointing"
 
@@ -64,9 +65,10 @@ class FailingSaves(RecordedRoles):
 def loop(roles: RecordedRoles, total: int, save_interval: int = 2, stop: StopFlag | None = None,
          **kwargs: object) -> tuple[LoopResult, InMemorySink, list[tuple[int, BaseException]]]:
     sink, alerts = InMemorySink(), []
-    cfg = LoopConfig(total_steps=total, max_staleness=1, save_interval=save_interval, resume=False,
-                     final_save_retry_s=0.0)
-    result = run_loop(cfg, roles, sink, stop or StopFlag(), **kwargs,  # type: ignore[arg-type]
+    tables = LoopTables(TrainSpec(steps=total), AlgorithmSpec(max_staleness=1),
+                        CheckpointSpec(save_interval=save_interval, resume=False))
+    result = run_loop(tables, roles, sink, stop or StopFlag(), **kwargs,  # type: ignore[arg-type]
+                      final_save_retry_s=0.0,
                       on_save_failed=lambda step, error: alerts.append((step, error)))
     return result, sink, alerts
 

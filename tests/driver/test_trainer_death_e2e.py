@@ -11,10 +11,11 @@ from pathlib import Path
 import pytest
 from e2e_helpers import ray_roles, tiny_spec_text
 
-from relax_hpc.driver.loop import LoopConfig, StopFlag, run_loop
+from relax_hpc.driver.loop import LoopTables, StopFlag, run_loop
 from relax_hpc.ops.metrics import FanOut
 from relax_hpc.roles.handles import RoleDiedError
 from relax_hpc.spec import parse_spec
+from relax_hpc.spec.schema import AlgorithmSpec, CheckpointSpec, TrainSpec
 
 pytestmark = pytest.mark.slow
 
@@ -39,7 +40,8 @@ def test_killing_a_trainer_rank_mid_step_fails_the_loop_naming_that_rank(
                 os.kill(victim, signal.SIGKILL)
 
         with pytest.raises(RoleDiedError) as caught:
-            run_loop(LoopConfig(total_steps=STEPS, max_staleness=0, save_interval=100, resume=False),
+            run_loop(LoopTables(TrainSpec(steps=STEPS), AlgorithmSpec(max_staleness=0),
+                                CheckpointSpec(save_interval=100, resume=False)),
                      roles, FanOut([]), StopFlag(), on_step)
 
     # The step that fails is the one after the last finished: step 1, unless both ranks were

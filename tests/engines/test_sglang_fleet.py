@@ -56,6 +56,7 @@ from relax_hpc.ops.ports import (
     port_slot_from_env,
     ray_ports,
 )
+from relax_hpc.spec.schema import SGLangSpec
 
 HERE = Path(__file__).resolve().parent
 TOKEN = "t0ken-" * 8  # the servers' API key in these tests
@@ -129,8 +130,9 @@ def test_a_server_does_not_outlive_its_owner_killed_with_sigkill(fake_python: Pa
 def test_a_failed_start_stops_the_servers_already_up(fake_python: Path, tiny_model_dir: Path, tmp_path: Path) -> None:
     # On "cuda" engine 1 gets --base-gpu-id 1, which the fake refuses; engine 0 starts (its start
     # is waited for before the cleanup) and must be stopped.
-    launch = SGLangLaunch(python=str(fake_python), model_path=str(tiny_model_dir), device="cuda",
-                          log_dir=str(tmp_path / "logs"), api_key=None, update_mode="disk", startup_timeout_s=60)
+    launch = SGLangLaunch(interpreter=str(fake_python), model_path=str(tiny_model_dir), device="cuda",
+                          log_dir=str(tmp_path / "logs"), api_key=None, update_mode="disk",
+                          sglang=SGLangSpec(startup_timeout_s=60))
     with pytest.raises(SGLangServerError, match=r"exited with code 3 while starting; see its log .*sglang-engine-1\.log"):
         start_sglang_engines(launch, 2)
     pids = _fake_pids(tmp_path / "logs" / "sglang-engine-0.log")
@@ -175,11 +177,11 @@ def test_engine_ports_come_from_the_rollout_nodes_block_apart_from_rays() -> Non
 
 
 def test_server_args_from_the_spec_keys() -> None:
-    launch = SGLangLaunch(python="p", model_path="m", device="cuda", log_dir="l", api_key=None, tp_size=2,
-                          mem_fraction_static=0.5, context_length=128, extra_args=("--foo=1",))
+    launch = SGLangLaunch(interpreter="p", model_path="m", device="cuda", log_dir="l", api_key=None,
+                          sglang=SGLangSpec(tp_size=2, mem_fraction_static=0.5, context_length=128, extra_args=["--foo=1"]))
     assert launch.server_args(1) == ("--tp-size", "2", "--base-gpu-id", "2", "--mem-fraction-static", "0.5",
                                      "--context-length", "128", "--foo=1")
-    cpu = SGLangLaunch(python="p", model_path="m", device="cpu", log_dir="l", api_key=None)
+    cpu = SGLangLaunch(interpreter="p", model_path="m", device="cpu", log_dir="l", api_key=None, sglang=SGLangSpec())
     assert cpu.server_args(1) == ("--tp-size", "1")
 
 
@@ -200,7 +202,6 @@ def test_rollout_turns_the_spec_into_a_launch(tmp_path: Path) -> None:
     from relax_hpc.driver.run import sglang_spec_resolved
     from relax_hpc.engines.fleet import sglang_launch
     from relax_hpc.roles.rollout import RolloutConfig
-    from relax_hpc.spec.schema import SGLangSpec
 
     def config(**sglang: Any) -> RolloutConfig:
         return RolloutConfig(model_path="m", data=None, reward=None, seed=0, prompts_per_step=1,  # type: ignore[arg-type]
@@ -208,10 +209,10 @@ def test_rollout_turns_the_spec_into_a_launch(tmp_path: Path) -> None:
                              sglang_spec=SGLangSpec(**sglang), job_dir=str(tmp_path))
 
     launch = sglang_launch(config(python="/x/python", extra_args=["--a"], max_restarts=1))
-    assert (launch.python, launch.update_mode, launch.extra_args, launch.max_restarts) == (
+    assert (launch.interpreter, launch.update_mode, launch.extra_args, launch.sglang.max_restarts) == (
         "/x/python", "distributed", ("--a",), 1)
     assert launch.log_dir == str(tmp_path / "logs") and launch.api_key  # the job's engine token
-    assert sglang_launch(config()).python == sys.executable
+    assert sglang_launch(config()).interpreter == sys.executable
     assert sglang_launch(config(weight_update="disk")).update_mode == "disk"
     # "auto" is "tensor" where engines and trainer share the devices (colocate), else "distributed".
     colocated = dataclasses.replace(config(), release_between_steps=True)
@@ -229,9 +230,9 @@ GREEDY = SamplingParams(max_new_tokens=6, temperature=1.0, top_k=1)
 
 @pytest.fixture(scope="module")
 def fleet(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[ManagedSGLangEngine]]:
-    launch = SGLangLaunch(python=str(SGLANG.python_or_skip()), model_path=str(tiny_model_dir), device="cpu",
+    launch = SGLangLaunch(interpreter=str(SGLANG.python_or_skip()), model_path=str(tiny_model_dir), device="cpu",
                           log_dir=str(tmp_path_factory.mktemp("sglang-fleet")), api_key=TOKEN,
-                          startup_timeout_s=400, max_restarts=1, request_timeout_s=300)
+                          sglang=SGLangSpec(startup_timeout_s=400, max_restarts=1), request_timeout_s=300)
     engines = start_sglang_engines(launch, 2)
     try:
         yield engines

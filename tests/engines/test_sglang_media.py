@@ -39,6 +39,7 @@ from relax_hpc.media.items import MediaItem, PromptMedia
 from relax_hpc.media.processor import MediaProcessor
 from relax_hpc.models.hf import checkpoint_state_dict, load_policy_model, load_tokenizer
 from relax_hpc.models.tiny_mm import mm_token_ids, write_tiny_multimodal
+from relax_hpc.spec.schema import SGLangSpec
 
 HERE = Path(__file__).resolve().parent
 URL = "http://sglang-media-test:30000"
@@ -266,8 +267,9 @@ def test_a_managed_engine_refuses_before_looking_for_a_dead_server(
         mm_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     video = [PromptMedia((_video(0),))]
     client, server = _engine(mm_dirs["qwen3_omni"], monkeypatch, video, device="cpu")
-    managed = ManagedSGLangEngine(0, SGLangLaunch(python="p", model_path=str(mm_dirs["qwen3_omni"]), device="cpu",
-                                                  log_dir=str(tmp_path), api_key=None, update_mode="disk"))
+    managed = ManagedSGLangEngine(0, SGLangLaunch(interpreter="p", model_path=str(mm_dirs["qwen3_omni"]), device="cpu",
+                                                  log_dir=str(tmp_path), api_key=None, update_mode="disk",
+                                                  sglang=SGLangSpec()))
     managed._client = client  # as start() leaves it, without a process
     with pytest.raises(ValueError, match="cannot decode video"):
         managed.generate([_prompt(mm_dirs["qwen3_omni"], video[0], "v?")], GREEDY, media=video)

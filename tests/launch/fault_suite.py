@@ -62,9 +62,8 @@ class SuiteResult:
 # 146 s (the global ones and the reruns), against about 75 s for each fault in a run of its own.
 GROUPS: dict[str, tuple[str, ...]] = {
     "three_kills": ("kill-reference-3x", "kill-engine"),
-    "in_place": ("kill-reference", "hang-reference"),
+    "in_place": ("kill-reference", "hang-reference", "kill-critic"),
     "global": ("kill-actor-fwd", "kill-trainer-rank"),
-    "critic": ("kill-critic",),
     "rerun": ("kill-driver", "corrupt-checkpoint"),
     "disk_full": ("disk-full",),
 }

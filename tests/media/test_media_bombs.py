@@ -10,6 +10,7 @@ arrays report to.
 
 from __future__ import annotations
 
+import inspect
 import io
 import json
 import struct
@@ -25,13 +26,14 @@ import soundfile
 from media_samples import png_bytes, sine, video_frames
 from PIL import Image, ImageFile
 
-from relax_hpc.data.dataset import PromptFormat, load_prompt_rows
+from relax_hpc.data.dataset import load_dataset
 from relax_hpc.media import decode
 from relax_hpc.media.canonical import Geometry
 from relax_hpc.media.decode import MAX_AUDIO_CHANNELS, MAX_DECODED_BYTES, decode_audio, decode_image, decode_video
 from relax_hpc.media.encode import encode_video_mkv
 from relax_hpc.media.items import MediaError, PromptMedia
-from relax_hpc.media.load import MediaLimits, load_media
+from relax_hpc.media.load import load_media
+from relax_hpc.spec.schema import DataSpec
 
 GEOM = Geometry(patch=8, merge=2, temporal=2, min_pixels=16 * 16, max_pixels=64 * 64, audio_rate=16000)
 
@@ -163,12 +165,11 @@ def test_a_small_video_of_many_large_frames_is_refused_before_decoding(video_dec
 def test_the_video_limit_is_the_chosen_frames_and_one_more(video_decodes: list[int]) -> None:
     clip = encode_video_mkv(video_frames(8, 32, 48), 8)
     needed = (8 + 1) * 32 * 48 * 3
-    refused = MediaLimits(video_fps=8.0, max_decoded_bytes=needed - 1)
+    limits = DataSpec(path="-", video_fps=8.0)
     with pytest.raises(MediaError, match="too large to decode") as e:
-        load_media(clip, "video", base_dir=Path("."), geometry=GEOM, limits=refused)
+        load_media(clip, "video", base_dir=Path("."), geometry=GEOM, limits=limits, max_decoded_bytes=needed - 1)
     assert e.value.detail.startswith("bytes cell") and video_decodes == []
-    [item] = load_media(clip, "video", base_dir=Path("."), geometry=GEOM,
-                        limits=MediaLimits(video_fps=8.0, max_decoded_bytes=needed))
+    [item] = load_media(clip, "video", base_dir=Path("."), geometry=GEOM, limits=limits, max_decoded_bytes=needed)
     assert item.data.shape[0] == 8 and video_decodes == [8]
 
 
@@ -222,12 +223,11 @@ def test_more_audio_channels_than_the_cap_are_refused_before_reading(soundfile_r
 
 def test_audio_over_the_decoded_limit_is_refused_from_its_header(soundfile_reads: list[int]) -> None:
     stereo = _encoded(np.zeros((48_000, 2), np.float32), 48_000, "FLAC")  # 1 s: 384,000 bytes as float32
-    limits = MediaLimits(max_decoded_bytes=383_999)
     with pytest.raises(MediaError, match=r"too large to decode: bytes cell \(\d+ bytes\): 1.0 s of 2-channel audio"):
-        load_media(stereo, "audio", base_dir=Path("."), geometry=GEOM, limits=limits)
+        load_media(stereo, "audio", base_dir=Path("."), geometry=GEOM, max_decoded_bytes=383_999)
     assert soundfile_reads == []
-    assert MediaLimits().max_decoded_bytes == MAX_DECODED_BYTES
-    load_media(stereo, "audio", base_dir=Path("."), geometry=GEOM, limits=MediaLimits(max_decoded_bytes=384_000))
+    assert inspect.signature(load_media).parameters["max_decoded_bytes"].default == MAX_DECODED_BYTES
+    load_media(stereo, "audio", base_dir=Path("."), geometry=GEOM, max_decoded_bytes=384_000)
     assert soundfile_reads
 
 
@@ -276,11 +276,11 @@ def test_a_memory_error_while_decoding_drops_the_row_and_the_load_goes_on(
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"what is it {k}", "answer": "x", "image": name}) + "\n"
                             for k, name in enumerate(["small.png", "large.png", "small.png"])))
-    rows, report = load_prompt_rows(data, _Tokenizer(), "prompt", "answer", 64, PromptFormat(image_key="image"),
-                                    _Reader())
+    rows, report = load_dataset(DataSpec(path=str(data), prompt_key="prompt", label_key="answer",
+                                         max_prompt_tokens=64, image_key="image"), _Tokenizer(), _Reader())
     assert [r.prompt_text for r in rows] == ["<image> what is it 0", "<image> what is it 2"]
     assert report.dropped == {"out of memory while decoding in 'image'": 1}
     assert "large.png" in report.first["out of memory while decoding in 'image'"]
     # Loading again (a resume) meets the row again and drops it the same way.
-    assert load_prompt_rows(data, _Tokenizer(), "prompt", "answer", 64, PromptFormat(image_key="image"),
-                            _Reader())[1].dropped == report.dropped
+    assert load_dataset(DataSpec(path=str(data), prompt_key="prompt", label_key="answer", max_prompt_tokens=64,
+                                 image_key="image"), _Tokenizer(), _Reader())[1].dropped == report.dropped

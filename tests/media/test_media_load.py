@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -11,9 +12,15 @@ from media_samples import peak_hz, png_bytes, sine, video_frames
 from relax_hpc.media.canonical import Geometry
 from relax_hpc.media.encode import data_url, encode_audio_wav, encode_video_mkv
 from relax_hpc.media.items import MediaError, MediaItem
-from relax_hpc.media.load import MediaLimits, load_media
+from relax_hpc.media.load import load_media
+from relax_hpc.spec.schema import DataSpec
 
 GEOM = Geometry(patch=8, merge=2, temporal=2, min_pixels=16 * 16, max_pixels=64 * 64, audio_rate=16000)
+
+
+def _limits(**keys: Any) -> DataSpec:
+    """[data] with these media keys; load_media never reads its path."""
+    return DataSpec(path="-", **keys)
 
 
 @pytest.fixture
@@ -52,11 +59,11 @@ def test_audio_cell_resampled_to_the_geometry_rate(data_dir: Path) -> None:
 
 
 def test_video_cell_sampled_fitted_and_padded(data_dir: Path) -> None:
-    [item] = load_media("media/clip.mkv", "video", base_dir=data_dir, geometry=GEOM, limits=MediaLimits(video_fps=5))
+    [item] = load_media("media/clip.mkv", "video", base_dir=data_dir, geometry=GEOM, limits=_limits(video_fps=5))
     assert item.kind == "video" and item.rate == pytest.approx(5.0)
     assert item.data.shape == (6, 16, 32, 3)  # 5 frames padded to the temporal patch, 20x30 -> 16x32
     [capped] = load_media(
-        "media/clip.mkv", "video", base_dir=data_dir, geometry=GEOM, limits=MediaLimits(video_fps=5, max_frames=2)
+        "media/clip.mkv", "video", base_dir=data_dir, geometry=GEOM, limits=_limits(video_fps=5, max_frames=2)
     )
     assert capped.data.shape[0] == 2 and capped.rate == pytest.approx(2.0)
 
@@ -67,10 +74,10 @@ def test_errors_name_the_value(data_dir: Path) -> None:
         load_media(["media/wide.png", "media/bad.png"], "image", base_dir=data_dir, geometry=GEOM)
     assert e.value.reason == "corrupt image" and "media/bad.png" in e.value.detail
     with pytest.raises(MediaError) as e:
-        load_media("media/tone.wav", "audio", base_dir=data_dir, geometry=GEOM, limits=MediaLimits(max_bytes=100))
+        load_media("media/tone.wav", "audio", base_dir=data_dir, geometry=GEOM, limits=_limits(max_media_bytes=100))
     assert e.value.reason == "larger than max_media_bytes=100"
     with pytest.raises(MediaError) as e:
-        load_media("media/tone.wav", "audio", base_dir=data_dir, geometry=GEOM, limits=MediaLimits(max_seconds=0.5))
+        load_media("media/tone.wav", "audio", base_dir=data_dir, geometry=GEOM, limits=_limits(max_media_seconds=0.5))
     assert e.value.reason == "longer than 0.5 s" and "media/tone.wav" in e.value.detail
     with pytest.raises(MediaError) as e:
         load_media("https://example.org/a.png", "image", base_dir=data_dir, geometry=GEOM)

@@ -10,9 +10,10 @@ from media_samples import peak_hz
 
 from relax_hpc.media.canonical import Geometry
 from relax_hpc.media.decode import decode_audio, decode_image, decode_video
-from relax_hpc.media.load import MediaLimits, load_media
+from relax_hpc.media.load import load_media
 from relax_hpc.media.synthetic import OMNI_TASK_CHOICES, OMNI_TASK_PROMPTS, OMNI_VIDEO_FPS, write_omni_task
 from relax_hpc.models.tiny import ALPHABET
+from relax_hpc.spec.schema import DataSpec
 
 COLOURS = {"red": (1, 0, 0), "green": (0, 1, 0), "blue": (0, 0, 1), "white": (1, 1, 1)}
 
@@ -77,7 +78,7 @@ def test_labels_match_the_media(tmp_path: Path) -> None:
 def test_loads_through_load_media(tmp_path: Path) -> None:
     rows = _rows(write_omni_task(tmp_path, rows=3, seed=1))
     geom = Geometry(patch=8, merge=2, temporal=2, min_pixels=16 * 16, max_pixels=64 * 64)
-    limits = MediaLimits(video_fps=OMNI_VIDEO_FPS)
+    limits = DataSpec(path="-", video_fps=OMNI_VIDEO_FPS)
     shapes = [
         load_media(row[row["kind"]], row["kind"], base_dir=tmp_path, geometry=geom, limits=limits)[0].data.shape
         for row in rows

@@ -13,6 +13,7 @@ from relax_hpc.ops.health import (
     heartbeat_path,
     read_heartbeats,
 )
+from relax_hpc.spec.schema import HealthSpec
 
 
 class Clock:
@@ -79,7 +80,7 @@ def test_stale_watch_goes_by_the_readers_clock_not_the_beat_time():
 
 
 def test_restart_book_in_place_until_the_third_failure_of_a_role():
-    book = RestartBook(max_in_place_restarts=3, max_global_restarts=1)
+    book = RestartBook(HealthSpec(max_in_place_restarts=3, max_global_restarts=1))
     assert book.decide("reference", "died", core=False).action == "in_place"
     assert book.decide("advantages", "died", core=False).action == "in_place"  # counted per role
     assert book.decide("reference", "died", core=False).action == "in_place"
@@ -95,7 +96,7 @@ def test_restart_book_in_place_until_the_third_failure_of_a_role():
 
 
 def test_a_failure_that_cannot_be_handled_in_place_is_global_and_still_counted():
-    book = RestartBook(max_in_place_restarts=3, max_global_restarts=3)
+    book = RestartBook(HealthSpec(max_in_place_restarts=3, max_global_restarts=3))
     assert book.decide("reference", "died", core=False).action == "in_place"
     first = book.decide("reference", "died", core=False, detail="while restarting", in_place_possible=False)
     assert (first.action, first.detail) == ("global", "while restarting")  # failure 2 of 3: the count is not why
@@ -107,7 +108,7 @@ def test_a_failure_that_cannot_be_handled_in_place_is_global_and_still_counted()
 
 
 def test_a_core_role_costs_a_global_restart_at_once():
-    book = RestartBook(max_in_place_restarts=3, max_global_restarts=3)
+    book = RestartBook(HealthSpec(max_in_place_restarts=3, max_global_restarts=3))
     event = book.decide("trainer_rank_1", "died", core=True, detail="pid 7")
     assert event.action == "global"
     assert event.line() == "trainer_rank_1 died: global restart from the newest checkpoint (pid 7)"

@@ -7,13 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from relax_hpc.data.dataset import PromptFormat, load_prompt_rows
+from relax_hpc.data.dataset import load_dataset
 from relax_hpc.data.sample import Sample
 from relax_hpc.media.processor import MediaProcessor
 from relax_hpc.media.synthetic import OMNI_VIDEO_FPS, write_omni_task
 from relax_hpc.models.hf import load_tokenizer
 from relax_hpc.models.tiny_mm import write_tiny_multimodal
 from relax_hpc.rewards.hub import RewardHub
+from relax_hpc.spec.schema import DataSpec
 
 
 @pytest.fixture(scope="module")
@@ -21,10 +22,10 @@ def rows(tmp_path_factory: pytest.TempPathFactory) -> list:
     base = tmp_path_factory.mktemp("omni-rewards")
     model = write_tiny_multimodal(base / "model", "qwen3_omni")
     data = write_omni_task(base / "data", rows=6, seed=3)
-    fmt = PromptFormat(image_key="image", audio_key="audio", video_key="video", apply_chat_template=True,
-                       video_fps=OMNI_VIDEO_FPS)
-    loaded, report = load_prompt_rows(data, load_tokenizer(model), "prompt", "answer", 96, fmt,
-                                      MediaProcessor(model))
+    fmt = dict(image_key="image", audio_key="audio", video_key="video", apply_chat_template=True,
+               video_fps=OMNI_VIDEO_FPS)
+    loaded, report = load_dataset(DataSpec(path=str(data), prompt_key="prompt", label_key="answer",
+                                           max_prompt_tokens=96, **fmt), load_tokenizer(model), MediaProcessor(model))
     assert report.kept == 6
     return loaded
 

@@ -9,6 +9,7 @@ import torch
 
 from relax_hpc.algos.estimators import outcome_advantages
 from relax_hpc.roles.advantages import AdvantagesConfig, AdvantagesWorker
+from relax_hpc.spec.schema import AlgorithmSpec
 from relax_hpc.transfer.memory import InMemoryTransferQueue
 from relax_hpc.transfer.queue import TransferTimeoutError, partition_name
 
@@ -40,7 +41,7 @@ def test_writes_group_advantages_and_the_trainer_waits_for_them() -> None:
     _put_step(queue, 0)
     with pytest.raises(TransferTimeoutError):  # no advantages yet: a trainer would wait
         queue.open_session("trainer").get(partition_name(0), "actor", ["advantages"], 1, timeout=0.2)
-    worker = AdvantagesWorker(AdvantagesConfig())
+    worker = AdvantagesWorker(AdvantagesConfig(AlgorithmSpec()))
     worker.start(queue, start_step=0, total_steps=1)
     assert _advantages(queue, 0) == pytest.approx(EXPECTED, abs=1e-4)
     worker.stop()
@@ -50,7 +51,7 @@ def test_writes_group_advantages_and_the_trainer_waits_for_them() -> None:
 def test_dr_grpo_centres_without_dividing_by_the_std() -> None:
     queue = InMemoryTransferQueue()
     _put_step(queue, 0)
-    worker = AdvantagesWorker(AdvantagesConfig(normalize_std=False))
+    worker = AdvantagesWorker(AdvantagesConfig(AlgorithmSpec(normalize_std=False)))
     worker.start(queue, start_step=0, total_steps=1)
     assert _advantages(queue, 0) == pytest.approx([0.5, -0.5, 0.0, -0.75, 0.0, 0.25, 0.0, 0.25, 0.25])
     worker.stop()
@@ -59,7 +60,7 @@ def test_dr_grpo_centres_without_dividing_by_the_std() -> None:
 def test_rloo_by_group_id() -> None:
     queue = InMemoryTransferQueue()
     _put_step(queue, 0)
-    worker = AdvantagesWorker(AdvantagesConfig(estimator="rloo"))
+    worker = AdvantagesWorker(AdvantagesConfig(AlgorithmSpec(advantage="rloo")))
     worker.start(queue, start_step=0, total_steps=1)
     # group 7 (1, 0): 1 - 0 = 1, 0 - 1 = -1; group 8 all equal: 0; group 9 (0, 1, 1, 1): the
     # 0 against the others' mean 1 -> -1, each 1 against (0 + 1 + 1) / 3 -> 1/3
@@ -74,7 +75,7 @@ def test_the_whitened_estimators_weigh_each_row_by_its_trained_tokens() -> None:
             for r, g, m in zip(REWARDS, GROUPS, masks)]
     queue.put(partition_name(0), rows)
     queue.complete(partition_name(0), len(rows))
-    worker = AdvantagesWorker(AdvantagesConfig(estimator="reinforce_pp_baseline"))
+    worker = AdvantagesWorker(AdvantagesConfig(AlgorithmSpec(advantage="reinforce_pp_baseline")))
     worker.start(queue, start_step=0, total_steps=1)
     want = outcome_advantages("reinforce_pp_baseline", torch.tensor(REWARDS), GROUPS,
                               torch.tensor([float(sum(m)) for m in masks]))
@@ -92,7 +93,7 @@ def test_a_restarted_worker_gets_the_whole_unacked_step_again() -> None:
     # A first worker took step 0 and died before writing or acking anything.
     dead = queue.open_session("advantages")
     assert len(dead.get(partition_name(0), "advantages", ["rewards", "group_id"], 100, timeout=5)) == len(REWARDS)
-    worker = AdvantagesWorker(AdvantagesConfig())
+    worker = AdvantagesWorker(AdvantagesConfig(AlgorithmSpec()))
     worker.start(queue, start_step=0, total_steps=2, consumer_id="advantages")
     assert _advantages(queue, 0) == pytest.approx(EXPECTED, abs=1e-4)
     assert _advantages(queue, 1) == pytest.approx(EXPECTED, abs=1e-4)
@@ -101,7 +102,7 @@ def test_a_restarted_worker_gets_the_whole_unacked_step_again() -> None:
 
 
 def test_stops_while_waiting_for_a_step() -> None:
-    worker = AdvantagesWorker(AdvantagesConfig())
+    worker = AdvantagesWorker(AdvantagesConfig(AlgorithmSpec()))
     worker.start(InMemoryTransferQueue(), start_step=0, total_steps=3)
     time.sleep(0.1)
     worker.stop()

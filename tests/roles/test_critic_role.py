@@ -11,6 +11,7 @@ import torch
 from relax_hpc.algos.gae import gae_step
 from relax_hpc.backends.batch import pack_rows
 from relax_hpc.roles.critic import CriticConfig, CriticWorker
+from relax_hpc.spec.schema import AlgorithmSpec, CriticSpec
 from relax_hpc.transfer.memory import InMemoryTransferQueue
 from relax_hpc.transfer.queue import partition_name
 
@@ -32,9 +33,14 @@ def _put_step(queue: InMemoryTransferQueue, step: int) -> None:
     queue.complete(partition_name(step), len(TOKENS))
 
 
-def _critic(model: Path, tmp: Path, **kw: object) -> CriticWorker:
-    return CriticWorker(CriticConfig(model_path=str(model), checkpoint_dir=str(tmp / "critic"), lr=1e-2,
-                                     micro_batch_size=2, gamma=0.9, lam=0.8, timeout_s=30, **kw))  # type: ignore[arg-type]
+def _config(model: Path, tmp: Path, strategy: str | None = None) -> CriticConfig:
+    return CriticConfig(model_path=str(model), checkpoint_dir=str(tmp / "critic"),
+                        table=CriticSpec(lr=1e-2, micro_batch_size=2, strategy=strategy),  # type: ignore[arg-type]
+                        algo=AlgorithmSpec(gamma=0.9, lam=0.8), timeout_s=30)
+
+
+def _critic(model: Path, tmp: Path) -> CriticWorker:
+    return CriticWorker(_config(model, tmp))
 
 
 def test_writes_whitened_token_advantages_and_learns_the_returns(tiny_model_dir: Path, tmp_path: Path) -> None:

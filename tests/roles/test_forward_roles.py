@@ -16,10 +16,17 @@ from relax_hpc.auth import job_secret
 from relax_hpc.data.rows import sample_to_row
 from relax_hpc.data.sample import Sample
 from relax_hpc.models.hf import load_causal_lm
-from relax_hpc.roles.forward import ForwardConfig, ForwardWorker, response_log_probs
+from relax_hpc.roles.forward import ForwardConfig, ForwardKind, ForwardWorker, response_log_probs
+from relax_hpc.spec.schema import ModelSpec, RolloutSpec, TrainSpec
 from relax_hpc.transfer import TransferQueueClient, TransferQueueServer, partition_name
 
 ROWS, MICRO = 64, 8
+
+
+def _config(kind: ForwardKind, model_dir: Path) -> ForwardConfig:
+    """The role as a spec with this model and micro_batch_size MICRO configures it ([train] steps unused)."""
+    return ForwardConfig(kind=kind, model=ModelSpec(path=str(model_dir)), train=TrainSpec(steps=1, micro_batch_size=MICRO),
+                         rollout=RolloutSpec())
 SECRET = job_secret()  # the roles connect with the job's secret (tests/conftest.py sets it)
 
 
@@ -70,7 +77,7 @@ def _trainer_view(address: str, field: str) -> dict[int, torch.Tensor]:
 
 def test_reference_role_writes_reference_log_probs(model_dir: Path, queue_with_rows: tuple[str, list[Sample]]) -> None:
     address, samples = queue_with_rows
-    worker = ForwardWorker(ForwardConfig(kind="reference", model_path=str(model_dir), micro_batch_size=MICRO))
+    worker = ForwardWorker(_config("reference", model_dir))
     worker.start(address, 0, 1)
     got = _trainer_view(address, "ref_log_probs")
     worker.stop()
@@ -102,14 +109,16 @@ def test_killed_actor_fwd_restarts_where_it_stopped(model_dir: Path, queue_with_
             queue.write = write
             return queue
         step_loop.connect_queue = connect
-        cfg = forward.ForwardConfig(kind="actor_fwd", model_path={str(model_dir)!r}, micro_batch_size={MICRO})
+        from relax_hpc.spec.schema import ModelSpec, RolloutSpec, TrainSpec
+        cfg = forward.ForwardConfig(kind="actor_fwd", model=ModelSpec(path={str(model_dir)!r}),
+                                    train=TrainSpec(steps=1, micro_batch_size={MICRO}), rollout=RolloutSpec())
         forward.ForwardWorker(cfg)._run({address!r}, 0, 1, "actor_fwd", 0)
     """)
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
     killed = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
     assert killed.returncode == 137, killed.stderr
 
-    restarted = ForwardWorker(ForwardConfig(kind="actor_fwd", model_path=str(model_dir), micro_batch_size=MICRO))
+    restarted = ForwardWorker(_config("actor_fwd", model_dir))
     restarted.start(address, 0, 1)
     got = _trainer_view(address, "log_probs")
     restarted.stop()
@@ -125,7 +134,7 @@ def test_killed_actor_fwd_restarts_where_it_stopped(model_dir: Path, queue_with_
 
 def test_actor_fwd_waits_for_the_weights_of_its_step(model_dir: Path, queue_with_rows: tuple[str, list[Sample]]) -> None:
     address, _ = queue_with_rows
-    worker = ForwardWorker(ForwardConfig(kind="actor_fwd", model_path=str(model_dir), micro_batch_size=MICRO))
+    worker = ForwardWorker(_config("actor_fwd", model_dir))
     worker.start(address, 1, 2)  # step 1 needs weight version 1
     probe = TransferQueueClient(address, secret=SECRET, consumer_id="probe")
     producer = TransferQueueClient(address, secret=SECRET, consumer_id="rollout2")

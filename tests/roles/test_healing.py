@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from relax_hpc.ops.health import HealthConfig, HeartbeatWriter, heartbeat_path
+from relax_hpc.ops.health import HeartbeatWriter, heartbeat_path
 from relax_hpc.roles.errors import GlobalRestartNeeded, RestartsExhausted, RoleDiedError, RoleTimeoutError
 from relax_hpc.roles.healing import RoleHealer, is_core
+from relax_hpc.spec.schema import HealthSpec
 
-CFG = HealthConfig(heartbeat_s=0.1, stale_s=0.5, max_in_place_restarts=3, max_global_restarts=1)
+CFG = HealthSpec(heartbeat_s=0.1, stale_s=0.5, max_in_place_restarts=3, max_global_restarts=1)
 
 
 def test_core_roles_are_the_trainer_rollout_and_actor_fwd():

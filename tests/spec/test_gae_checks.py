@@ -45,3 +45,33 @@ def test_gae_needs_no_group_and_checks_its_ranges() -> None:
                           "critic": {"lr": 0.0, "bogus": 1}})
     assert sorted(p.key for p in problems) == ["algorithm.gamma", "algorithm.value_clip_eps", "critic.bogus",
                                                "critic.lr"]
+
+
+GAE = {"algorithm": {"advantage": "gae"}}
+CUDA_TRAINER = {"device": "cuda", "num_processes": 2}
+
+
+def test_the_critic_ranks_default_to_one_following_the_trainer_strategy() -> None:
+    spec = parse_spec(spec_with({**GAE, "critic": {}}))
+    assert spec.critic is not None and (spec.critic.num_processes, spec.critic.strategy) == (1, None)
+    spec = parse_spec(spec_with({**GAE, "critic": {"num_processes": 2, "strategy": "fsdp2"}}))
+    assert spec.critic is not None and (spec.critic.num_processes, spec.critic.strategy) == (2, "fsdp2")
+    (problem,) = _problems({**GAE, "critic": {"strategy": "zero3"}})
+    assert problem.key == "critic.strategy" and "fsdp2" in str(problem.allowed)
+
+
+def test_critic_ranks_on_gpus_need_gpus_of_their_own() -> None:
+    # 4 GPUs on the trainer's component: 2 trainer ranks + 2 critic ranks fit, 3 critic ranks do not.
+    cluster = {"trainer": {"nodes": 1, "gpus_per_node": 4}}
+    fits = {**GAE, "train": CUDA_TRAINER, "cluster": cluster, "critic": {"num_processes": 2}}
+    assert _problems(fits) == []
+    (problem,) = _problems({**fits, "critic": {"num_processes": 3}})
+    assert problem.key == "critic.num_processes" and problem.value == "3"
+    assert "beside train.num_processes = 2" in problem.message and "[cluster.forward]" in problem.message
+    # With a forward component the critic ranks go there, whatever the trainer takes.
+    forward = {**cluster, "forward": {"nodes": 1, "gpus_per_node": 2}}
+    assert _problems({**fits, "cluster": forward, "critic": {"num_processes": 2}}) == []
+    (problem,) = _problems({**fits, "cluster": forward, "critic": {"num_processes": 3}})
+    assert problem.key == "critic.num_processes" and "[cluster.forward]" in problem.message
+    # On CPU no rank takes a GPU.
+    assert _problems({**fits, "train": {"device": "cpu"}, "critic": {"num_processes": 8}}) == []

@@ -148,3 +148,16 @@ def test_a_production_spec_is_refused_from_its_arch_where_the_model_is_not_mount
     assert main(["validate", str(spec)]) == 2
     assert "train.backend = 'megatron': builds the language model only, and qwen3_omni_moe (from [model] arch)" \
         in capsys.readouterr().err
+
+
+def test_a_critic_strategy_its_value_model_cannot_use_is_refused() -> None:
+    gae = {"algorithm": {"advantage": "gae"}}
+    assert problems({**gae, "critic": {"strategy": "fsdp2"}}, QWEN3_4B) == []
+    assert problems({**gae, "critic": {"strategy": "ddp"}}, GPT2) == []
+    ((key, message),) = problems({**gae, "critic": {"strategy": "fsdp2"}}, GPT2)
+    assert key == "critic.strategy" and "transformer.h" in message and 'critic.strategy = "ddp"' in message
+    # Unset, it follows train.strategy: the trainer's refusal and the critic's are both named.
+    found = problems({**gae, "train": {"strategy": "fsdp2"}, "critic": {}}, GPT2)
+    assert [k for k, _ in found] == ["train.strategy", "critic.strategy"] and "follows train.strategy" in found[1][1]
+    ((key, message),) = problems({**gae, "critic": {"strategy": "fsdp2"}}, QWEN3_VL_4B)
+    assert key == "critic.strategy" and "multimodal" in message and "reads no media" in message

@@ -12,8 +12,8 @@ weight-update group (sglang/weights.py), and it keeps the newest weights it was 
   the engines left;
 - `close()` stops the server by PID (and a watcher stops it if this process dies first).
 
-    launch = SGLangLaunch(python=".venv-sglang/bin/python", model_path=model_dir, device="cpu",
-                          log_dir=job_dir / "logs", api_key=engine_token())
+    launch = SGLangLaunch(interpreter=".venv-sglang/bin/python", model_path=model_dir, device="cpu",
+                          log_dir=job_dir / "logs", api_key=engine_token(), sglang=spec.rollout.sglang)
     engines = start_sglang_engines(launch, count=2)
     ...
     for engine in engines:
@@ -52,33 +52,35 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class SGLangLaunch:
-    """How to start and feed the servers: [rollout.sglang] plus what the job decides."""
+    """How to start and feed the servers: the [rollout.sglang] table, and what the job decides
+    beside it (the interpreter found, the device, where the logs go, the API key, R3's flag)."""
 
-    python: str
-    model_path: str
-    device: str
+    interpreter: str  # [rollout.sglang] python resolved: this interpreter when it is unset
+    model_path: str  # [model] path
+    device: str  # resolved (cpu, cuda:N)
     log_dir: str
     api_key: str | None
+    sglang: SGLangSpec
     host: str = "127.0.0.1"  # the servers' HTTP and the update groups' store listen here only
-    tp_size: int = SGLangSpec.tp_size
-    mem_fraction_static: float | None = SGLangSpec.mem_fraction_static
-    context_length: int | None = SGLangSpec.context_length
-    extra_args: tuple[str, ...] = ()
+    more_args: tuple[str, ...] = ()  # launch_server flags the job adds after [rollout.sglang] extra_args
     update_mode: str = "distributed"  # [rollout.sglang] weight_update resolved: distributed, tensor or disk
-    update_bucket_mb: int = SGLangSpec.update_bucket_mb
-    startup_timeout_s: float = SGLangSpec.startup_timeout_s
-    max_restarts: int = SGLangSpec.max_restarts
     request_timeout_s: float = 600.0
     request_fields: dict[str, Any] = field(default_factory=dict)  # more /generate fields (R3)
 
+    @property
+    def extra_args(self) -> tuple[str, ...]:
+        """Every launch_server flag after ours: [rollout.sglang] extra_args, then the job's own."""
+        return (*self.sglang.extra_args, *self.more_args)
+
     def server_args(self, index: int) -> tuple[str, ...]:
-        args = ["--tp-size", str(self.tp_size)]
+        s = self.sglang
+        args = ["--tp-size", str(s.tp_size)]
         if self.device.startswith("cuda"):  # engine i takes GPUs i*tp .. (i+1)*tp-1 of the role's
-            args += ["--base-gpu-id", str(index * self.tp_size)]
-        if self.mem_fraction_static is not None:
-            args += ["--mem-fraction-static", str(self.mem_fraction_static)]
-        if self.context_length is not None:
-            args += ["--context-length", str(self.context_length)]
+            args += ["--base-gpu-id", str(index * s.tp_size)]
+        if s.mem_fraction_static is not None:
+            args += ["--mem-fraction-static", str(s.mem_fraction_static)]
+        if s.context_length is not None:
+            args += ["--context-length", str(s.context_length)]
         return (*args, *self.extra_args)
 
 
@@ -98,10 +100,10 @@ class ManagedSGLangEngine:
         self.index, self.launch, self.ports = index, launch, ports
         self.restarts = 0
         self.server = SGLangServer(
-            launch.python, launch.model_path, port=ports.http if ports else None, host=launch.host,
+            launch.interpreter, launch.model_path, port=ports.http if ports else None, host=launch.host,
             device=launch.device, extra_args=launch.server_args(index),
             log_path=Path(launch.log_dir) / f"sglang-engine-{index}.log",
-            start_timeout_s=launch.startup_timeout_s, api_key=launch.api_key)
+            start_timeout_s=launch.sglang.startup_timeout_s, api_key=launch.api_key)
         self._client: SGLangEngine | None = None
         self._push: WeightPush | None = None
         self._latest: list[tuple[str, torch.Tensor]] | None = None  # what a restarted server gets
@@ -123,11 +125,11 @@ class ManagedSGLangEngine:
         self._push = None
         if launch.update_mode == "distributed":
             self._push = DistributedWeightPush(
-                launch.host, self.ports.update_group if self.ports else 0, 1 + launch.tp_size,
-                "gloo" if launch.device == "cpu" else "nccl", launch.update_bucket_mb << 20,
+                launch.host, self.ports.update_group if self.ports else 0, 1 + launch.sglang.tp_size,
+                "gloo" if launch.device == "cpu" else "nccl", launch.sglang.update_bucket_mb << 20,
                 skip=tied_names(launch.model_path))
         elif launch.update_mode == "tensor":
-            self._push = TensorWeightPush(launch.tp_size, launch.update_bucket_mb << 20, tied_names(launch.model_path))
+            self._push = TensorWeightPush(launch.sglang.tp_size, launch.sglang.update_bucket_mb << 20, tied_names(launch.model_path))
         return SGLangEngine(self.server.url, launch.model_path, api_key=launch.api_key,
                             timeout_s=launch.request_timeout_s, retries=1, weight_push=self._push,
                             weights_dir=Path(launch.log_dir) / f"sglang-engine-{self.index}-weights",
@@ -163,7 +165,7 @@ class ManagedSGLangEngine:
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         named = list(named_tensors)
-        if self.launch.max_restarts > self.restarts:
+        if self.launch.sglang.max_restarts > self.restarts:
             # A restart must push this version. The rollout role's inbox keeps these tensors
             # unchanged until it installs the next version (WeightInbox.install), in host memory
             # for SGLang engines: they are kept as they are, not copied; only tensors on a GPU
@@ -243,16 +245,16 @@ class ManagedSGLangEngine:
         if self._push is not None:
             self._push.close(None)
             self._push = None
-        if self.restarts >= self.launch.max_restarts:
+        if self.restarts >= self.launch.sglang.max_restarts:
             self.server.stop()
             raise EngineGone(
                 f"{self.name} stopped (exit code {code}) and was restarted {self.restarts} times already "
-                f"([rollout.sglang] max_restarts = {self.launch.max_restarts}); its work goes to the engines "
+                f"([rollout.sglang] max_restarts = {self.launch.sglang.max_restarts}); its work goes to the engines "
                 f"left. Why it stopped is in its log:\n{self.server.log_tail(1500)}") from error
         self.restarts += 1
         log.warning("%s stopped (exit code %s, %s); restarting it (%d of at most %d)", self.name, code,
                     str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__,
-                    self.restarts, self.launch.max_restarts)
+                    self.restarts, self.launch.sglang.max_restarts)
         self._released = False
         try:
             self.server.restart()
