@@ -49,6 +49,15 @@ class AgenticConfig:
             raise ValueError("invalid agentic rollout settings:\n  " + "\n  ".join(problems))
 
 
+def samples_per_session(rollout: Any) -> int:
+    """The most training samples one episode or session of a RolloutSpec (or AgenticConfig)
+    exports, which the transfer queue is sized by: an env or generate episode is one sample; an
+    agent session exports one per completion ("individual") or per chain of completions ("concat":
+    a completion that does not extend the chain starts another), at most `max_turns`, which
+    `AgenticRollout` holds each session to."""
+    return rollout.max_turns if rollout.agent else 1
+
+
 def agentic_from_spec(rollout: Any) -> AgenticConfig | None:
     """The AgenticConfig of a RolloutSpec, or None for plain single-turn rollouts."""
     if not (rollout.env or rollout.generate or rollout.agent):

@@ -76,9 +76,11 @@ MAX_BODY_BYTES = 8 * 1024 * 1024
 # Messages with text parts nest 5 levels; the limit leaves room for fields the proxy ignores.
 MAX_JSON_DEPTH = 32
 # Agents on this host: a request has 30 s to arrive (an 8 MiB body of images included), 256
-# connections may be open (many sessions at once), 32 from one address before they show the token
-# (every agent comes from 127.0.0.1, and a connection is without it only until its headers are in).
-PROXY_LIMITS = ServingLimits(request_timeout_s=30.0, max_connections=256, max_untrusted_per_peer=32)
+# connections may be open (many sessions at once), 128 from one address before they show the token
+# (every agent comes from 127.0.0.1, and a connection is without it only until its headers are in:
+# inline agents share the proxy's event loop, so a step's sessions all connect before any of their
+# headers is read, and a step of 8 prompts x 8 samples opens 64 at once).
+PROXY_LIMITS = ServingLimits(request_timeout_s=30.0, max_connections=256, max_untrusted_per_peer=128)
 MAX_CHOICES = 16  # n: the most choices one request may ask for
 PROXY_TOKEN_PURPOSE = "agent-proxy"
 PROXY_AUTH_MESSAGE = (
@@ -425,7 +427,8 @@ class AgentProxy:
             self.malformed_tool_calls += 1
         if not reply.tool_calls:
             return plain
-        return {"index": index, "finish_reason": "tool_calls",
+        # Cut at max_tokens after whole calls: "length" still, so the agent knows the turn was cut.
+        return {"index": index, "finish_reason": "length" if finish_reason == "length" else "tool_calls",
                 "message": {"role": "assistant", "content": reply.content,
                             "tool_calls": [c.as_openai() for c in reply.tool_calls]}}
 

@@ -16,7 +16,7 @@ from collections import Counter
 from typing import Any, Coroutine, TypeVar
 
 from relax_hpc.agents.batcher import EngineBatcher
-from relax_hpc.agents.config import AgenticConfig
+from relax_hpc.agents.config import AgenticConfig, samples_per_session
 from relax_hpc.agents.dotted import load_dotted
 from relax_hpc.agents.export import assign_rewards, export_concat, export_individual
 from relax_hpc.agents.multiturn import GenerateArgs, generate_with_env, run_generate
@@ -95,16 +95,25 @@ class AgenticRollout:
         malformed_before = self.proxy.malformed_tool_calls
         results = self._call(self._run_sessions(datas, seed))
         groups: list[list[Sample]] = []
-        completions = 0
+        completions = most = 0
         for k, row in enumerate(rows):
             group: list[Sample] = []
             for res in results[k * n:(k + 1) * n]:
-                group.extend(self._session_samples(res, row, first_group_id + k))
+                exported = self._session_samples(res, row, first_group_id + k)
+                group.extend(exported)
                 completions += len(res.records)
+                most = max(most, len(exported))
             groups.append(group)
         if not any(groups):
             raise RuntimeError(f'[rollout] agent = "{self.cfg.agent}": no session made a completion this step; '
                                "the agent must call the chat completions endpoint at base_url")
+        if most > samples_per_session(self.cfg):
+            raise RuntimeError(
+                f'[rollout] agent = "{self.cfg.agent}": a session exported {most} samples (agent_export_style = '
+                f'"{self.cfg.export_style}"), more than [rollout] max_turns = {self.cfg.max_turns}, the most one '
+                "session may export (the transfer queue holds prompts_per_step x n_samples_per_prompt x max_turns "
+                f"rows a step); set [rollout] max_turns to at least {most}, the most completions a session of "
+                "this agent makes")
         return groups, {"rollout/completions_per_session": completions / max(1, len(results)),
                         # replies this step with a tool-call block the proxy could not read
                         "agent/malformed_tool_calls": float(self.proxy.malformed_tool_calls - malformed_before)}

@@ -26,8 +26,8 @@ from relax_hpc.spec.schema import JobSpec
 __all__ = ["ModelFacts", "backend_support_problems", "check_backend_support", "model_facts"]
 
 # The model_type each `[model] arch` / `tiny_arch` name stands for (relax_hpc/models/tiny*.py).
-ARCH_MODEL_TYPES = {"qwen3": "qwen3", "qwen3_moe": "qwen3_moe", "qwen2_5_vl": "qwen2_5_vl", "qwen3_vl": "qwen3_vl",
-                    "qwen2_5_omni": "qwen2_5_omni", "qwen3_omni": "qwen3_omni_moe"}
+ARCH_MODEL_TYPES = {"qwen3": "qwen3", "qwen3_tools": "qwen3", "qwen3_moe": "qwen3_moe", "qwen2_5_vl": "qwen2_5_vl",
+                    "qwen3_vl": "qwen3_vl", "qwen2_5_omni": "qwen2_5_omni", "qwen3_omni": "qwen3_omni_moe"}
 _MOE_ARCHS = frozenset({"qwen3_moe", "qwen3_omni"})
 # Config keys only a multimodal model has (relax_hpc/models/hf.py refuses one outside FAMILIES).
 _MULTIMODAL_KEYS = ("vision_config", "audio_config", "thinker_config")

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from relax_hpc.agents.config import agentic_from_spec
+from relax_hpc.agents.config import agentic_from_spec, samples_per_session
 from relax_hpc.algos import LossConfig
 from relax_hpc.auth import SECRET_ENV
 from relax_hpc.backends.base import OptimConfig, require_backend
@@ -241,6 +241,10 @@ def ensure_model(spec: JobSpec) -> None:
         from relax_hpc.models.tiny import write_tiny_model
 
         write_tiny_model(path, seed=spec.job.seed)
+    elif spec.model.tiny_arch == "qwen3_tools":
+        from relax_hpc.models.tiny_tools import write_tool_model
+
+        write_tool_model(path, seed=spec.job.seed)
     else:
         from relax_hpc.models.tiny_mm import shape_for_engine, write_tiny_multimodal
 
@@ -488,7 +492,9 @@ def _start(stack: ExitStack, spec: JobSpec, job_dir: Path, in_process: bool, ray
     health = _HealthReporter(status, alerts)
     healer = health.healer = None if in_process else RoleHealer(spec.health, job_dir, on_event=health)
     r = spec.rollout
-    capacity = queue_capacity(r.prompts_per_step, spec.algorithm.max_staleness, r.n_samples_per_prompt)
+    # An agent session may export several samples (agents/config.py: up to max_turns).
+    capacity = queue_capacity(r.prompts_per_step, spec.algorithm.max_staleness,
+                              r.n_samples_per_prompt * samples_per_session(r))
     queue_roles = queue_role_configs(spec, role_cfgs[1].device)
 
     critic = critic_config(spec, job_dir, role_cfgs[1].device)

@@ -34,6 +34,10 @@ def write_tiny_model_of(arch: str, out_dir: Path, seed: int, engine: str) -> Pat
         from relax_hpc.models.tiny import write_tiny_model
 
         return write_tiny_model(out_dir, seed=seed)
+    if arch == "qwen3_tools":
+        from relax_hpc.models.tiny_tools import write_tool_model
+
+        return write_tool_model(out_dir, seed=seed)
     if arch == "qwen3_moe":
         from relax_hpc.models.tiny_moe import write_tiny_moe_model
 

@@ -36,8 +36,11 @@ TINY_ARCHS = ("qwen3", "qwen3_moe", "qwen2_5_vl", "qwen3_vl", "qwen2_5_omni", "q
 # config.json model_type -> the tiny architecture of that family.
 ARCH_OF_MODEL_TYPE = {"qwen3": "qwen3", "qwen3_moe": "qwen3_moe", "qwen2_5_vl": "qwen2_5_vl",
                       "qwen3_vl": "qwen3_vl", "qwen2_5_omni": "qwen2_5_omni", "qwen3_omni_moe": "qwen3_omni"}
-# Positions of the tiny models: prompt plus response must fit (tiny.py 256, tiny_mm.py 512).
-TINY_POSITIONS = {"qwen3": 256, "qwen3_moe": 256}
+# The tiny text models of the qwen3 family that only `[model] tiny_arch` names: a rehearsal of a
+# spec that builds one builds it too (tiny_tools.py: the tool call its agents learn is one token).
+QWEN3_VARIANTS = ("qwen3_tools",)
+# Positions of the tiny models: prompt plus response must fit (tiny*.py 256, tiny_mm.py 512).
+TINY_POSITIONS = {"qwen3": 256, "qwen3_moe": 256, "qwen3_tools": 256}
 TINY_MM_POSITIONS = 512
 
 # What a rehearsal on this CPU machine shrinks to: the smallest sizes that run the same code paths.
@@ -99,7 +102,8 @@ def shown(value: object) -> str:
 
 def tiny_arch_of(spec: JobSpec, machine: Machine) -> tuple[str, str]:
     """The tiny architecture and where it came from: --arch, config.json, [model] arch, then the
-    tiny_arch that build_tiny_if_missing would write."""
+    tiny_arch that build_tiny_if_missing would write (that one also where config.json is a qwen3
+    the spec built: a QWEN3_VARIANTS tokenizer has tokens the plain tiny qwen3 lacks)."""
     if machine.arch is not None:
         return _known(machine.arch, "--arch"), "--arch"
     if machine.model_config is not None:
@@ -108,6 +112,8 @@ def tiny_arch_of(spec: JobSpec, machine: Machine) -> tuple[str, str]:
             raise ValueError(f"{spec.model.path}/config.json has model_type {model_type!r}, of which there is no "
                              f"tiny model; the families are {', '.join(sorted(ARCH_OF_MODEL_TYPE))} (pass --arch "
                              "to rehearse with one of them)")
+        if model_type == "qwen3" and spec.model.build_tiny_if_missing and spec.model.tiny_arch in QWEN3_VARIANTS:
+            return spec.model.tiny_arch, f"config.json model_type {model_type!r}, [model] tiny_arch"
         return ARCH_OF_MODEL_TYPE[model_type], f"config.json model_type {model_type!r}"
     if spec.model.arch is not None:
         return spec.model.arch, "[model] arch"

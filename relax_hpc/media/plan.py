@@ -25,7 +25,7 @@ from relax_hpc.spec.schema import JobSpec
 SGLANG_MEDIA_PACKAGES: dict[str, tuple[str, ...]] = {"audio": ("torchaudio",), "video": ("torchcodec", "decord")}
 
 # The model_type of each tiny architecture `[model] tiny_arch` names.
-TINY_MODEL_TYPES = {"qwen3": "qwen3", "qwen2_5_vl": "qwen2_5_vl", "qwen3_vl": "qwen3_vl",
+TINY_MODEL_TYPES = {"qwen3": "qwen3", "qwen3_tools": "qwen3", "qwen2_5_vl": "qwen2_5_vl", "qwen3_vl": "qwen3_vl",
                     "qwen2_5_omni": "qwen2_5_omni", "qwen3_omni": "qwen3_omni_moe"}
 
 

@@ -132,8 +132,10 @@ class ModelSpec:
 
     path: str = required(non_empty, plain_text)
     build_tiny_if_missing: bool = setting(False)
-    # The architecture build_tiny_if_missing writes: "qwen3" (text) or a tiny multimodal one.
-    tiny_arch: Literal["qwen3", "qwen2_5_vl", "qwen3_vl", "qwen2_5_omni", "qwen3_omni"] = setting("qwen3")
+    # The architecture build_tiny_if_missing writes: "qwen3" (text), "qwen3_tools" (text with a
+    # tool format: relax_hpc/models/tiny_tools.py) or a tiny multimodal one.
+    tiny_arch: Literal["qwen3", "qwen3_tools", "qwen2_5_vl", "qwen3_vl", "qwen2_5_omni",
+                       "qwen3_omni"] = setting("qwen3")
     # The architecture of the model at `path` (a `make-tiny` family), for where its config.json is
     # not readable: `relax-hpc rehearse` builds a tiny model of it. Unset: read from config.json.
     arch: Literal["qwen3", "qwen3_moe", "qwen2_5_vl", "qwen3_vl", "qwen2_5_omni", "qwen3_omni"] | None = setting(None)

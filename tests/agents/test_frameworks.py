@@ -182,3 +182,33 @@ def test_langchain_and_agents_sdk_hit_401_and_400_like_any_client(proxy_of: Call
         asyncio.run(run())
     assert engine.produced == []
     assert sdk_agent.BoxAgent and langchain_agent.BoxAgent  # both import with their framework only
+
+
+def test_a_tool_call_cut_at_max_tokens_keeps_finish_length(proxy_of: Callable[..., Any], tok: Any) -> None:
+    # The call is whole, the text after it was cut: the agent must know the turn never ended
+    # (the Responses API says "incomplete"), or it would send back a turn the model did not write.
+    svc, _ = proxy_of([TOOL_CALL + "xy"])
+    client, _, _ = _client(svc)
+    limit = len(tok.encode(TOOL_CALL, add_special_tokens=False)) + 1
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
+    reply = client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "box?"}],
+                                           tools=tools, max_tokens=limit)
+    assert reply.choices[0].finish_reason == "length" and reply.choices[0].message.content == "x"
+    assert [c.function.name for c in reply.choices[0].message.tool_calls or []] == ["lookup"]
+    cut = client.responses.create(model="policy", input="box?", max_output_tokens=limit,
+                                  tools=[{"type": "function", "name": "lookup", "parameters": {"type": "object"}}])
+    assert cut.status == "incomplete" and cut.incomplete_details is not None
+    assert cut.incomplete_details.reason == "max_output_tokens"
+    assert [item.type for item in cut.output] == ["message", "function_call"]
+
+
+def test_example_specs_name_importable_agents() -> None:
+    from pathlib import Path
+
+    from relax_hpc.agents.config import agentic_from_spec
+    from relax_hpc.spec import load_spec
+
+    root = Path(__file__).resolve().parents[2]
+    for name, module in (("agent_tools_sdk", sdk_agent), ("agent_tools_langchain", langchain_agent)):
+        cfg = agentic_from_spec(load_spec(root / "jobspecs" / f"{name}.toml").rollout)
+        assert cfg is not None and cfg.agent == f"{module.__name__}:BoxAgent" and cfg.export_style == "concat"

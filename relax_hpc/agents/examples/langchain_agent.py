@@ -14,7 +14,7 @@ from langchain_core.messages import BaseMessage, HumanMessage
 from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI
 
-from relax_hpc.agents.examples.tool_model import box_reward
+from relax_hpc.agents.examples.tool_model import NEAR_MISS_REWARD, box_reward
 
 
 class BoxAgent:
@@ -32,6 +32,8 @@ class BoxAgent:
         first = await llm.ainvoke(messages)
         if not first.tool_calls:
             return box_reward(False, str(first.content), label)
+        if first.response_metadata.get("finish_reason") == "length":
+            return NEAR_MISS_REWARD  # a call, then text cut at the token limit: the turn never ended
         messages.append(first)
         for call in first.tool_calls:
             messages.append(await lookup.ainvoke(call))  # a ToolCall in, a ToolMessage out
