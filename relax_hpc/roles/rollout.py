@@ -41,7 +41,7 @@ from relax_hpc.spec.schema import (
     SGLangSpec,
     TrainSpec,
 )
-from relax_hpc.transfer.connect import connect_queue
+from relax_hpc.transfer.connect import connect_queue, report_failure
 from relax_hpc.transfer.memory import InMemoryTransferQueue
 from relax_hpc.transfer.queue import staleness_allows
 from relax_hpc.weights.base import required_weight_version
@@ -366,6 +366,8 @@ class RolloutWorker(WeightReceiverEndpoint, Heartbeats):
             except Exception as e:  # noqa: BLE001 - a put that failed while the producer stopped
                 self._error = self._error or f"rollout producer failed: {type(e).__name__}: {e}"
             queue.close()
+            if self._error:  # in one process the trainer waits on this queue: it stops at once
+                report_failure(target, self._error)
 
     def _rows_of(self, samples: list[Sample]) -> Sequence[dict[str, Any]]:
         # With an Advantages role, that role writes each row's advantage on the queue.

@@ -13,7 +13,7 @@ import threading
 from typing import Any
 
 from relax_hpc.ops.heap import settle_heap
-from relax_hpc.transfer.connect import connect_queue
+from relax_hpc.transfer.connect import connect_queue, report_failure
 
 
 class StepLoopWorker(abc.ABC):
@@ -57,6 +57,7 @@ class StepLoopWorker(abc.ABC):
                 settle_heap()  # once, after the first step: start-up is over
         except Exception as e:  # reported to the driver
             self._error = f"{self.kind} failed: {type(e).__name__}: {e}"
+            report_failure(target, self._error)
         finally:
             queue.close()
 

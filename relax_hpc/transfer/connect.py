@@ -17,3 +17,10 @@ def connect_queue(target: InMemoryTransferQueue | str, consumer_id: str) -> Tran
     from relax_hpc.transfer.zmq_client import TransferQueueClient
 
     return TransferQueueClient(target, secret=job_secret(), consumer_id=consumer_id)
+
+
+def report_failure(target: InMemoryTransferQueue | str, reason: str) -> None:
+    """A role feeding `target` failed with `reason`. An in-process queue stops its waiters with it
+    (`InMemoryTransferQueue.abort`); on a ZMQ queue the driver finds the failed role by polling."""
+    if isinstance(target, InMemoryTransferQueue):
+        target.abort(reason)

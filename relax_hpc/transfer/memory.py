@@ -16,6 +16,7 @@ from relax_hpc.transfer.queue import (
     Batch,
     PartitionInfo,
     Row,
+    TransferAbortedError,
     TransferTimeoutError,
     Value,
     check_name,
@@ -54,6 +55,7 @@ class InMemoryTransferQueue:
         with self._cond:
             self._state.check_put(partition, len(rows))
             while not self._state.has_room(len(rows)):
+                self._raise_if_aborted()
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TransferTimeoutError(self._state.capacity_message(partition, len(rows), timeout))
@@ -90,6 +92,7 @@ class InMemoryTransferQueue:
                 taken = self._state.try_get(partition, task, names, batch_size, self._owner)
                 if taken is not None:
                     return Batch(partition, taken.indices, taken.rows, taken.end)
+                self._raise_if_aborted()
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TransferTimeoutError(
@@ -159,6 +162,7 @@ class InMemoryTransferQueue:
         deadline = time.monotonic() + timeout
         with self._cond:
             while not self._state.may_start(step, max_staleness):
+                self._raise_if_aborted()
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TransferTimeoutError(
@@ -167,6 +171,20 @@ class InMemoryTransferQueue:
                         f"{self._state.oldest_uncleared()}); the actor has not cleared it"
                     )
                 self._cond.wait(left)
+
+    def abort(self, reason: str) -> None:
+        """A role feeding this queue failed with `reason`: every call of every session that waits
+        on the queue, now or later, raises TransferAbortedError(reason) rather than waiting out
+        its timeout (rows it can take now are still handed out). In a Ray run the driver finds a
+        failed role by polling; in one process the waiters would otherwise sleep through it."""
+        with self._cond:
+            if self._state.aborted is None:
+                self._state.aborted = reason
+            self._cond.notify_all()
+
+    def _raise_if_aborted(self) -> None:
+        if self._state.aborted is not None:
+            raise TransferAbortedError(f"the queue stopped: {self._state.aborted}")
 
     def close(self) -> None:
         """Nothing to release; unacked rows stay owed to this consumer's next session."""

@@ -39,6 +39,11 @@ class TransferTimeoutError(TransferQueueError, TimeoutError):
     """A blocking call (get, put against capacity, staleness wait) ran out of time."""
 
 
+class TransferAbortedError(TransferQueueError):
+    """A role that feeds an in-process queue failed: calls waiting on it stop at once with that
+    role's error instead of waiting out their timeout (`InMemoryTransferQueue.abort`)."""
+
+
 class TransferUnreachableError(TransferQueueError, ConnectionError):
     """The queue server did not answer at all (not running, wrong address, network)."""
 

@@ -72,6 +72,7 @@ class QueueState(Generic[V]):
             raise ValueError(f"capacity must be >= 1 rows or None (unbounded), got {capacity}")
         self.capacity = capacity
         self.held = 0
+        self.aborted: str | None = None  # why an in-process queue stopped (InMemoryTransferQueue.abort)
         self._parts: dict[str, _Partition[V]] = {}
         self._cleared: set[str] = set()
         self._seq = itertools.count()

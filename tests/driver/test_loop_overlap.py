@@ -246,6 +246,33 @@ def test_in_process_run_with_a_broken_broadcast_fails_with_the_channel_error(
         roles.shutdown()
 
 
+@pytest.mark.slow
+def test_in_process_a_failed_rollout_stops_the_waiting_trainer_at_once(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """In one process nothing polls the roles: the producer's failure stops the queue, so the
+    trainer waiting for step 1's rows fails with rollout's error rather than its queue timeout."""
+    from relax_hpc.driver.run import role_configs
+    from relax_hpc.roles.handles import LocalRoles
+    from relax_hpc.spec import parse_spec
+    from relax_hpc.transfer.queue import TransferAbortedError
+
+    spec = parse_spec(tiny_spec_text(tiny_model_dir, tmp_path / "job", steps=3, save_interval=50))
+    rollout_cfg, actor_cfg = role_configs(spec, tmp_path / "job", "cpu")
+    roles = LocalRoles(rollout_cfg, actor_cfg)  # the trainer's own wait: 600 s
+
+    def generate(step: int) -> Any:
+        raise ValueError(f"bad prompt in step {step}")
+
+    roles.rollout.generate = generate  # type: ignore[method-assign]
+    try:
+        with pytest.raises(RuntimeError, match=r"rollout producer failed: ValueError: bad prompt in step 0") as caught:
+            run_loop(LoopTables(TrainSpec(steps=3), AlgorithmSpec(max_staleness=0),
+                                CheckpointSpec(save_interval=50, resume=False)),
+                     roles, InMemorySink(), StopFlag())
+        assert isinstance(caught.value.__cause__, TransferAbortedError)  # not the 600 s timeout
+    finally:
+        roles.shutdown()
+
+
 @pytest.fixture(scope="module")
 def ray_async_run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
     """One async run on Ray with max_staleness 1 and the Advantages role, read by two tests (one
