@@ -38,9 +38,12 @@ with job_secret_env(job_dir, joining=False) as secret_file:
     result = {"worker_env": ray.get(worker_env.remote()), "secret_file": str(secret_file), "joins": {}}
     address = ray.get_runtime_context().gcs_address
     children = {}
-    for label, extra in attempts.items():  # all at once: a refused join takes ~20 s to give up
+    for label, extra in attempts.items():  # all at once
         env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH") and k != "RELAX_HPC_SECRET_FILE"}
         env["HOME"] = str(job_dir)  # no ~/.ray/auth_token of the user's to fall back on
+        # Every client tries to reach the GCS for 3 s instead of Ray's 20 (the right token's
+        # alike, so a refusal is the server's answer, not a client that gave up too soon).
+        env["RAY_gcs_server_port_wait_time_s"] = "3"
         env.update(extra)
         children[label] = subprocess.Popen([sys.executable, "-c", JOIN % address], env=env, text=True,
                                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
