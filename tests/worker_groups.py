@@ -26,7 +26,7 @@ def xdist_group_of(nodeid: str) -> str:
 # or .venv-megatron come after a few that need neither: under tools/test-all those environments
 # are still being built when the tests start.
 LONGEST_FIRST = ("slurm", "tests/driver/test_omni_e2e.py", "tests/driver/test_train_e2e.py",
-                 "tests/driver/test_fsdp2_e2e.py", "tests/backends/test_megatron_backend.py",
+                 "tests/backends/test_megatron_backend.py",
                  "tests/driver/test_sglang_e2e.py", "tests/engines/test_sglang_fleet.py",
                  "tests/launch/test_faults_rerun.py", "tests/launch/test_faults_global.py",
                  "tests/launch/test_faults_three_kills.py", "tests/launch/test_faults_in_place.py",

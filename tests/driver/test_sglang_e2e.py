@@ -1,5 +1,11 @@
 """`relax-hpc run` of jobspecs/tiny_sglang.toml: the tiny task with an SGLang 0.5.23 server as the
-rollout engine, on CPU, through Ray as a user runs it.
+rollout engine, on CPU, through Ray as a user runs it, and the trainer sharded with FSDP2 over 2
+gloo ranks (the layout of the production VL and omni specs: FSDP2 ranks feeding SGLang servers).
+The sharded trainer's own checks (each rank holds its share of the model and what `validate`
+predicts; the checkpoint two ranks wrote loads whole into one process with every parameter
+trained) ride on this run: they had a run of their own on native engines, a whole start-up and
+150 steps more for what this one proves too. Two native engines behind the router under Ray are
+tests/driver/test_engine_death_e2e.py's.
 
 Checks that the reward rises as with the native engine (tests/driver/test_train_e2e.py), that
 the server received every weight version (each step's samples carry the version SGLang reports,
@@ -31,6 +37,7 @@ import torch
 from e2e_helpers import DATA, LEARN_LR, LEARN_STEPS, REPO
 from side_env import SGLANG
 
+from relax_hpc.ckpt import CheckpointManager, read_resume_file
 from relax_hpc.ckpt.export import export_hf
 from relax_hpc.models.hf import load_causal_lm
 from relax_hpc.ops.archive import read_archive
@@ -51,7 +58,7 @@ def _spec(model_dir: Path, job_dir: Path, python: Path) -> str:
         r'(?m)^path = "runs/models/tiny-qwen3"$': f'path = "{model_dir}"',
         r'(?m)^path = "jobspecs/data/tiny_sum.jsonl"$': f'path = "{DATA}"',
         r'(?m)^python = "\.venv-sglang/bin/python"': f'python = "{python}"',
-        r"(?m)^steps = \d+$": f"steps = {STEPS}",
+        r"(?m)^steps = \d+$": f'steps = {STEPS}\nstrategy = "fsdp2"\nnum_processes = 2',
         r"(?m)^lr = 5e-4$": f"lr = {LEARN_LR}",
         r"(?m)^save_interval = \d+$": f"save_interval = {CHECKED_VERSIONS[0]}",
         r"(?m)^keep_last = \d+$": "keep_last = 3",
@@ -115,3 +122,50 @@ def test_tiny_sglang_trains_and_the_engines_run_every_version(tiny_model_dir: Pa
         rows = archive[version]
         assert len(rows) == 16 * 16
         assert _max_logprob_gap(load_causal_lm(weights).eval(), rows) < LOGPROB_TOL
+
+    memory = json.loads((job / "summary.json").read_text())["memory"]
+    _each_rank_holds_its_share(memory, world=2)
+    _as_validate_predicts(memory, spec_path, tiny_model_dir)
+    # Two sharded ranks wrote the checkpoint; one unsharded process reads it back whole.
+    checkpoint = job / "checkpoints" / f"step_{STEPS}"
+    assert read_resume_file(checkpoint).world_size == 2
+    before, after = load_causal_lm(tiny_model_dir), load_causal_lm(tiny_model_dir)
+    state = CheckpointManager(job / "checkpoints").load_latest(after, torch.optim.AdamW(after.parameters()))
+    assert state is not None and state.step == STEPS
+    unchanged = [n for (n, p), (_, q) in zip(before.named_parameters(), after.named_parameters())
+                 if torch.equal(p, q)]
+    assert unchanged == [], f"parameters not trained: {unchanged}"
+
+
+def _each_rank_holds_its_share(records: list[dict], world: int) -> None:
+    """From the roles' memory records: each sharded rank's parameters and AdamW state are at most
+    1/W + 0.1 of the whole model's (parameters plus two float32 moments), nothing a trainer rank
+    keeps on its device is a whole copy of the model (rank 0's gathered copy for the engines is in
+    host memory by design)."""
+    trainers = [r for r in records if r["role"] == "trainer"]
+    assert sorted(r["rank"] for r in trainers) == list(range(world)), records
+    for r in trainers:
+        model, held = r["model_bytes"], r["on_device"]
+        assert model > 0 and held["parameters"] > 0 and held["optimizer"] > 0, r
+        assert held["parameters"] + held["optimizer"] <= (1 / world + 0.1) * 3 * model, r
+        copies = {k: held[k] for k in ("parameters", "gradients", "reference", "teacher", "channel_buffers")}
+        assert all(v < model for v in copies.values()), r  # AdamW's two moments of a half are one model's bytes
+    assert trainers[0]["in_host_memory"]["gathered_weights"] >= trainers[0]["model_bytes"]
+    # Rollout's engines are SGLang servers (their memory is their own): it keeps the received
+    # weights in host memory only, to push them on.
+    (rollout,) = [r for r in records if r["role"] == "rollout"]
+    assert rollout["on_device"] == {"engine_weights": 0, "channel_buffers": 0}, rollout
+    assert rollout["in_host_memory"]["weight_buffers"] >= trainers[0]["model_bytes"], rollout
+
+
+def _as_validate_predicts(records: list[dict], spec_path: Path, model_dir: Path) -> None:
+    """Each sharded rank holds what `validate` predicts per trainer GPU (within 10%)."""
+    from relax_hpc.spec import load_spec
+    from relax_hpc.spec.memory_estimate import memory_estimate
+
+    predicted = memory_estimate(load_spec(spec_path), json.loads((model_dir / "config.json").read_text()))[0]
+    assert predicted.name == "trainer"
+    for r in (r for r in records if r["role"] == "trainer"):
+        for kind in ("parameters", "gradients", "optimizer"):
+            expected = getattr(predicted, kind)
+            assert abs(r["on_device"][kind] - expected) <= 0.1 * expected, (r["rank"], kind, r["on_device"], predicted)

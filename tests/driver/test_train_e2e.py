@@ -62,7 +62,7 @@ def test_two_trainer_processes_checkpoint_on_sigterm_and_the_same_command_resume
     # driver checkpoint and stop, and the same command resumes; two trainer processes train as
     # FSDP2 ranks over gloo and save each checkpoint collectively, sharded; and the resumed run
     # gathers the restored shards and pushes them to the engine before it trains on
-    # (tests/driver/test_fsdp2_e2e.py's learning run has no second run for it). A single trainer's
+    # (tests/driver/test_sglang_e2e.py's FSDP2 learning run has no second run for it). A single trainer's
     # resume is the Slurm requeue tests' and the fault suite's, two data-parallel (DDP) ranks'
     # the fault suite's kill-trainer-rank run (docs/testing.md).
     job = tmp_path / "job"

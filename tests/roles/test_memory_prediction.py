@@ -1,7 +1,7 @@
 """`validate`'s per-GPU prediction (relax_hpc/spec/memory_estimate.py) against the bytes a trainer
 really holds after a step (relax_hpc/roles/memory.py), at two tiny sizes, in bfloat16 so the
 float32 master weights and AdamW state the prediction assumes must really be there. The sharded
-case (fsdp2 over 2 ranks) is held against a real run's records in tests/driver/test_fsdp2_e2e.py."""
+case (fsdp2 over 2 ranks) is held against a real run's records in tests/driver/test_sglang_e2e.py."""
 
 from __future__ import annotations
 
