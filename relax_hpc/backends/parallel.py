@@ -24,9 +24,9 @@ carry (`shard_model` explains how the towers ensure it).
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, get_args
+from typing import TYPE_CHECKING, Any, TypeVar, get_args
 
 import torch
 import torch.distributed as dist
@@ -225,3 +225,19 @@ def is_sharded(model: nn.Module) -> bool:
     from torch.distributed.fsdp import FSDPModule
 
     return isinstance(model, FSDPModule)
+
+
+T = TypeVar("T")
+
+
+def in_lockstep(items: Iterable[T], sum_over_ranks: Callable[[list[float]], list[float]]) -> Iterator[T | None]:
+    """This rank's items, then None (ask for an empty pass) until every rank is through its own:
+    with sharded parameters every forward and backward is a collective, so every rank must run
+    as many. `sum_over_ranks` is the rank group's all-reduce of a few floats."""
+    remaining = iter(items)
+    while True:
+        item = next(remaining, None)
+        (busy,) = sum_over_ranks([0.0 if item is None else 1.0])
+        if busy == 0:
+            return
+        yield item

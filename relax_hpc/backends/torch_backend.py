@@ -34,7 +34,14 @@ from relax_hpc.algos import (
 from relax_hpc.algos.aggregation import loss_denominator
 from relax_hpc.backends.base import OptimConfig, StepStats
 from relax_hpc.backends.batch import TrainBatch, pack_samples
-from relax_hpc.backends.parallel import STRATEGIES, Strategy, full_weights, keep_float32_masters, shard_model
+from relax_hpc.backends.parallel import (
+    STRATEGIES,
+    Strategy,
+    full_weights,
+    in_lockstep,
+    keep_float32_masters,
+    shard_model,
+)
 from relax_hpc.backends.sharded_load import load_model
 from relax_hpc.data.sample import Sample
 from relax_hpc.media.processor import media_processor_for
@@ -330,13 +337,7 @@ class TorchBackend:
         if not self.sharded:
             yield from items
             return
-        remaining = iter(items)
-        while True:
-            item = next(remaining, None)
-            (busy,) = self._sum_over_ranks([0.0 if item is None else 1.0])
-            if busy == 0:
-                return
-            yield item
+        yield from in_lockstep(items, self._sum_over_ranks)
 
     def _empty_pass(self, backward: bool, model: torch.nn.Module | None = None, reference: bool = False) -> None:
         """A forward (and backward) of one pad token with a zero loss: the collectives of a pass

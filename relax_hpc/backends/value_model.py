@@ -39,7 +39,7 @@ import torch.distributed as dist
 from relax_hpc.algos.aggregation import loss_denominator
 from relax_hpc.algos.gae import value_loss
 from relax_hpc.backends.batch import TrainBatch
-from relax_hpc.backends.parallel import Strategy, shard_model
+from relax_hpc.backends.parallel import Strategy, in_lockstep, shard_model
 from relax_hpc.models.hf import load_policy_model
 from relax_hpc.spec.schema import TrainSpec
 
@@ -162,13 +162,7 @@ class ValueTrainer:
         if not self.sharded:
             yield from items
             return
-        remaining = iter(items)
-        while True:
-            item = next(remaining, None)
-            (busy,) = self._sum_over_ranks([0.0 if item is None else 1.0])
-            if busy == 0:
-                return
-            yield item
+        yield from in_lockstep(items, self._sum_over_ranks)
 
     def _empty_pass(self, backward: bool) -> None:
         """A forward (and backward) of one pad token with a zero loss: a pass's collectives,
