@@ -217,6 +217,12 @@ class RolloutSpec:
     agent_session_timeout_s: float = setting(600.0, within(0, MAX_TIMEOUT_S, low_open=True))
     sglang: SGLangSpec = setting_from(SGLangSpec)
 
+    @property
+    def on_sglang(self) -> bool:
+        """The engines are SGLang servers (engine = "sglang"): their own interpreter, requests over
+        HTTP, weights pushed to them; otherwise the native engine, in the rollout's processes."""
+        return self.engine == "sglang"
+
 
 @dataclass(frozen=True, kw_only=True)
 class AlgorithmSpec:
