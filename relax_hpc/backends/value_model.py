@@ -21,7 +21,8 @@ Checkpoints are the trainer's own, next to the actor's: ``<root>/step_N/critic/`
 checkpoint of model and optimizer (sharded as trained; DCP reshards on load), written by every
 rank, and ``<root>/step_N/critic.json`` (the step, strategy and rank count) written by rank 0
 once the tensors are down. The step is written as ``tmp_step_N`` and renamed, so a crash never
-leaves a half-written step that looks complete; the newest `keep_last` are kept.
+leaves a half-written step that looks complete; the newest `keep_last` are kept (`save_step`, which
+the Megatron critic, backends/megatron_value.py, writes its checkpoints through too).
 """
 
 from __future__ import annotations

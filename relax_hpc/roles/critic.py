@@ -21,7 +21,9 @@ With `[critic] num_processes` > 1 each rank (`CriticWorker(cfg, rank, world_size
 process group of the critic's own) does 2 to 4 for its share of the rows: the whitening's mean
 and variance and the metrics come from sums all-reduced over the ranks, and the gradient is the
 whole step's (backends/value_model.py), so N ranks write and train what one would.
-`[critic] strategy` holds the value model whole on every rank (`ddp`) or sharded (`fsdp2`).
+`[critic] strategy` holds the value model whole on every rank (`ddp`) or sharded (`fsdp2`);
+`[critic] backend = "megatron"` runs it on megatron-core instead (backends/megatron_value.py),
+where the shares are the tensor-parallel replicas' (`trainer.data_rank` of `trainer.data_size`).
 
 A critic rank killed mid-step is a dead role like a trainer rank: the run restarts globally from
 the newest checkpoint, which holds the critic's model and optimizer (`save_checkpoint`, collective,
