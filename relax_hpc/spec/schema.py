@@ -333,6 +333,8 @@ class CriticSpec:
     grad_clip: float = setting(1.0, at_least(0))  # 0 disables clipping
     num_processes: int = setting(1, within(1, MAX_COUNT))  # the critic's data-parallel ranks
     strategy: TrainStrategy | None = setting(None)  # how they hold the value model; unset: [train] strategy
+    backend: Literal["torch", "megatron"] | None = setting(None)  # unset: [train] backend
+    megatron: MegatronSpec | None = setting(None)  # [critic.megatron], backend "megatron"; unset: [train.megatron]
 
 
 @dataclass(frozen=True, kw_only=True)
