@@ -142,7 +142,8 @@ def pad_batch(batch: TrainBatch, rows: int, length: int, pad_id: int) -> TrainBa
     return TrainBatch(
         grow(batch.input_ids, length, pad_id), grow(batch.attention_mask, length, 0),
         grow(batch.targets, per_token, pad_id), grow(batch.loss_mask, per_token, 0),
-        grow(batch.rollout_log_probs, per_token, 0), grow(batch.advantages, None, 0),
+        grow(batch.rollout_log_probs, per_token, 0),
+        grow(batch.advantages, None if batch.advantages.dim() == 1 else per_token, 0),  # [B] or GAE's [B, L-1]
         grow_optional(batch.old_log_probs), grow_optional(batch.ref_log_probs), grow_routes(batch.routed_experts),
     )
 

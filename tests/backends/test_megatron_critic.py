@@ -5,15 +5,19 @@ gloo ranks hold one tensor-parallel replica of the value model, take two critic 
 a torch critic takes them on, from the same weights (the tiny model and one non-zero value head),
 save and load their checkpoint. Skips without that environment, as tests/side_env.py says
 (RELAX_TEST_MEGATRON=1 makes the environment's own test fail instead). About 20 s on 2 cores.
+Then PPO as a Megatron user runs it: `relax-hpc run` of jobspecs/tiny_megatron.toml with
+`advantage = "gae"`, actor and critic each TP=2 on Ray (four ranks; about 60 s on 2 cores).
 """
 
 from __future__ import annotations
 
+import json
+import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
-from side_env import MEGATRON, run_json_script
+from side_env import MEGATRON, REPO, run_json_script, side_process_env
 
 CHECK_SCRIPT = Path(__file__).with_name("megatron_critic_check.py")
 TOLERANCE = 1e-5  # float32 on the same weights: observed <= 3e-6 (advantages), 1.2e-6 (values)
@@ -53,3 +57,39 @@ def test_a_megatron_critic_checkpoint_loads_exactly_its_weights_and_moments(laun
     assert launch["meta"] == {"step": 2, "backend": "megatron", "num_processes": 2}
     assert launch["listing"] == ["step_2"]  # renamed from tmp_step_2
     assert {".metadata", "metadata.json", "common.pt"} <= set(launch["files"])  # dist_checkpointing's layout
+
+
+def _megatron_ppo_spec(tmp_path: Path) -> Path:
+    """jobspecs/tiny_megatron.toml with a critic: it inherits the actor's backend and TP=2."""
+    text = (REPO / "jobspecs" / "tiny_megatron.toml").read_text()
+    for old, new in (('name = "tiny_megatron"\n', f'name = "tiny_megatron"\noutput_dir = "{tmp_path / "job"}"\n'),
+                     ('"runs/models/tiny-qwen3"', f'"{tmp_path / "model"}"'),
+                     ("max_staleness = 0\n", 'max_staleness = 0\nadvantage = "gae"\n'),
+                     ("steps = 60\n", "steps = 2\n"), ("save_interval = 50\n", "save_interval = 2\n")):
+        assert old in text, old
+        text = text.replace(old, new, 1)
+    spec = tmp_path / "tiny_megatron_ppo.toml"
+    spec.write_text(text + "\n[critic]\nnum_processes = 2\nlr = 1e-3\nmicro_batch_size = 256\nwarmup_steps = 1\n")
+    return spec
+
+
+def test_a_megatron_actor_and_critic_run_ppo_on_ray_and_checkpoint_both(tmp_path: Path) -> None:
+    python = MEGATRON.python_or_skip()
+    done = subprocess.run([str(python.parent / "relax-hpc"), "run", str(_megatron_ppo_spec(tmp_path)), "--no-progress"],
+                          check=False, cwd=REPO, capture_output=True, text=True, timeout=600,
+                          env=side_process_env(RAY_AUTH_MODE="disabled"))
+    assert done.returncode == 0, f"relax-hpc run exited {done.returncode}:\n{done.stderr[-6000:]}"
+    job = tmp_path / "job"
+    rows = [json.loads(line) for line in (job / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    # Step 1 warms the critic up (its fresh head values everything 0); step 2 trains the Megatron
+    # actor on the critic's per-token advantages, from values the warm-up moved.
+    assert rows[0]["critic/warmup"] == 1.0 and rows[0]["critic/values_mean"] == 0.0
+    assert "train/loss/policy" not in rows[0]
+    assert rows[1]["critic/warmup"] == 0.0 and rows[1]["critic/values_mean"] != 0.0
+    assert "train/loss/policy" in rows[1] and rows[1]["critic/grad_norm"] > 0
+    assert sorted(p.name for p in (job / "checkpoints_critic").iterdir()) == ["step_2"]
+    meta = json.loads((job / "checkpoints_critic" / "step_2" / "critic.json").read_text())
+    assert meta == {"step": 2, "backend": "megatron", "num_processes": 2}
+    assert (job / "checkpoints_critic" / "step_2" / "critic" / "metadata.json").is_file()  # dist_checkpointing's
+    assert sorted(p.name for p in (job / "checkpoints").iterdir()) == ["latest", "step_2"]

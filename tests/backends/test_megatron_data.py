@@ -74,6 +74,18 @@ def test_pad_batch_adds_only_untrained_pad_cells() -> None:
         pad_batch(batch, rows=2, length=5, pad_id=0)
 
 
+def test_gae_per_token_advantages_are_padded_and_joined_like_the_log_probs() -> None:
+    # GAE writes one advantage per response token ([B, L-1]); the outcome estimators one per row.
+    batch = pack_samples(_samples(), pad_id=0)  # 3 rows, length 5: 4 token columns
+    batch.advantages = torch.arange(12, dtype=torch.float32).reshape(3, 4) * batch.loss_mask
+    grown = pad_batch(batch, rows=4, length=7, pad_id=0)
+    assert grown.advantages.shape == (4, 6)
+    assert torch.equal(grown.advantages[:3, :4], batch.advantages)
+    assert grown.advantages[3].sum() == 0 and grown.advantages[:, 4:].sum() == 0
+    joined = concat_batches([batch.slice(0, 1), batch.slice(1, 3)], pad_id=0)
+    assert torch.equal(joined.advantages, batch.advantages)
+
+
 def test_split_micro_batches_uniform_for_pipelines_and_rounded_for_sequence_parallel() -> None:
     batch = pack_samples(_samples(), pad_id=0)  # 3 rows, length 5
     free = split_micro_batches(batch, 2, pad_id=0, uniform=False)
