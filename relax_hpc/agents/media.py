@@ -13,6 +13,11 @@ would let an agent read the proxy's disk. An environment observation may be a li
 as an RGB uint8 (H, W, 3) numpy array or a PIL image. Every medium is fitted to the model's patch
 grid (`relax_hpc.media.canonical`) once, here, so the engine and the trainer see the same pixels.
 
+A data set row's own images and audio are offered to an agent as the same parts
+(`offered_parts`), encoded losslessly (PNG; 32-bit float WAV), so that a part the agent sends
+back decodes and fits to exactly the row's item. Videos are not offered: the OpenAI API has no
+video content part.
+
 A prompt's media are its items in conversation order per kind (`prompt_media`): the chat
 template writes one placeholder per part, and `MediaProcessor.expand` fills each kind's
 placeholders with that kind's items in order.
@@ -25,6 +30,8 @@ media at the same moment. The others wait for a slot in their worker thread.
 
 from __future__ import annotations
 
+import base64
+import io
 import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -35,6 +42,7 @@ import numpy as np
 from PIL import Image
 
 from relax_hpc.media.canonical import fit_audio, fit_image, fit_video
+from relax_hpc.media.encode import data_url, encode_image_png
 from relax_hpc.media.items import (
     MEDIA_ORDER,
     MediaError,
@@ -112,6 +120,30 @@ def load_part(part: MediaPart, processor: Any, limits: MediaLimits) -> MediaItem
 def prompt_media(items: Iterable[MediaItem]) -> PromptMedia:
     """The items as a prompt's media: images, videos, audios, each kind in conversation order."""
     return PromptMedia(tuple(sorted(items, key=lambda item: MEDIA_ORDER.index(item.kind))))
+
+
+def offered_parts(media: PromptMedia | None) -> list[dict[str, Any]]:
+    """A data set row's images and audio as OpenAI content parts, in the row's order (images,
+    then audio clips); [] for a row without them. Videos are left out (no such part)."""
+    parts: list[dict[str, Any]] = []
+    for item in media.items if media is not None else ():
+        if item.kind == "image":
+            url = data_url(encode_image_png(item.data), "image/png")
+            parts.append({"type": "image_url", "image_url": {"url": url}})
+        elif item.kind == "audio":
+            wav = base64.b64encode(_float_wav(item.data, int(item.rate))).decode("ascii")
+            parts.append({"type": "input_audio", "input_audio": {"data": wav, "format": "wav"}})
+    return parts
+
+
+def _float_wav(wave: np.ndarray, rate: int) -> bytes:
+    """Mono float32 -> a WAV of 32-bit float samples: read back bit for bit, where 16-bit PCM
+    would round a resampled clip to 1/32768 steps."""
+    import soundfile
+
+    buf = io.BytesIO()
+    soundfile.write(buf, np.asarray(wave, dtype=np.float32), rate, format="WAV", subtype="FLOAT")
+    return buf.getvalue()
 
 
 # -- environment observations -----------------------------------------------------------------

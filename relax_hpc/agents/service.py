@@ -5,7 +5,8 @@ calls `generate_groups` instead of its single-turn path. It owns an event loop i
 thread; the engine batcher and (for agents) the HTTP proxy live there for the whole run, and
 each call blocks the caller until the step's episodes or sessions are done. With a multimodal
 model (`media_processor` given), samples carry their prompt's media, environment observations
-and agent requests may add images and audio, and every sample has media (maybe none).
+and agent requests may add images and audio, and every sample has media (maybe none). An agent
+is offered its row's images and audio as ready OpenAI content parts, `data["media_parts"]`.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from relax_hpc.agents.batcher import EngineBatcher
 from relax_hpc.agents.config import AgenticConfig, samples_per_session
 from relax_hpc.agents.dotted import load_dotted
 from relax_hpc.agents.export import assign_rewards, export_concat, export_individual
+from relax_hpc.agents.media import offered_parts
 from relax_hpc.agents.multiturn import GenerateArgs, generate_with_env, run_generate
 from relax_hpc.agents.proxy import AgentProxy, proxy_token
 from relax_hpc.agents.workflow import AgentRunner, SessionResult
@@ -88,9 +90,11 @@ class AgenticRollout:
     def _agent_groups(self, rows: list[Any], n: int, seed: int, first_group_id: int
                       ) -> tuple[list[list[Sample]], dict[str, float]]:
         assert self.runner is not None
+        # The row's images and audio, encoded once per row and shared by its n sessions.
+        offered = [offered_parts(row.media) for row in rows]
         datas = [{"prompt": row.prompt_text, "label": row.label, "metadata": dict(row.metadata),
-                  "messages": [{"role": "user", "content": row.prompt_text}]}
-                 for row in rows for _ in range(n)]
+                  "messages": [{"role": "user", "content": row.prompt_text}], "media_parts": list(parts)}
+                 for row, parts in zip(rows, offered) for _ in range(n)]
         assert self.proxy is not None
         malformed_before = self.proxy.malformed_tool_calls
         results = self._call(self._run_sessions(datas, seed))

@@ -5,8 +5,10 @@ An agent is a class whose instances have
     async def run(self, data: dict, **extra_kwargs) -> float | dict[str, float]
 
 (a plain `def run` is accepted in subproc mode). One instance is made per session. `data` is
-the dataset row: {"prompt", "label", "metadata", "messages"} where "messages" is the prompt as
-a one-message chat. The return value is the reward of the session's last completion, or a dict
+the dataset row: {"prompt", "label", "metadata", "messages", "media_parts"} where "messages" is
+the prompt as a one-message chat and "media_parts" the row's images and audio as OpenAI content
+parts (`image_url` / `input_audio` with inline data, [] for a row without media), ready to put
+in a user message's content. The return value is the reward of the session's last completion, or a dict
 {completion_id: reward} (completion ids are the `id` of the SDK's responses).
 
 Modes:

@@ -119,3 +119,23 @@ class MediaChatAgent:
                                               {"type": "text", "text": "and this?"}]}]
         await client.chat.completions.create(model="policy", messages=msgs)
         return 1.0
+
+
+class OfferedMediaAgent:
+    """Inline agent, two turns: the row's media parts as it was offered them, then text, then the
+    conversation so far re-sent with one more user turn. Keeps every `data["media_parts"]` it got."""
+
+    offered: list[list[dict[str, Any]]] = []
+
+    async def run(self, data: dict, **kw: Any) -> float:
+        from openai import AsyncOpenAI
+
+        OfferedMediaAgent.offered.append(data["media_parts"])
+        client = AsyncOpenAI(base_url=kw["base_url"], api_key=kw["api_key"], http_client=kw["http_client"])
+        msgs: list[dict[str, Any]] = [{"role": "user", "content": [*data["media_parts"],
+                                                                   {"type": "text", "text": "what?"}]}]
+        first = await client.chat.completions.create(model="policy", messages=msgs)
+        msgs += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "and then?"}]
+        await client.chat.completions.create(model="policy", messages=msgs)
+        return 1.0

@@ -8,21 +8,25 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import openai
 import pytest
+from PIL import Image
 
 from relax_hpc.agents.batcher import EngineBatcher
 from relax_hpc.agents.config import AgenticConfig
+from relax_hpc.agents.media import offered_parts
 from relax_hpc.agents.multiturn import GenerateArgs, generate_with_env, run_generate
 from relax_hpc.agents.service import AgenticRollout
 from relax_hpc.algos.loss_types import LossConfig
 from relax_hpc.backends.base import OptimConfig
 from relax_hpc.backends.torch_backend import TorchBackend
-from relax_hpc.data.dataset import PromptRow
+from relax_hpc.data.dataset import PromptRow, load_dataset
 from relax_hpc.data.rows import row_to_sample, sample_to_row
 from relax_hpc.data.sample import Sample
 from relax_hpc.engines.base import Generation, SamplingParams
@@ -33,7 +37,8 @@ from relax_hpc.media.items import MediaItem, PromptMedia
 from relax_hpc.media.processor import MediaProcessor
 from relax_hpc.models.hf import load_tokenizer
 from relax_hpc.models.tiny_mm import write_tiny_multimodal
-from agent_doubles import ImageEnv, ScriptedEngine, observation_image, tiny_tokenizer
+from relax_hpc.spec.schema import DataSpec
+from agent_doubles import ImageEnv, OfferedMediaAgent, ScriptedEngine, observation_image, tiny_tokenizer
 
 TOLERANCE = 1e-5  # float32 on CPU, as tests/media/test_media_parity.py
 SINE = (0.5 * np.sin(2 * np.pi * 500 * np.arange(16000) / 16000)).astype(np.float32)  # 1 s at 16 kHz
@@ -194,6 +199,7 @@ class RecordingEngine:
     def __init__(self, engine: NativeEngine) -> None:
         self.engine = engine
         self.calls: list[tuple[list[list[int]], list[PromptMedia | None] | None]] = []
+        self.outputs: list[list[Generation]] = []  # each call's generations
 
     @property
     def weight_version(self) -> int:
@@ -202,7 +208,8 @@ class RecordingEngine:
     def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int | None = None,
                  media: list[PromptMedia | None] | None = None) -> list[Generation]:
         self.calls.append(([list(p) for p in prompts], media))
-        return self.engine.generate(prompts, params, seed, media=media)
+        self.outputs.append(self.engine.generate(prompts, params, seed, media=media))
+        return self.outputs[-1]
 
 
 def test_image_observations_reach_the_engine_and_the_trainer(omni: Omni) -> None:
@@ -231,3 +238,90 @@ def test_image_observations_reach_the_engine_and_the_trainer(omni: Omni) -> None
     # The first image blanked: the turns after it get other log-probs: the model read it.
     blank = replace(sample, media=PromptMedia((MediaItem("image", np.zeros_like(shown[0].data)), shown[1])))
     assert trained_diff(omni.backend.compute_log_probs([blank])[0], sample) > 1e-3
+
+
+def media_row(omni: Omni, tmp_path: Path) -> PromptRow:
+    """A data set row with an image and an audio clip, read by the loader: the 50x37 image is
+    resized to the patch grid and the 22.05 kHz clip resampled to 16 kHz, so both are changed by
+    canonicalisation and a part that came back as anything else would differ."""
+    Image.fromarray(pixels(3)[:50, :37]).save(tmp_path / "cat.png")
+    clip = (0.4 * np.sin(2 * np.pi * 300 * np.arange(11025) / 22050)).astype(np.float32)
+    (tmp_path / "clip.wav").write_bytes(encode_audio_wav(clip, 22050))
+    (tmp_path / "rows.jsonl").write_text(json.dumps({"prompt": "look, listen", "answer": "x", "image": "cat.png",
+                                                     "audio": "clip.wav"}) + "\n")
+    [row], _ = load_dataset(DataSpec(path=str(tmp_path / "rows.jsonl"), prompt_key="prompt", label_key="answer",
+                                     image_key="image", audio_key="audio"), omni.engine.tokenizer, omni.processor)
+    return row
+
+
+def test_a_rows_media_reach_the_agent_and_come_back_in_its_samples(omni: Omni, tmp_path: Path) -> None:
+    row, text_row = media_row(omni, tmp_path), PromptRow(1, [], "no media here", "y", {})
+    assert row.media is not None and [i.kind for i in row.media.items] == ["image", "audio"]
+    image, clip = row.media.items
+    assert image.data.shape[:2] != (50, 37) and clip.data.size != 11025  # both were canonicalised
+    engine, OfferedMediaAgent.offered = RecordingEngine(omni.engine), []
+    svc = omni.rollout(AgenticConfig(agent="agent_doubles:OfferedMediaAgent", export_style="concat"), engine)
+    try:
+        [samples, text_samples], _ = svc.generate_groups([row, text_row], 1, seed=4, first_group_id=1)
+    finally:
+        svc.close()
+    # The media row was offered an image part and an audio part, the text row nothing.
+    [parts] = [p for p in OfferedMediaAgent.offered if p]
+    assert [p["type"] for p in parts] == ["image_url", "input_audio"] and len(OfferedMediaAgent.offered) == 2
+    assert parts[0]["image_url"]["url"].startswith("data:image/png;base64,")
+    assert parts[1]["input_audio"]["format"] == "wav"
+    # Every engine call of the media session saw exactly the row's pixels and samples.
+    calls = sorted(((p, m, g) for c, o in zip(engine.calls, engine.outputs) for p, m, g in zip(*c, o)
+                    if m), key=lambda call: len(call[0]))  # type: ignore[arg-type]
+    assert len(calls) == 2 and all(m == row.media for _, m, _ in calls)
+    placeholders = omni.processor.placeholders
+    assert calls[0][0].count(placeholders.image) == omni.processor.token_count(image)
+    assert calls[0][0].count(placeholders.audio) == omni.processor.token_count(clip)
+    gens = [g for _, _, g in calls]
+    for s in samples:
+        assert s.media is not None and [i.kind for i in s.media.items] == ["image", "audio"]
+        assert np.array_equal(s.media.items[0].data, image.data) and np.array_equal(s.media.items[1].data, clip.data)
+        assert s.media == row.media and s.media.items[1].rate == clip.rate
+        # The trained tokens are the model's replies, nothing of the prompt, media or chat turns between.
+        mine = [gens.pop(0) for _ in s.metadata["completion_ids"]]
+        assert [t for t, m in zip(s.response_ids, s.mask()) if m] == [t for g in mine for t in g.token_ids]
+        assert [lp for lp, m in zip(s.rollout_log_probs, s.mask()) if m] == [lp for g in mine for lp in g.logprobs]
+        assert all(lp == 0.0 for lp, m in zip(s.rollout_log_probs, s.mask()) if not m)
+    assert gens == [] and samples[0].prompt_ids == calls[0][0]
+    # Seeded: the second request extended the first, so the user turn between the replies is masked.
+    assert len(samples) == 1 and 0 in samples[0].mask()
+    [trained] = through_queue(samples[:1])
+    assert trained.media == row.media
+    assert trained_diff(omni.backend.compute_log_probs([trained])[0], trained) < TOLERANCE
+    assert text_samples and all(s.media == PromptMedia() for s in text_samples)
+
+
+def test_a_malformed_part_sent_back_gets_400_naming_its_message_and_part(omni: Omni, tmp_path: Path) -> None:
+    row = media_row(omni, tmp_path)
+    svc = omni.rollout(AgenticConfig(agent="agent_doubles:ChatAgent"))
+    try:
+        assert svc.proxy is not None
+        session = svc.proxy.sessions.open()
+        client = openai.OpenAI(base_url=svc.proxy.base_url, api_key=session.api_key, max_retries=0)
+        good = offered_parts(row.media)
+
+        def refused(parts: list[dict[str, Any]]) -> str:
+            messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yes?"},
+                        {"role": "user", "content": [{"type": "text", "text": "see"}, *parts]}]
+            with pytest.raises(openai.BadRequestError) as e:
+                client.chat.completions.create(model="policy", messages=messages)  # type: ignore[arg-type]
+            return e.value.body["message"]  # type: ignore[index]
+
+        no_comma = {"type": "image_url", "image_url": {"url": "data:image/png;base64"}}
+        assert refused([no_comma, good[1]]).startswith("messages[2].content[1]: cannot use this image: malformed "
+                                                       "data URL: no ','")
+        bad_audio = {"type": "input_audio", "input_audio": {"data": "%%" + good[1]["input_audio"]["data"],
+                                                            "format": "wav"}}
+        message = refused([good[0], bad_audio])
+        assert message.startswith("messages[2].content[2]: cannot use this audio: ") and "not valid base64" in message
+        assert session.completions == []
+        # The offered parts themselves are served, and recorded with the row's media.
+        client.chat.completions.create(model="policy", messages=[{"role": "user", "content": good}])
+        assert [r.media for r in session.completions] == [row.media]
+    finally:
+        svc.close()
