@@ -14,7 +14,7 @@ as an RGB uint8 (H, W, 3) numpy array or a PIL image. Every medium is fitted to 
 grid (`relax_hpc.media.canonical`) once, here, so the engine and the trainer see the same pixels.
 
 A data set row's own images and audio are offered to an agent as the same parts
-(`offered_parts`), encoded losslessly (PNG; 32-bit float WAV), so that a part the agent sends
+(`offered_parts`; `offered` puts them in its chat messages too), encoded losslessly (PNG; 32-bit float WAV), so that a part the agent sends
 back decodes and fits to exactly the row's item. Videos are not offered: the OpenAI API has no
 video content part.
 
@@ -31,7 +31,7 @@ media at the same moment. The others wait for a slot in their worker thread.
 from __future__ import annotations
 
 import base64
-import io
+import struct
 import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -125,25 +125,65 @@ def prompt_media(items: Iterable[MediaItem]) -> PromptMedia:
 def offered_parts(media: PromptMedia | None) -> list[dict[str, Any]]:
     """A data set row's images and audio as OpenAI content parts, in the row's order (images,
     then audio clips); [] for a row without them. Videos are left out (no such part)."""
-    parts: list[dict[str, Any]] = []
+    return offered(None, "", media)[0]
+
+
+def offered(messages: list[dict[str, Any]] | None, prompt_text: str, media: PromptMedia | None
+            ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """What an agent is offered of a row: its media parts (`offered_parts`), each encoded once, and
+    its chat messages with each medium's `{"type": kind}` placeholder part replaced by that part
+    (a video's dropped: the API has none). A prompt used as plain text (`messages` None) is one
+    user message of that text."""
+    item_parts = _item_parts(media)
+    parts = [part for _, part in item_parts if part is not None]
+    if messages is None:
+        return parts, [{"role": "user", "content": prompt_text}]
+    by_kind: dict[str, list[dict[str, Any] | None]] = {}
+    for kind, part in item_parts:
+        by_kind.setdefault(kind, []).append(part)
+    out = []
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, list):
+            filled = []
+            for part in content:
+                queue = by_kind.get(part.get("type", "")) if isinstance(part, dict) else None
+                if not queue:
+                    filled.append(part)
+                elif (offered_part := queue.pop(0)) is not None:
+                    filled.append(offered_part)
+            message = {**message, "content": filled}
+        out.append(dict(message))
+    return parts, out
+
+
+def _item_parts(media: PromptMedia | None) -> list[tuple[str, dict[str, Any] | None]]:
+    """Each of the row's media with its offered part (None for a video), in the row's order."""
+    parts: list[tuple[str, dict[str, Any] | None]] = []
     for item in media.items if media is not None else ():
         if item.kind == "image":
             url = data_url(encode_image_png(item.data), "image/png")
-            parts.append({"type": "image_url", "image_url": {"url": url}})
+            parts.append((item.kind, {"type": "image_url", "image_url": {"url": url}}))
         elif item.kind == "audio":
             wav = base64.b64encode(_float_wav(item.data, int(item.rate))).decode("ascii")
-            parts.append({"type": "input_audio", "input_audio": {"data": wav, "format": "wav"}})
+            parts.append((item.kind, {"type": "input_audio", "input_audio": {"data": wav, "format": "wav"}}))
+        else:
+            parts.append((item.kind, None))
     return parts
 
 
 def _float_wav(wave: np.ndarray, rate: int) -> bytes:
     """Mono float32 -> a WAV of 32-bit float samples: read back bit for bit, where 16-bit PCM
-    would round a resampled clip to 1/32768 steps."""
-    import soundfile
-
-    buf = io.BytesIO()
-    soundfile.write(buf, np.asarray(wave, dtype=np.float32), rate, format="WAV", subtype="FLOAT")
-    return buf.getvalue()
+    would round a resampled clip to 1/32768 steps. Written here, not by libsndfile, whose float
+    WAVs carry a PEAK chunk with the time of writing: the same row must give the same bytes."""
+    data = np.asarray(wave, dtype="<f4").tobytes()
+    # fmt: WAVE_FORMAT_IEEE_FLOAT (3), 1 channel, rate, bytes/s, block align 4, 32 bits; a fact
+    # chunk (sample frames), as the format requires for non-PCM data.
+    fmt = struct.pack("<HHIIHH", 3, 1, rate, rate * 4, 4, 32)
+    fact = struct.pack("<I", len(data) // 4)
+    body = b"WAVE" + b"fmt " + struct.pack("<I", len(fmt)) + fmt + b"fact" + struct.pack("<I", 4) + fact
+    body += b"data" + struct.pack("<I", len(data)) + data
+    return b"RIFF" + struct.pack("<I", len(body)) + body
 
 
 # -- environment observations -----------------------------------------------------------------

@@ -12,6 +12,7 @@ is offered its row's images and audio as ready OpenAI content parts, `data["medi
 from __future__ import annotations
 
 import asyncio
+import copy
 import threading
 from collections import Counter
 from typing import Any, Coroutine, TypeVar
@@ -20,7 +21,7 @@ from relax_hpc.agents.batcher import EngineBatcher
 from relax_hpc.agents.config import AgenticConfig, samples_per_session
 from relax_hpc.agents.dotted import load_dotted
 from relax_hpc.agents.export import assign_rewards, export_concat, export_individual
-from relax_hpc.agents.media import offered_parts
+from relax_hpc.agents.media import offered
 from relax_hpc.agents.multiturn import GenerateArgs, generate_with_env, run_generate
 from relax_hpc.agents.proxy import AgentProxy, proxy_token
 from relax_hpc.agents.workflow import AgentRunner, SessionResult
@@ -91,10 +92,11 @@ class AgenticRollout:
                       ) -> tuple[list[list[Sample]], dict[str, float]]:
         assert self.runner is not None
         # The row's images and audio, encoded once per row and shared by its n sessions.
-        offered = [offered_parts(row.media) for row in rows]
+        # Each session gets its own copy of the messages (the strings in them are shared).
+        offers = [offered(row.messages, row.prompt_text, row.media) for row in rows]
         datas = [{"prompt": row.prompt_text, "label": row.label, "metadata": dict(row.metadata),
-                  "messages": [{"role": "user", "content": row.prompt_text}], "media_parts": list(parts)}
-                 for row, parts in zip(rows, offered) for _ in range(n)]
+                  "messages": copy.deepcopy(messages), "media_parts": list(parts)}
+                 for row, (parts, messages) in zip(rows, offers) for _ in range(n)]
         assert self.proxy is not None
         malformed_before = self.proxy.malformed_tool_calls
         results = self._call(self._run_sessions(datas, seed))

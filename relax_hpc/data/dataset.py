@@ -36,6 +36,9 @@ class PromptRow:
     label: Any
     metadata: dict[str, Any]
     media: PromptMedia | None = None  # a multimodal dataset's media, placeholders expanded in prompt_ids
+    # The chat messages prompt_text was templated from (a medium as a {"type": kind} part); None
+    # when the prompt is used as plain text. Agents get these, not the templated text.
+    messages: list[dict[str, Any]] | None = None
 
 
 @dataclass
@@ -126,8 +129,7 @@ def _messages(prompt: Any, fmt: DataSettings, media: PromptMedia | None = None) 
     return messages
 
 
-def _prompt_text(prompt: Any, tokenizer: Any, fmt: DataSettings, media: PromptMedia | None = None) -> str:
-    messages = _messages(prompt, fmt, media)
+def _prompt_text(prompt: Any, tokenizer: Any, messages: list[dict[str, Any]] | None) -> str:
     if messages is None:
         return str(prompt)
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
@@ -232,7 +234,8 @@ def load_dataset(data: DataSettings, tokenizer: Any,
         try:
             if data.prompt_template is not None:
                 prompt = _fill_template(data.prompt_template, record)
-            text = _prompt_text(prompt, tokenizer, data, media)
+            messages = _messages(prompt, data, media)
+            text = _prompt_text(prompt, tokenizer, messages)
         except ValueError as e:
             where = "" if data.prompt_template is not None and isinstance(prompt, str) else f"'{prompt_key}' "
             raise ValueError(f"{location}: {where}{e}") from e
@@ -250,7 +253,7 @@ def load_dataset(data: DataSettings, tokenizer: Any,
             report.drop(f"longer than max_prompt_tokens={max_prompt_tokens}")
             continue
         label = get_dotted(record, label_key, None)
-        rows.append(PromptRow(len(rows), list(ids), text, label, _metadata(record, data), media))
+        rows.append(PromptRow(len(rows), list(ids), text, label, _metadata(record, data), media, messages))
     report.kept = len(rows)
     if not rows:
         raise ValueError(f"dataset {path} has no usable rows: {report.summary()}")

@@ -121,6 +121,20 @@ class MediaChatAgent:
         return 1.0
 
 
+class ForwardedMessagesAgent:
+    """Inline agent, one turn: sends `data["messages"]` as it got them. Keeps each one's copy."""
+
+    messages: list[list[dict[str, Any]]] = []
+
+    async def run(self, data: dict, **kw: Any) -> float:
+        from openai import AsyncOpenAI
+
+        ForwardedMessagesAgent.messages.append(data["messages"])
+        client = AsyncOpenAI(base_url=kw["base_url"], api_key=kw["api_key"], http_client=kw["http_client"])
+        await client.chat.completions.create(model="policy", messages=data["messages"])
+        return 1.0
+
+
 class OfferedMediaAgent:
     """Inline agent, two turns: the row's media parts as it was offered them, then text, then the
     conversation so far re-sent with one more user turn. Keeps every `data["media_parts"]` it got."""

@@ -38,7 +38,7 @@ from relax_hpc.media.processor import MediaProcessor
 from relax_hpc.models.hf import load_tokenizer
 from relax_hpc.models.tiny_mm import write_tiny_multimodal
 from relax_hpc.spec.schema import DataSpec
-from agent_doubles import ImageEnv, OfferedMediaAgent, ScriptedEngine, observation_image, tiny_tokenizer
+from agent_doubles import ForwardedMessagesAgent, ImageEnv, OfferedMediaAgent, ScriptedEngine, observation_image, tiny_tokenizer
 
 TOLERANCE = 1e-5  # float32 on CPU, as tests/media/test_media_parity.py
 SINE = (0.5 * np.sin(2 * np.pi * 500 * np.arange(16000) / 16000)).astype(np.float32)  # 1 s at 16 kHz
@@ -294,6 +294,26 @@ def test_a_rows_media_reach_the_agent_and_come_back_in_its_samples(omni: Omni, t
     assert trained.media == row.media
     assert trained_diff(omni.backend.compute_log_probs([trained])[0], trained) < TOLERANCE
     assert text_samples and all(s.media == PromptMedia() for s in text_samples)
+
+
+def test_an_agent_forwarding_its_rows_messages_prompts_the_engine_exactly_as_the_loader_did(
+        omni: Omni, tmp_path: Path) -> None:
+    row, text_row = media_row(omni, tmp_path), PromptRow(1, [], "no media here", "y", {})
+    engine, ForwardedMessagesAgent.messages = RecordingEngine(omni.engine), []
+    svc = omni.rollout(AgenticConfig(agent="agent_doubles:ForwardedMessagesAgent"), engine)
+    try:
+        svc.generate_groups([row, text_row], 1, seed=4, first_group_id=1)
+    finally:
+        svc.close()
+    # The row's own chat message, untemplated, its media placeholders now the offered parts; a
+    # plain-text row is one user message of its text.
+    media_messages, text_messages = ForwardedMessagesAgent.messages
+    assert media_messages == [{"role": "user", "content": [*offered_parts(row.media),
+                                                           {"type": "text", "text": "look, listen"}]}]
+    assert text_messages == [{"role": "user", "content": "no media here"}]
+    # Templated by the proxy, they are the loader's prompt token for token, with the row's media.
+    [call] = [(p, m) for prompts, media in engine.calls for p, m in zip(prompts, media or [None] * len(prompts)) if m]
+    assert call == (row.prompt_ids, row.media)
 
 
 def test_a_malformed_part_sent_back_gets_400_naming_its_message_and_part(omni: Omni, tmp_path: Path) -> None:
