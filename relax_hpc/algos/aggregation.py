@@ -63,7 +63,7 @@ def aggregate(
             "(the step's trained tokens or sequences), or None for this batch's own count"
         )
     keep = mask.to(torch.bool)
-    values = torch.where(keep, per_token, torch.zeros_like(per_token))
+    values = torch.where(keep, per_token, 0.0)
     if mode == "seq_mean_token_mean":
         tokens_per_seq = keep.sum(dim=-1).clamp_min(1).to(values.dtype)
         numerator = (values.sum(dim=-1) / tokens_per_seq).sum()

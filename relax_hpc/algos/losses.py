@@ -216,11 +216,11 @@ def _mask_inputs(cfg: LossConfig, inputs: LossInputs) -> LossInputs:
     keep = inputs.mask.to(torch.bool)
 
     def clean(tensor: Tensor | None) -> Tensor | None:
-        return None if tensor is None else torch.where(keep, tensor, torch.zeros_like(tensor))
+        return None if tensor is None else torch.where(keep, tensor, 0.0)
 
     advantages = inputs.advantages
     if advantages.shape == shape:
-        advantages = torch.where(keep, advantages, torch.zeros_like(advantages))
+        advantages = torch.where(keep, advantages, 0.0)
     logp = clean(inputs.logp)
     old_logp = clean(inputs.old_logp)
     assert logp is not None and old_logp is not None

@@ -11,10 +11,12 @@ the round trip through Python lists that a `Sample` needs.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import chain
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 from relax_hpc.data.sample import Sample
@@ -58,23 +60,18 @@ class TrainBatch:
 def pack_samples(samples: list[Sample], pad_id: int) -> TrainBatch:
     if not samples:
         raise ValueError("cannot pack an empty list of samples")
-    length = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
-    batch = len(samples)
+    spans = _Spans(samples)
+    batch, length = len(samples), spans.length
     input_ids = torch.full((batch, length), pad_id, dtype=torch.long)
+    input_ids[spans.seq_rows, spans.seq_cols] = _flat(
+        (t for s in samples for t in chain(s.prompt_ids, s.response_ids)), spans.seq_count, np.int64)
     attention = torch.zeros((batch, length), dtype=torch.long)
-    loss_mask = torch.zeros((batch, length - 1), dtype=torch.float32)
-    rollout_lp = torch.zeros((batch, length - 1), dtype=torch.float32)
-    for i, s in enumerate(samples):
-        seq = s.prompt_ids + s.response_ids
-        p, r = len(s.prompt_ids), len(s.response_ids)
-        input_ids[i, : len(seq)] = torch.tensor(seq, dtype=torch.long)
-        attention[i, : len(seq)] = 1
-        if r:
-            loss_mask[i, p - 1 : p - 1 + r] = torch.tensor(s.mask(), dtype=torch.float32)
-            rollout_lp[i, p - 1 : p - 1 + r] = torch.tensor(s.rollout_log_probs, dtype=torch.float32)
+    attention[spans.seq_rows, spans.seq_cols] = 1
+    loss_mask = spans.per_token([s.mask() for s in samples])
+    rollout_lp = spans.per_token([s.rollout_log_probs for s in samples])
     advantages = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
-    old_lp = _per_token(samples, length, lambda s: s.old_log_probs)
-    ref_lp = _per_token(samples, length, lambda s: s.ref_log_probs)
+    old_lp = _per_token(samples, spans, lambda s: s.old_log_probs)
+    ref_lp = _per_token(samples, spans, lambda s: s.ref_log_probs)
     routes = None
     if all(s.routed_experts is not None for s in samples):
         from relax_hpc.backends.megatron_replay import pack_routes
@@ -86,18 +83,53 @@ def pack_samples(samples: list[Sample], pad_id: int) -> TrainBatch:
                       old_lp, ref_lp, routes, media)
 
 
-def _per_token(samples: list[Sample], length: int,
+class _Spans:
+    """Where each sample's tokens go in a packed batch, as index tensors: whole sequences in the
+    [B, L] tensors, responses in the [B, L-1] per-token ones (column t predicts token t + 1). One
+    scatter per tensor instead of a copy per sample: a step's packing was a millisecond of
+    Python for 32 samples."""
+
+    def __init__(self, samples: list[Sample]) -> None:
+        prompts = np.fromiter((len(s.prompt_ids) for s in samples), np.int64, len(samples))
+        responses = np.fromiter((len(s.response_ids) for s in samples), np.int64, len(samples))
+        totals = prompts + responses
+        self.length = int(totals.max())
+        self.rows = len(samples)
+        self.seq_count, self.response_count = int(totals.sum()), int(responses.sum())
+        self.response_lengths = responses.tolist()
+        self.seq_rows, self.seq_cols = _ranges(totals, np.zeros_like(totals))
+        self.response_rows, self.response_cols = _ranges(responses, prompts - 1)
+
+    def per_token(self, values: list[list[float]]) -> torch.Tensor:
+        """A [B, L-1] float tensor holding each sample's per-response-token `values`, 0 elsewhere."""
+        for i, (row, n) in enumerate(zip(values, self.response_lengths)):
+            if len(row) != n:
+                raise ValueError(f"sample {i} has {len(row)} per-token values for its {n} response tokens")
+        out = torch.zeros((self.rows, self.length - 1), dtype=torch.float32)
+        out[self.response_rows, self.response_cols] = _flat(chain.from_iterable(values), self.response_count,
+                                                            np.float32)
+        return out
+
+
+def _flat(values: Iterable[float], count: int, dtype: type) -> torch.Tensor:
+    """The first `count` of `values` as a 1-D tensor."""
+    return torch.from_numpy(np.fromiter(values, dtype, count))
+
+
+def _ranges(counts: np.ndarray, starts: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row and column indices of `counts[i]` cells from column `starts[i]` in each row i."""
+    rows = np.repeat(np.arange(len(counts)), counts)
+    cols = np.arange(int(counts.sum())) + np.repeat(starts - (np.cumsum(counts) - counts), counts)
+    return torch.from_numpy(rows), torch.from_numpy(cols)
+
+
+def _per_token(samples: list[Sample], spans: _Spans,
                get: Callable[[Sample], list[float] | None]) -> torch.Tensor | None:
     """A [B, L-1] tensor of a per-response-token field, or None unless every sample has it."""
-    if any(get(s) is None for s in samples):
+    values = [get(s) for s in samples]
+    if any(v is None for v in values):
         return None
-    out = torch.zeros((len(samples), length - 1), dtype=torch.float32)
-    for i, s in enumerate(samples):
-        values = get(s)
-        p, r = len(s.prompt_ids), len(s.response_ids)
-        if r:
-            out[i, p - 1 : p - 1 + r] = torch.tensor(values, dtype=torch.float32)
-    return out
+    return spans.per_token(values)  # type: ignore[arg-type]
 
 
 # Row fields (relax_hpc.data.rows) of the per-response-token values the forward roles write.

@@ -57,3 +57,14 @@ def test_slice_and_empty() -> None:
     assert part.input_ids.tolist() == [[5, 8, 9, 10, PAD]] and part.advantages.tolist() == [-0.5]
     with pytest.raises(ValueError, match="empty list"):
         pack_samples([], PAD)
+
+
+def test_a_per_token_field_of_the_wrong_length_is_refused_naming_the_sample() -> None:
+    # A value too many for sample 0 would shift into sample 1's columns were it not checked.
+    a, b = _samples()
+    a.old_log_probs, b.old_log_probs = [-0.1, -0.2, -0.3], [-1.0, -2.0]
+    with pytest.raises(ValueError, match="sample 0 has 3 per-token values for its 2 response tokens"):
+        pack_samples([a, b], PAD)
+    a.old_log_probs = [-0.1, -0.2]
+    with pytest.raises(ValueError, match="sample 1 has 2 per-token values for its 3 response tokens"):
+        pack_samples([a, b], PAD)
