@@ -256,10 +256,14 @@ TINY_OMNI_ROWS = 600  # 200 each of image, audio and video rows
 
 
 def ensure_data(spec: JobSpec) -> None:
-    """Write the `[data] build_if_missing` data set at `[data] path` when it is not there."""
+    """Write the `[data] build_if_missing` data set at `[data] path` when it is not there; refuse
+    a missing one here, before Ray and the roles start (the rollout would, after ~20 s)."""
     path = Path(spec.data.path)
-    if spec.data.build_if_missing is None or path.is_file():
+    if path.is_file():
         return
+    if spec.data.build_if_missing is None:
+        where = "" if path.is_absolute() else f" (a relative path is read from the directory the run starts in, {Path.cwd()})"
+        raise FileNotFoundError(f"dataset {path} does not exist{where}; check [data] path")
     from relax_hpc.media.synthetic import write_omni_task
 
     print(f"writing the {spec.data.build_if_missing} data at {path.parent} (build_if_missing)", file=sys.stderr)

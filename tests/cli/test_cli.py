@@ -90,6 +90,20 @@ def test_run_with_a_missing_model_says_what_to_do(tmp_path: Path) -> None:
     assert "no Hugging Face model" in result.stderr and "make-tiny" in result.stderr
 
 
+def test_run_with_a_missing_dataset_stops_before_ray_naming_the_key_and_the_directory(tmp_path: Path) -> None:
+    spec = tmp_path / "s.toml"
+    spec.write_text(
+        f'[job]\nname = "x"\noutput_dir = "{tmp_path / "job"}"\n[model]\npath = "{tmp_path / "model"}"\n'
+        'build_tiny_if_missing = true\n[data]\npath = "data/rows.jsonl"\n[reward]\nfunction = "tiny_sum"\n'
+        '[train]\nsteps = 1\n'
+    )
+    result = relax("run", str(spec), "--no-progress", cwd=tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert (f"dataset data/rows.jsonl does not exist (a relative path is read from the directory the run "
+            f"starts in, {tmp_path}); check [data] path") in result.stderr
+    assert "Ray" not in result.stderr + result.stdout and not (tmp_path / "model").exists()  # refused first
+
+
 def test_help_lists_the_commands() -> None:
     result = relax("--help")
     assert result.returncode == 0
