@@ -6,7 +6,8 @@ a torch critic takes them on, from the same weights (the tiny model and one non-
 save and load their checkpoint. Skips without that environment, as tests/side_env.py says
 (RELAX_TEST_MEGATRON=1 makes the environment's own test fail instead). About 20 s on 2 cores.
 Then PPO as a Megatron user runs it: `relax-hpc run` of jobspecs/tiny_megatron.toml with
-`advantage = "gae"`, actor and critic each TP=2 on Ray (four ranks; about 60 s on 2 cores).
+`advantage = "gae"` on Ray, the actor TP=2 and the critic data parallel over 2 ranks (its other
+layout; four ranks in all; about 50 s on 2 cores).
 """
 
 from __future__ import annotations
@@ -60,7 +61,8 @@ def test_a_megatron_critic_checkpoint_loads_exactly_its_weights_and_moments(laun
 
 
 def _megatron_ppo_spec(tmp_path: Path) -> Path:
-    """jobspecs/tiny_megatron.toml with a critic: it inherits the actor's backend and TP=2."""
+    """jobspecs/tiny_megatron.toml with a critic: the actor's backend (unset: inherited), two
+    replicas of TP=1."""
     text = (REPO / "jobspecs" / "tiny_megatron.toml").read_text()
     for old, new in (('name = "tiny_megatron"\n', f'name = "tiny_megatron"\noutput_dir = "{tmp_path / "job"}"\n'),
                      ('"runs/models/tiny-qwen3"', f'"{tmp_path / "model"}"'),
@@ -69,7 +71,8 @@ def _megatron_ppo_spec(tmp_path: Path) -> Path:
         assert old in text, old
         text = text.replace(old, new, 1)
     spec = tmp_path / "tiny_megatron_ppo.toml"
-    spec.write_text(text + "\n[critic]\nnum_processes = 2\nlr = 1e-3\nmicro_batch_size = 256\nwarmup_steps = 1\n")
+    spec.write_text(text + "\n[critic]\nnum_processes = 2\nlr = 1e-3\nmicro_batch_size = 256\nwarmup_steps = 1\n"
+                    "\n[critic.megatron]\ntensor_parallel = 1\n")
     return spec
 
 
@@ -83,7 +86,7 @@ def test_a_megatron_actor_and_critic_run_ppo_on_ray_and_checkpoint_both(tmp_path
     rows = [json.loads(line) for line in (job / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
     # Step 1 warms the critic up (its fresh head values everything 0); step 2 trains the Megatron
-    # actor on the critic's per-token advantages, from values the warm-up moved.
+    # actor on the advantages both critic replicas wrote for their rows, from values the warm-up moved.
     assert rows[0]["critic/warmup"] == 1.0 and rows[0]["critic/values_mean"] == 0.0
     assert "train/loss/policy" not in rows[0]
     assert rows[1]["critic/warmup"] == 0.0 and rows[1]["critic/values_mean"] != 0.0
