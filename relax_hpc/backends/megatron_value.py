@@ -38,7 +38,7 @@ from relax_hpc.backends.batch import TrainBatch
 from relax_hpc.backends.megatron_model import build_model, make_provider, start_parallel_state
 from relax_hpc.backends.megatron_optim import make_optimizer
 from relax_hpc.backends.megatron_step import forward_logits
-from relax_hpc.backends.value_model import ValueLossSums, ValueOptimConfig, save_step, saved_step
+from relax_hpc.backends.value_model import ValueLossSums, ValueOptimSettings, save_step, saved_step
 from relax_hpc.spec.schema import MegatronSpec
 
 ADAM_BETAS = (0.9, 0.999)  # torch.optim.AdamW's, as the torch critic's
@@ -81,7 +81,7 @@ def layout_problems(spec: MegatronSpec, world_size: int) -> list[str]:
 class MegatronValueTrainer:
     """The critic's Megatron model and optimizer on one rank of the default process group."""
 
-    def __init__(self, model_path: str, cfg: ValueOptimConfig, megatron: MegatronSpec, device: str = "cpu",
+    def __init__(self, model_path: str, cfg: ValueOptimSettings, megatron: MegatronSpec, device: str = "cpu",
                  seed: int = 0, pad_id: int = 0) -> None:
         torch.manual_seed(seed)
         self.cfg, self.device, self.pad_id = cfg, torch.device(device), pad_id

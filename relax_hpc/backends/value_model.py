@@ -30,9 +30,8 @@ from __future__ import annotations
 import json
 import shutil
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -42,7 +41,6 @@ from relax_hpc.algos.gae import value_loss
 from relax_hpc.backends.batch import TrainBatch
 from relax_hpc.backends.parallel import Strategy, in_lockstep, shard_model
 from relax_hpc.models.hf import load_policy_model
-from relax_hpc.spec.schema import TrainSpec
 
 CHECKPOINT_DIR = "critic"  # the DCP checkpoint in step_N/
 CHECKPOINT_META = "critic.json"  # written last, by rank 0: the step is complete
@@ -68,27 +66,39 @@ class ValueModel(torch.nn.Module):
         return self.value_head(hidden).squeeze(-1)
 
 
-@dataclass(frozen=True)
-class ValueOptimConfig:
-    lr: float
-    grad_clip: float  # 0 disables clipping
-    micro_batch_size: int
-    clip_eps: float | None  # [algorithm] value_clip_eps
-    loss_agg: str  # [algorithm] loss_agg
-    strategy: Strategy = TrainSpec.strategy  # [critic] strategy, resolved
+class ValueOptimSettings(Protocol):
+    """What a value trainer reads of [critic] and [algorithm] (roles/critic.py: CriticConfig is one)."""
+
+    @property
+    def lr(self) -> float: ...  # [critic]
+
+    @property
+    def grad_clip(self) -> float: ...  # [critic]; 0 disables clipping
+
+    @property
+    def micro_batch_size(self) -> int: ...  # [critic]
+
+    @property
+    def value_clip_eps(self) -> float | None: ...  # [algorithm]
+
+    @property
+    def loss_agg(self) -> str: ...  # [algorithm]
+
+    @property
+    def strategy(self) -> Strategy: ...  # [critic] strategy, resolved
 
 
 class ValueLossSums:
     """One step's clipped value loss, micro-batch by micro-batch: each backward, and the sums the
     step's statistics come from (over every rank's micro-batches: `stats`)."""
 
-    def __init__(self, cfg: ValueOptimConfig, denominator: float) -> None:
+    def __init__(self, cfg: ValueOptimSettings, denominator: float) -> None:
         self.cfg, self.denominator = cfg, denominator
         self.sums = [0.0, 0.0, 0.0, 0.0]  # loss, clipped tokens, squared error, tokens
 
     def backward(self, pred: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
                  mask: torch.Tensor) -> None:
-        terms = value_loss(pred, old_values.to(pred.device), returns.to(pred.device), mask, self.cfg.clip_eps,
+        terms = value_loss(pred, old_values.to(pred.device), returns.to(pred.device), mask, self.cfg.value_clip_eps,
                            self.cfg.loss_agg, self.denominator)
         terms.loss.backward()
         count = float(mask.sum().item())
@@ -105,7 +115,7 @@ class ValueLossSums:
 class ValueTrainer:
     """The critic's model and optimizer on one rank (of the default process group, if any)."""
 
-    def __init__(self, model_path: str, cfg: ValueOptimConfig, device: str = "cpu", seed: int = 0,
+    def __init__(self, model_path: str, cfg: ValueOptimSettings, device: str = "cpu", seed: int = 0,
                  pad_id: int = 0) -> None:
         torch.manual_seed(seed)
         self.cfg = cfg

@@ -51,7 +51,7 @@ from relax_hpc.algos.gae import (
 )
 from relax_hpc.backends.batch import TrainBatch, pack_rows
 from relax_hpc.backends.parallel import Strategy
-from relax_hpc.backends.value_model import ValueOptimConfig, ValueTrainer
+from relax_hpc.backends.value_model import ValueTrainer
 from relax_hpc.models.hf import load_tokenizer
 from relax_hpc.roles.actor import join_rank_group
 from relax_hpc.roles.heartbeat import Heartbeats
@@ -78,20 +78,41 @@ ROWS_WAIT_S = 3600.0  # how long the critic waits for a step's rows (as the forw
 
 @dataclass(frozen=True)
 class CriticConfig:
-    """What a critic rank runs: the `[critic]` and `[algorithm]` tables as the spec gives them
-    (`critic_config` fills in the strategy an unset `[critic] strategy` follows), and what the
-    driver resolves."""
+    """What a critic rank runs: the `[critic]`, `[algorithm]`, `[checkpoint]` and `[job]` tables as
+    the spec gives them (`critic_config` fills in what an unset `[critic] strategy`, `backend` and
+    `[critic.megatron]` follow), and what the driver resolves. It is the value trainer's
+    `ValueOptimSettings`: the properties below read the tables, nothing is copied."""
 
-    model_path: str  # [critic] model_path, else [model] path
+    model_dir: str  # resolved: [critic] model_path, else [model] path
     checkpoint_dir: str
     table: CriticSpec = field(default_factory=CriticSpec)  # [critic]
     algo: AlgorithmSpec = field(default_factory=AlgorithmSpec)  # gamma, lam, value_clip_eps, loss_agg
-    keep_last: int = CheckpointSpec.keep_last
+    checkpoint: CheckpointSpec = field(default_factory=CheckpointSpec)  # keep_last
+    job: JobInfoSpec | None = None  # seed (None: its default)
     device: str = "cpu"
     num_threads: int = 0
-    seed: int = JobInfoSpec.seed
     timeout_s: float = ROWS_WAIT_S
     kind: str = "critic"
+
+    @property
+    def lr(self) -> float:
+        return self.table.lr
+
+    @property
+    def grad_clip(self) -> float:
+        return self.table.grad_clip
+
+    @property
+    def micro_batch_size(self) -> int:
+        return self.table.micro_batch_size
+
+    @property
+    def value_clip_eps(self) -> float | None:
+        return self.algo.value_clip_eps
+
+    @property
+    def loss_agg(self) -> str:
+        return self.algo.loss_agg
 
     @property
     def strategy(self) -> Strategy:
@@ -112,10 +133,10 @@ def critic_config(spec: JobSpec, job_dir: Path, device: str) -> CriticConfig | N
     if c is None or a.advantage != "gae":
         return None
     return CriticConfig(
-        model_path=c.model_path or spec.model.path, checkpoint_dir=str(job_dir / CRITIC_CHECKPOINTS),
+        model_dir=c.model_path or spec.model.path, checkpoint_dir=str(job_dir / CRITIC_CHECKPOINTS),
         table=dataclasses.replace(c, strategy=c.strategy or spec.train.strategy, backend=c.backend or spec.train.backend,
                                   megatron=c.megatron or spec.train.megatron), algo=a,
-        keep_last=spec.checkpoint.keep_last, device=device, num_threads=1, seed=spec.job.seed)
+        checkpoint=spec.checkpoint, job=spec.job, device=device, num_threads=1)
 
 
 class CriticWorker(Heartbeats):
@@ -132,17 +153,16 @@ class CriticWorker(Heartbeats):
         self.cfg = cfg
         self.rank, self.world_size = rank, world_size
         self.device = join_rank_group("critic", cfg.device, rank, world_size, master)
-        tok = load_tokenizer(cfg.model_path)
+        tok = load_tokenizer(cfg.model_dir)
         self.pad_id = int(tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
-        c, a = cfg.table, cfg.algo
-        optim = ValueOptimConfig(c.lr, c.grad_clip, c.micro_batch_size, a.value_clip_eps, a.loss_agg, cfg.strategy)
+        seed = cfg.job.seed if cfg.job is not None else JobInfoSpec.seed
         self.trainer: Any
         if cfg.backend == "megatron":
             from relax_hpc.backends.megatron_value import MegatronValueTrainer
 
-            self.trainer = MegatronValueTrainer(cfg.model_path, optim, cfg.megatron, self.device, cfg.seed, self.pad_id)
+            self.trainer = MegatronValueTrainer(cfg.model_dir, cfg, cfg.megatron, self.device, seed, self.pad_id)
         else:
-            self.trainer = ValueTrainer(cfg.model_path, optim, self.device, cfg.seed, self.pad_id)
+            self.trainer = ValueTrainer(cfg.model_dir, cfg, self.device, seed, self.pad_id)
         # Each rank reads every row of a step as a task of its own (and under a consumer id of its own:
         # sessions of one id fence each other off), and keeps its share.
         self.consumer = cfg.kind if world_size == 1 else f"{cfg.kind}_{rank}"
@@ -232,7 +252,7 @@ class CriticWorker(Heartbeats):
                 return rows, indices
 
     def save_checkpoint(self, step: int) -> str:
-        return str(self.trainer.save(Path(self.cfg.checkpoint_dir), step, self.cfg.keep_last))
+        return str(self.trainer.save(Path(self.cfg.checkpoint_dir), step, self.cfg.checkpoint.keep_last))
 
     def load_checkpoint(self, step: int | None) -> None:
         """The critic as saved at `step` (the actor's resume point); None: a fresh run, nothing to load."""

@@ -61,7 +61,7 @@ def worker(args: argparse.Namespace, backend: str, rank: int = 0, world: int = 1
     from relax_hpc.spec.schema import AlgorithmSpec, CriticSpec, MegatronSpec
 
     cfg = critic_module.CriticConfig(
-        model_path=args.model, checkpoint_dir=str(Path(args.out) / f"critic_{backend}"),
+        model_dir=args.model, checkpoint_dir=str(Path(args.out) / f"critic_{backend}"),
         table=CriticSpec(lr=1e-2, micro_batch_size=2, backend=backend,  # type: ignore[arg-type]
                          megatron=MegatronSpec(tensor_parallel=world)),
         algo=AlgorithmSpec(gamma=0.9, lam=0.8), timeout_s=60)

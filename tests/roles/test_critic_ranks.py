@@ -57,7 +57,7 @@ def _rows(step: int) -> list[dict[str, Any]]:
 
 
 def _config(model_dir: str, out: Path, strategy: str) -> CriticConfig:
-    return CriticConfig(model_path=model_dir, checkpoint_dir=str(out / f"critic_{strategy}"),
+    return CriticConfig(model_dir=model_dir, checkpoint_dir=str(out / f"critic_{strategy}"),
                         table=CriticSpec(lr=1e-2, micro_batch_size=2, strategy=strategy),  # type: ignore[arg-type]
                         algo=AlgorithmSpec(gamma=0.9, lam=0.8), timeout_s=60)
 
@@ -182,7 +182,7 @@ def test_a_two_rank_fsdp2_critic_resumes_from_its_checkpoint(ranks: dict[str, An
     assert not (ranks["out"] / "critic_fsdp2" / f"tmp_step_{STEPS}").exists()
     # DCP reshards: the 2-rank checkpoint loads into one process too.
     one: CriticWorker = single["worker"]
-    fresh = CriticWorker(_config(one.cfg.model_path, ranks["out"], "fsdp2"))
+    fresh = CriticWorker(_config(one.cfg.model_dir, ranks["out"], "fsdp2"))
     fresh.load_checkpoint(STEPS)
     batch = pack_rows([{**row, "advantages": 0.0} for row in _rows(0)], 0)
     assert torch.allclose(fresh.trainer.values(batch), ranks["rank0"]["resumed"]["values"], atol=TOLERANCE)

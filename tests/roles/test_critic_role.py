@@ -34,7 +34,7 @@ def _put_step(queue: InMemoryTransferQueue, step: int) -> None:
 
 
 def _config(model: Path, tmp: Path, strategy: str | None = None) -> CriticConfig:
-    return CriticConfig(model_path=str(model), checkpoint_dir=str(tmp / "critic"),
+    return CriticConfig(model_dir=str(model), checkpoint_dir=str(tmp / "critic"),
                         table=CriticSpec(lr=1e-2, micro_batch_size=2, strategy=strategy),  # type: ignore[arg-type]
                         algo=AlgorithmSpec(gamma=0.9, lam=0.8), timeout_s=30)
 

@@ -34,10 +34,6 @@ MIRRORS_LEFT = {
     "LossConfig": "the pure loss functions' input, built from AlgorithmSpec in one place",
     # The documented `args` of a user's generate function (REFERENCE.md): a public runtime type.
     "GenerateArgs": "the args a custom generate function is given, a public interface",
-    # The critic holds [critic] and [algorithm] themselves, but still copies a resolved model
-    # path, [checkpoint] keep_last and [job] seed; its value trainer copies [critic]'s optimizer keys.
-    "CriticConfig": "holds [critic] and [algorithm]; still copies model_path, keep_last and seed",
-    "ValueOptimConfig": "the critic's value-trainer settings, copied from [critic]",
     "RolloutConfig": "the rollout role's settings, still copied from the spec in driver/run.py",
     "ActorConfig": "the trainer role's settings, still copied from the spec in driver/run.py",
     "OptimConfig": "the trainer's optimizer settings, still copied from [train] in driver/run.py",
