@@ -32,7 +32,7 @@ LONGEST_FIRST = ("slurm", "tests/driver/test_omni_e2e.py", "tests/driver/test_tr
                  "tests/launch/test_faults_three_kills.py", "tests/launch/test_faults_in_place.py",
                  "tests/driver/test_algorithms_e2e.py", "tests/engines/test_sglang_media.py",
                  "tests/rewards/test_reward_workers.py", "tests/launch/test_faults_disk_full.py",
-                 "tests/launch/test_rehearse_e2e.py",
+                 "tests/launch/test_rehearse_e2e.py", "tests/backends/test_megatron_critic.py",
                  "tests/backends/test_fsdp2_multimodal.py", "tests/backends/test_sharded_load.py")
 
 
