@@ -85,10 +85,10 @@ class CriticConfig:
 
     model_dir: str  # resolved: [critic] model_path, else [model] path
     checkpoint_dir: str
+    checkpoint: CheckpointSpec  # keep_last
+    job: JobInfoSpec  # seed
     table: CriticSpec = field(default_factory=CriticSpec)  # [critic]
     algo: AlgorithmSpec = field(default_factory=AlgorithmSpec)  # gamma, lam, value_clip_eps, loss_agg
-    checkpoint: CheckpointSpec = field(default_factory=CheckpointSpec)  # keep_last
-    job: JobInfoSpec | None = None  # seed (None: its default)
     device: str = "cpu"
     num_threads: int = 0
     timeout_s: float = ROWS_WAIT_S
@@ -155,7 +155,7 @@ class CriticWorker(Heartbeats):
         self.device = join_rank_group("critic", cfg.device, rank, world_size, master)
         tok = load_tokenizer(cfg.model_dir)
         self.pad_id = int(tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
-        seed = cfg.job.seed if cfg.job is not None else JobInfoSpec.seed
+        seed = cfg.job.seed
         self.trainer: Any
         if cfg.backend == "megatron":
             from relax_hpc.backends.megatron_value import MegatronValueTrainer

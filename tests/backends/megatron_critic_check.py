@@ -58,10 +58,11 @@ def head_weights(hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def worker(args: argparse.Namespace, backend: str, rank: int = 0, world: int = 1) -> Any:
     from relax_hpc.roles import critic as critic_module
-    from relax_hpc.spec.schema import AlgorithmSpec, CriticSpec, MegatronSpec
+    from relax_hpc.spec.schema import AlgorithmSpec, CheckpointSpec, CriticSpec, JobInfoSpec, MegatronSpec
 
     cfg = critic_module.CriticConfig(
         model_dir=args.model, checkpoint_dir=str(Path(args.out) / f"critic_{backend}"),
+        checkpoint=CheckpointSpec(), job=JobInfoSpec(name="critic"),
         table=CriticSpec(lr=1e-2, micro_batch_size=2, backend=backend,  # type: ignore[arg-type]
                          megatron=MegatronSpec(tensor_parallel=world)),
         algo=AlgorithmSpec(gamma=0.9, lam=0.8), timeout_s=60)

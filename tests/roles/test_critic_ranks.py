@@ -32,7 +32,7 @@ from relax_hpc.backends.batch import pack_rows
 from relax_hpc.roles import critic as critic_module
 from relax_hpc.roles.actor import rendezvous_address
 from relax_hpc.roles.critic import CriticConfig, CriticWorker
-from relax_hpc.spec.schema import AlgorithmSpec, CriticSpec
+from relax_hpc.spec.schema import AlgorithmSpec, CheckpointSpec, CriticSpec, JobInfoSpec
 from relax_hpc.transfer.memory import InMemoryTransferQueue
 from relax_hpc.transfer.queue import partition_name
 from relax_hpc.transfer.zmq_client import TransferQueueClient
@@ -58,6 +58,7 @@ def _rows(step: int) -> list[dict[str, Any]]:
 
 def _config(model_dir: str, out: Path, strategy: str) -> CriticConfig:
     return CriticConfig(model_dir=model_dir, checkpoint_dir=str(out / f"critic_{strategy}"),
+                        checkpoint=CheckpointSpec(), job=JobInfoSpec(name="critic"),
                         table=CriticSpec(lr=1e-2, micro_batch_size=2, strategy=strategy),  # type: ignore[arg-type]
                         algo=AlgorithmSpec(gamma=0.9, lam=0.8), timeout_s=60)
 

@@ -11,7 +11,7 @@ import torch
 from relax_hpc.algos.gae import gae_step
 from relax_hpc.backends.batch import pack_rows
 from relax_hpc.roles.critic import CriticConfig, CriticWorker
-from relax_hpc.spec.schema import AlgorithmSpec, CriticSpec
+from relax_hpc.spec.schema import AlgorithmSpec, CheckpointSpec, CriticSpec, JobInfoSpec
 from relax_hpc.transfer.memory import InMemoryTransferQueue
 from relax_hpc.transfer.queue import partition_name
 
@@ -35,6 +35,7 @@ def _put_step(queue: InMemoryTransferQueue, step: int) -> None:
 
 def _config(model: Path, tmp: Path, strategy: str | None = None) -> CriticConfig:
     return CriticConfig(model_dir=str(model), checkpoint_dir=str(tmp / "critic"),
+                        checkpoint=CheckpointSpec(), job=JobInfoSpec(name="critic"),
                         table=CriticSpec(lr=1e-2, micro_batch_size=2, strategy=strategy),  # type: ignore[arg-type]
                         algo=AlgorithmSpec(gamma=0.9, lam=0.8), timeout_s=30)
 
