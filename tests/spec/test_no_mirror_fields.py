@@ -42,7 +42,6 @@ MIRRORS_LEFT = {
     "ActorConfig": "the trainer role's settings, still copied from the spec in driver/run.py",
     "OptimConfig": "the trainer's optimizer settings, still copied from [train] in driver/run.py",
     "AgenticConfig": "[rollout]'s agentic keys, still copied by agents/config.py",
-    "StepPlan": "the exactly-once check's reading of [rollout] and [train] steps",
 }
 
 # A field that shares its name with a spec key but means something else: "Class.field" -> what.
