@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from relax_hpc.agents.config import agentic_from_spec, samples_per_session
+from relax_hpc.agents.config import is_agentic, samples_per_session
 from relax_hpc.algos import LossConfig
 from relax_hpc.auth import SECRET_ENV
 from relax_hpc.backends.base import OptimConfig, require_backend
@@ -160,7 +160,7 @@ def role_configs(spec: JobSpec, job_dir: Path, device: str) -> tuple[RolloutConf
         normalize_std=divides_by_std(a),
         dynamic_sampling=r.dynamic_sampling, max_sampling_rounds=r.max_sampling_rounds,
         # With GAE the critic writes the advantages onto the queue, as the Advantages role would.
-        agentic=agentic_from_spec(r), advantages_role=spec.train.advantages_role or a.advantage == "gae",
+        agentic=r if is_agentic(r) else None, advantages_role=spec.train.advantages_role or a.advantage == "gae",
         release_between_steps=shares_devices(spec),
         sglang_spec=sglang_spec_resolved(r.sglang), job_dir=str(job_dir), routing_replay=a.routing_replay,
         algorithm=a,

@@ -18,7 +18,6 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
-from relax_hpc.agents.config import AgenticConfig
 from relax_hpc.algos import group_advantages
 from relax_hpc.algos.estimators import outcome_advantages, overlong_penalty
 from relax_hpc.data.dataset import DataCursor, DataSettings, load_dataset
@@ -72,7 +71,8 @@ class RolloutConfig:
     weights_timeout_s: float = 1800.0
     dynamic_sampling: bool = RolloutSpec.dynamic_sampling
     max_sampling_rounds: int = RolloutSpec.max_sampling_rounds
-    agentic: AgenticConfig | None = None  # multi-turn env / custom generate / agent (docs/agents.md)
+    # [rollout] when it names a multi-turn env, custom generate or agent (docs/agents.md); None: single-turn
+    agentic: RolloutSpec | None = None
     advantages_role: bool = TrainSpec.advantages_role  # rows go out without `advantages`
     # [cluster] colocate: engines release their memory from a step's end until the next weights
     release_between_steps: bool = False

@@ -16,7 +16,6 @@ import openai
 import pytest
 
 from relax_hpc.agents.batcher import EngineBatcher
-from relax_hpc.agents.config import AgenticConfig
 from relax_hpc.agents.multiturn import GenerateArgs, generate_with_env, run_generate
 from relax_hpc.agents.service import AgenticRollout
 from relax_hpc.algos.loss_types import LossConfig
@@ -33,6 +32,7 @@ from relax_hpc.media.items import MediaItem, PromptMedia
 from relax_hpc.media.processor import MediaProcessor
 from relax_hpc.models.hf import load_tokenizer
 from relax_hpc.models.tiny_mm import write_tiny_multimodal
+from relax_hpc.spec.schema import RolloutSpec
 from agent_doubles import ImageEnv, ScriptedEngine, observation_image, tiny_tokenizer
 
 TOLERANCE = 1e-5  # float32 on CPU, as tests/media/test_media_parity.py
@@ -49,7 +49,7 @@ class Omni:
         assert self.engine.media_processor is not None
         return self.engine.media_processor
 
-    def rollout(self, cfg: AgenticConfig, engine: Any = None) -> AgenticRollout:
+    def rollout(self, cfg: RolloutSpec, engine: Any = None) -> AgenticRollout:
         params = SamplingParams(max_new_tokens=4, stop_token_ids=(self.engine.eos_id,))
         return AgenticRollout(cfg, engine or self.engine, self.engine.tokenizer, params, self.engine.eos_id, 512,
                               media_processor=self.processor)
@@ -90,7 +90,7 @@ def test_agent_images_and_audio_reach_the_engine_and_the_trainer(omni: Omni) -> 
     images = [pixels(0), pixels(1)]
     row = PromptRow(0, [], "look", "x", {"images": [image_url(p) for p in images],
                                          "audio": b64(encode_audio_wav(SINE, 16000))})
-    svc = omni.rollout(AgenticConfig(agent="agent_doubles:MediaChatAgent"))
+    svc = omni.rollout(RolloutSpec(agent="agent_doubles:MediaChatAgent"))
     try:
         [[first, second]], _ = svc.generate_groups([row], 1, seed=5, first_group_id=1)
     finally:
@@ -114,7 +114,7 @@ def test_agent_images_and_audio_reach_the_engine_and_the_trainer(omni: Omni) -> 
 
 
 def test_media_the_proxy_cannot_use_get_400_naming_the_part(omni: Omni) -> None:
-    svc = omni.rollout(AgenticConfig(agent="agent_doubles:ChatAgent"))
+    svc = omni.rollout(RolloutSpec(agent="agent_doubles:ChatAgent"))
     try:
         assert svc.proxy is not None
         session = svc.proxy.sessions.open()
@@ -164,7 +164,7 @@ def test_models_that_cannot_read_a_kind_refuse_it(tmp_path: Any) -> None:
     ]
     for tokenizer, processor, part, needle in cases:
         engine = ScriptedEngine(tokenizer, ["ab"])
-        svc = AgenticRollout(AgenticConfig(agent="agent_doubles:ChatAgent"), engine, tokenizer, params,
+        svc = AgenticRollout(RolloutSpec(agent="agent_doubles:ChatAgent"), engine, tokenizer, params,
                              engine.eos_id, media_processor=processor)
         try:
             assert svc.proxy is not None
@@ -210,7 +210,7 @@ def test_image_observations_reach_the_engine_and_the_trainer(omni: Omni) -> None
     text = tok.apply_chat_template([{"role": "user", "content": "look"}], add_generation_prompt=True, tokenize=False)
     row = PromptRow(0, tok.encode(text, add_special_tokens=False), "look", "7", {})
     engine = RecordingEngine(omni.engine)
-    svc = omni.rollout(AgenticConfig(env="agent_doubles:ImageEnv", max_turns=3), engine)
+    svc = omni.rollout(RolloutSpec(env="agent_doubles:ImageEnv", max_turns=3), engine)
     try:
         [[s]], _ = svc.generate_groups([row], 1, seed=3, first_group_id=1)
     finally:

@@ -41,7 +41,6 @@ MIRRORS_LEFT = {
     "RolloutConfig": "the rollout role's settings, still copied from the spec in driver/run.py",
     "ActorConfig": "the trainer role's settings, still copied from the spec in driver/run.py",
     "OptimConfig": "the trainer's optimizer settings, still copied from [train] in driver/run.py",
-    "AgenticConfig": "[rollout]'s agentic keys, still copied by agents/config.py",
 }
 
 # A field that shares its name with a spec key but means something else: "Class.field" -> what.
