@@ -10,7 +10,7 @@ RELAX_SGLANG_ENV ?= .venv-sglang
 RELAX_MEGATRON_ENV ?= .venv-megatron
 export RAY_AUTH_MODE ?= disabled
 
-.PHONY: setup run test clean sglang-env megatron-env envs
+.PHONY: setup run test rehearse clean sglang-env megatron-env envs
 
 setup:
 	tools/setup-env
@@ -24,6 +24,11 @@ run: setup
 # than skipping those tests.
 test:
 	RELAX_SGLANG_ENV=$(RELAX_SGLANG_ENV) RELAX_MEGATRON_ENV=$(RELAX_MEGATRON_ENV) tools/test-all $(PYTEST_ARGS)
+
+# Every shipped production spec rehearsed as it is (run, resume, export at its real layout with a
+# tiny model; about 3 minutes each on 2 cores, so not part of `make test`): docs/rehearsal.md.
+rehearse:
+	RELAX_SGLANG_ENV=$(RELAX_SGLANG_ENV) RELAX_MEGATRON_ENV=$(RELAX_MEGATRON_ENV) tools/rehearse-production
 
 # SGLang 0.5.23 serving on CPU, in its own venv (it pins another torch): docs/engines.md, "SGLang on CPU".
 sglang-env:

@@ -130,10 +130,10 @@ def test_engine_sub_packages_import_only_downward() -> None:
 # and the elastic API's reply type.
 ROLES_SEE_OF_ENGINES = {"relax_hpc.engines.base", "relax_hpc.engines.router", "relax_hpc.engines.fleet",
                         "relax_hpc.engines.elastic.api"}
-# Where code still asks which kind of engine a spec names (a spec check of media/, the rehearsal's
-# mapping in launch/, the tiny model builder): not yet behind the fleet. roles/ and driver/ never.
-ENGINE_KIND_CHECKS_LEFT = {"media/plan.py", "models/tiny_mm.py", "launch/rehearse.py", "launch/rehearse_spec.py",
-                           "launch/image_check.py"}
+# Engine kinds are decided in spec/ (which declares them: `RolloutSpec.on_sglang`) and engines/
+# (which builds each kind); everywhere else asks the spec or the fleet, never compares a kind.
+ENGINE_KINDS = {"native", "sglang"}
+KIND_DECIDERS = ("engines", "spec")
 
 
 def engine_imports_of_roles() -> list[str]:
@@ -141,20 +141,33 @@ def engine_imports_of_roles() -> list[str]:
             for line, m in imports_of(p) if m.startswith("relax_hpc.engines") and m not in ROLES_SEE_OF_ENGINES]
 
 
-def engine_kind_checks(skip: set[str]) -> list[str]:
-    pattern = re.compile(r"""[!=]= *["'](native|sglang)["']|["'](native|sglang)["'] *[!=]=""")
-    found = []
-    for path in sorted(PACKAGE.rglob("*.py")):
-        rel = str(path.relative_to(PACKAGE))
-        if rel.split("/")[0] in ("engines", "spec") or rel in skip:
-            continue
-        found += [f"relax_hpc/{rel}:{n}: {line.strip()}" for n, line in enumerate(path.read_text().splitlines(), 1)
-                  if pattern.search(line)]
-    return found
+def _names_a_kind(node: ast.expr) -> bool:
+    if isinstance(node, ast.Constant):
+        return node.value in ENGINE_KINDS
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return any(_names_a_kind(e) for e in node.elts)
+    return False
+
+
+def kind_comparisons(source: str) -> list[int]:
+    """Lines of `source` that compare a value with an engine kind (==, !=, in, not in)."""
+    return [node.lineno for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Compare)
+            and any(_names_a_kind(side) for side in (node.left, *node.comparators))]
+
+
+def engine_kind_checks() -> list[str]:
+    return [f"relax_hpc/{path.relative_to(PACKAGE)}:{line}" for path in sorted(PACKAGE.rglob("*.py"))
+            if path.relative_to(PACKAGE).parts[0] not in KIND_DECIDERS
+            for line in kind_comparisons(path.read_text())]
 
 
 def test_roles_drive_engines_through_the_fleet_and_the_engine_protocols() -> None:
     assert not engine_imports_of_roles(), "build these through engines/fleet.py:\n" + "\n".join(engine_imports_of_roles())
-    checks = engine_kind_checks(ENGINE_KIND_CHECKS_LEFT)
-    assert not checks, "ask engines/fleet.py what this kind of engine needs instead:\n" + "\n".join(checks)
-    assert engine_kind_checks(set())  # the check can fail: the places not yet moved are found
+    checks = engine_kind_checks()
+    assert not checks, "ask RolloutSpec.on_sglang or engines/fleet.py instead:\n" + "\n".join(checks)
+
+
+def test_the_kind_check_sees_each_form_of_comparison() -> None:
+    source = ('a = engine == "sglang"\nb = "native" != kind\nc = kind in ("sglang", "x")\n'
+              'd = kind not in {"native"}\ne = f"engine = {kind}"\nf = kind == "torch"\n')
+    assert kind_comparisons(source) == [1, 2, 3, 4]

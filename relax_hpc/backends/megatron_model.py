@@ -21,6 +21,7 @@ reduction, tied-embedding and sequence-parallel layer-norm reductions) without i
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -153,8 +154,10 @@ def _route_moe_gating_without_te() -> None:
         moe_utils.te_general_gemm = None
 
 
-def build_model(bridge: Any, provider: Any, *, train: bool, distributed_optimizer: bool) -> BuiltModel:
-    """This rank's stage of the model with the HF weights; DDP-wrapped when ``train``."""
+def build_model(bridge: Any, provider: Any, *, train: bool, distributed_optimizer: bool,
+                prepare: Callable[[Any], None] | None = None) -> BuiltModel:
+    """This rank's stage of the model with the HF weights; DDP-wrapped when ``train``, after
+    ``prepare`` changed the bare model (the critic's value head: ``megatron_value``)."""
     cpu = bool(provider.use_cpu_initialization)
     stages = provider.provide_distributed_model(wrap_with_ddp=False, use_cpu_initialization=cpu)
     if len(stages) != 1:
@@ -164,6 +167,8 @@ def build_model(bridge: Any, provider: Any, *, train: bool, distributed_optimize
     if int(provider.vocab_size) != hf_vocab:
         raise ValueError(f"Megatron's vocabulary ({provider.vocab_size}) differs from the HF model's "
                          f"({hf_vocab}); padded vocabularies would enter the softmax")
+    if prepare is not None:
+        prepare(model)
     if not train:
         model.eval()
         model.requires_grad_(False)

@@ -19,7 +19,7 @@ from typing import Any
 from relax_hpc.backends.fsdp_layout import fsdp2_refusal
 from relax_hpc.media.families import FAMILIES
 from relax_hpc.spec.errors import SpecError, SpecProblem, show_value
-from relax_hpc.spec.model_fit import read_model_config
+from relax_hpc.spec.model_fit import read_model_config, shape_from_config
 from relax_hpc.spec.model_size import language_config
 from relax_hpc.spec.schema import JobSpec
 
@@ -83,6 +83,7 @@ def backend_support_problems(spec: JobSpec, config: Mapping[str, Any] | None,
     critic_facts = model_facts(spec, critic_config) if critic_config is not None else facts
     if critic_facts is not None:
         problems += _critic_strategy_problems(spec, critic_facts)
+        problems += _critic_megatron_problems(spec, critic_facts)
     if teacher_config is not None and spec.algorithm.name == "opd" and _multimodal(teacher_config):
         message = (f"is a multimodal model (model_type {teacher_config.get('model_type')}): on-policy distillation "
                    "takes a text-only teacher in this version (the trainer refuses it at start); use a text model "
@@ -118,6 +119,32 @@ def _critic_strategy_problems(spec: JobSpec, facts: ModelFacts) -> list[SpecProb
         message = (f"is fsdp2{inherited}: {reason.removeprefix(_STRATEGY_PREFIX)} (from {facts.source}); "
                    'set critic.strategy = "ddp"')
     return [SpecProblem("critic.strategy", show_value(critic.strategy or spec.train.strategy), message)]
+
+
+def _critic_megatron_problems(spec: JobSpec, facts: ModelFacts) -> list[SpecProblem]:
+    """The Megatron critic (megatron_value.py): a dense text model whose heads its TP size splits."""
+    critic = spec.critic
+    if critic is None or (critic.backend or spec.train.backend) != "megatron":
+        return []
+    backend = show_value(critic.backend or spec.train.backend)
+    inherited = "" if critic.backend else ' (unset: it follows train.backend = "megatron")'
+    if facts.multimodal or facts.moe:
+        kind = "multimodal" if facts.multimodal else "a mixture-of-experts model"
+        message = (f"is megatron{inherited}, and {facts.model_type} (from {facts.source}) is {kind}: the Megatron "
+                   'critic builds dense text models only; set critic.backend = "torch"')
+        return [SpecProblem("critic.backend", backend, message)]
+    if facts.source != "config.json":
+        return []
+    try:
+        shape = shape_from_config(facts.config)
+    except (KeyError, TypeError, ValueError):
+        return []  # model_fit reports a config it cannot read
+    tp = (critic.megatron or spec.train.megatron).tensor_parallel
+    if tp > 1 and (shape.heads % tp or (tp % shape.kv_heads and shape.kv_heads % tp)):
+        message = (f"must divide the critic model's attention heads ({shape.heads}) and its key-value heads "
+                   f"({shape.kv_heads}), or be a multiple of the latter (each rank holds whole heads)")
+        return [SpecProblem("critic.megatron.tensor_parallel", show_value(tp), message)]
+    return []
 
 
 def _megatron_problems(spec: JobSpec, facts: ModelFacts) -> list[SpecProblem]:

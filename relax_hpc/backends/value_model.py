@@ -21,17 +21,18 @@ Checkpoints are the trainer's own, next to the actor's: ``<root>/step_N/critic/`
 checkpoint of model and optimizer (sharded as trained; DCP reshards on load), written by every
 rank, and ``<root>/step_N/critic.json`` (the step, strategy and rank count) written by rank 0
 once the tensors are down. The step is written as ``tmp_step_N`` and renamed, so a crash never
-leaves a half-written step that looks complete; the newest `keep_last` are kept.
+leaves a half-written step that looks complete; the newest `keep_last` are kept (`save_step`, which
+the Megatron critic, backends/megatron_value.py, writes its checkpoints through too).
 """
 
 from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -77,6 +78,30 @@ class ValueOptimConfig:
     strategy: Strategy = TrainSpec.strategy  # [critic] strategy, resolved
 
 
+class ValueLossSums:
+    """One step's clipped value loss, micro-batch by micro-batch: each backward, and the sums the
+    step's statistics come from (over every rank's micro-batches: `stats`)."""
+
+    def __init__(self, cfg: ValueOptimConfig, denominator: float) -> None:
+        self.cfg, self.denominator = cfg, denominator
+        self.sums = [0.0, 0.0, 0.0, 0.0]  # loss, clipped tokens, squared error, tokens
+
+    def backward(self, pred: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
+                 mask: torch.Tensor) -> None:
+        terms = value_loss(pred, old_values.to(pred.device), returns.to(pred.device), mask, self.cfg.clip_eps,
+                           self.cfg.loss_agg, self.denominator)
+        terms.loss.backward()
+        count = float(mask.sum().item())
+        for k, value in enumerate((float(terms.loss.item()), terms.clip_frac * count, terms.value_error * count,
+                                   count)):
+            self.sums[k] += value
+
+    def stats(self, sum_over_ranks: Callable[[list[float]], list[float]], grad_norm: float) -> dict[str, float]:
+        loss, clipped, error, tokens = sum_over_ranks(self.sums)
+        tokens = max(tokens, 1.0)
+        return {"loss": loss, "clip_frac": clipped / tokens, "value_error": error / tokens, "grad_norm": grad_norm}
+
+
 class ValueTrainer:
     """The critic's model and optimizer on one rank (of the default process group, if any)."""
 
@@ -88,6 +113,8 @@ class ValueTrainer:
         self.pad_id = pad_id
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         self.rank = dist.get_rank() if dist.is_initialized() else 0
+        # Each rank values and trains its own share of a step's rows and writes their advantages.
+        self.data_rank, self.data_size, self.writes_rows = self.rank, self.world_size, True
         # As the policy's: one CPU process has nothing to shard; one CUDA rank in a group still wraps.
         self.sharded = cfg.strategy == "fsdp2" and (
             self.world_size > 1 or (self.device.type == "cuda" and dist.is_initialized()))
@@ -118,30 +145,17 @@ class ValueTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         local = 0.0 if batch is None else loss_denominator(batch.loss_mask, self.cfg.loss_agg)
         (denominator,) = self._sum_over_ranks([local])
-        denominator = max(denominator, 1.0)  # no trained token at all: the loss is 0 whatever we divide by
-        loss_sum, clipped, error_sum, tokens = 0.0, 0.0, 0.0, 0.0
+        sums = ValueLossSums(self.cfg, max(denominator, 1.0))  # no trained token: the loss is 0 whatever we divide by
         step = self.cfg.micro_batch_size
         for start in self._in_lockstep(range(0, 0 if batch is None else len(batch), step)):
             if start is None or batch is None or old_values is None or returns is None:
                 self._empty_pass(backward=True)
                 continue
             micro = batch.slice(start, start + step).to(self.device)
-            mask = micro.loss_mask
             pred = self.model(micro.input_ids, micro.attention_mask)[:, :-1]
-            terms = value_loss(pred, old_values[start:start + step].to(self.device),
-                               returns[start:start + step].to(self.device), mask, self.cfg.clip_eps,
-                               self.cfg.loss_agg, denominator)
-            terms.loss.backward()
-            count = float(mask.sum().item())
-            loss_sum += float(terms.loss.item())
-            clipped += terms.clip_frac * count
-            error_sum += terms.value_error * count
-            tokens += count
+            sums.backward(pred, old_values[start:start + step], returns[start:start + step], micro.loss_mask)
         self._all_reduce_grads()
-        norm = self._clip_and_step()
-        loss_sum, clipped, error_sum, tokens = self._sum_over_ranks([loss_sum, clipped, error_sum, tokens])
-        tokens = max(tokens, 1.0)
-        return {"loss": loss_sum, "clip_frac": clipped / tokens, "value_error": error_sum / tokens, "grad_norm": norm}
+        return sums.stats(self._sum_over_ranks, self._clip_and_step())
 
     # -- ranks ---------------------------------------------------------------------------------
 
@@ -207,25 +221,13 @@ class ValueTrainer:
 
         from relax_hpc.ckpt.manager import single_process_quiet
 
-        final, tmp = root / f"step_{step}", root / f"tmp_step_{step}"
-        if self.rank == 0:
-            root.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir()
-        self._barrier()
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        with single_process_quiet():  # its end is collective: every rank's files are written by then
-            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp / CHECKPOINT_DIR,
-                     no_dist=self.world_size == 1)
-        if self.rank == 0:
-            meta = {"step": step, "strategy": self.cfg.strategy, "num_processes": self.world_size}
-            (tmp / CHECKPOINT_META).write_text(json.dumps(meta))
-            shutil.rmtree(final, ignore_errors=True)
-            tmp.rename(final)
-            for old in saved_steps(root)[:-keep_last]:
-                shutil.rmtree(root / f"step_{old}", ignore_errors=True)
-        self._barrier()
-        return final
+        def write(directory: Path) -> None:
+            model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+            with single_process_quiet():  # its end is collective: every rank's files are written by then
+                dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=directory,
+                         no_dist=self.world_size == 1)
+
+        return save_step(root, step, keep_last, write, {"strategy": self.cfg.strategy})
 
     def load(self, root: Path, step: int) -> None:
         """Restore the critic saved at `step`: the actor resumes from that step, so must the critic.
@@ -235,22 +237,49 @@ class ValueTrainer:
 
         from relax_hpc.ckpt.manager import single_process_quiet
 
-        path = root / f"step_{step}"
-        if not (path / CHECKPOINT_META).is_file():
-            have = ", ".join(str(s) for s in saved_steps(root)) or "none"
-            raise FileNotFoundError(
-                f"the run resumes from step {step} but the critic has no checkpoint of that step at {path} "
-                f"(critic steps saved: {have}); resume from a job directory whose checkpoints the critic "
-                "wrote too, or set [checkpoint] resume = false to start afresh")
+        directory = saved_step(root, step)
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         holder = {"model": model_sd, "optim": optim_sd}
         with single_process_quiet():
-            dcp.load(holder, checkpoint_id=path / CHECKPOINT_DIR, no_dist=self.world_size == 1)
+            dcp.load(holder, checkpoint_id=directory, no_dist=self.world_size == 1)
         set_state_dict(self.model, self.optimizer, model_state_dict=holder["model"], optim_state_dict=holder["optim"])
 
-    def _barrier(self) -> None:
-        if self.world_size > 1:
-            dist.barrier()
+
+def save_step(root: Path, step: int, keep_last: int, write: Callable[[Path], None], meta: dict[str, Any]) -> Path:
+    """``root/step_<step>/`` via ``tmp_step_<step>``: every rank's `write` of the tensors into its
+    ``critic/``, then rank 0's ``critic.json`` (the step, `meta`, the rank count), the rename and the
+    pruning to the newest `keep_last`. Collective over the default group, if any."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    final, tmp = root / f"step_{step}", root / f"tmp_step_{step}"
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    if world > 1:
+        dist.barrier()
+    write(tmp / CHECKPOINT_DIR)
+    if rank == 0:
+        (tmp / CHECKPOINT_META).write_text(json.dumps({"step": step, **meta, "num_processes": world}))
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)
+        for old in saved_steps(root)[:-keep_last]:
+            shutil.rmtree(root / f"step_{old}", ignore_errors=True)
+    if world > 1:
+        dist.barrier()
+    return final
+
+
+def saved_step(root: Path, step: int) -> Path:
+    """The tensors' directory of the critic saved at `step`; FileNotFoundError saying what is there."""
+    path = root / f"step_{step}"
+    if not (path / CHECKPOINT_META).is_file():
+        have = ", ".join(str(s) for s in saved_steps(root)) or "none"
+        raise FileNotFoundError(
+            f"the run resumes from step {step} but the critic has no checkpoint of that step at {path} "
+            f"(critic steps saved: {have}); resume from a job directory whose checkpoints the critic "
+            "wrote too, or set [checkpoint] resume = false to start afresh")
+    return path / CHECKPOINT_DIR
 
 
 def saved_steps(root: Path) -> Sequence[int]:

@@ -249,7 +249,7 @@ def ensure_model(spec: JobSpec) -> None:
         from relax_hpc.models.tiny_mm import shape_for_engine, write_tiny_multimodal
 
         write_tiny_multimodal(path, spec.model.tiny_arch, seed=spec.job.seed,
-                              **shape_for_engine(spec.model.tiny_arch, spec.rollout.engine))
+                              **shape_for_engine(spec.model.tiny_arch, spec.rollout.on_sglang))
 
 
 TINY_OMNI_ROWS = 600  # 200 each of image, audio and video rows

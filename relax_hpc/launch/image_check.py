@@ -127,7 +127,7 @@ def check_image(spec: JobSpec, root: Path, source: str) -> list[str]:
                             "CUDA variant of the image (apptainer build relax-hpc.sif container/relax.def)")
         lines.append(f"image {root}: {runner} runs the job (relax-hpc {env.packages.get('relax-hpc', '?')}, "
                      f"torch {torch or '?'})")
-    if spec.rollout.engine == "sglang":
+    if spec.rollout.on_sglang:
         problems += _sglang_problems(spec, root, variables, lines)
     if problems:
         raise ValueError(f"{source}: the image {root} lacks what the spec needs:\n  " + "\n  ".join(problems))

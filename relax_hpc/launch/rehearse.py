@@ -72,7 +72,7 @@ def _importable(module: str) -> bool:
 
 def sglang_python(spec: JobSpec) -> str | None:
     """The SGLang servers' interpreter when the spec names none and this one cannot import sglang."""
-    if spec.rollout.engine != "sglang" or spec.rollout.sglang.python is not None:
+    if not spec.rollout.on_sglang or spec.rollout.sglang.python is not None:
         return None
     if _importable("sglang"):
         return None
@@ -164,7 +164,7 @@ def _build(rehearsal: Rehearsal, spec: JobSpec) -> Failure | None:
 
     r = rehearsal.spec
     try:
-        model = write_tiny_model_of(rehearsal.arch, Path(r.model.path), seed=spec.job.seed, engine=r.rollout.engine)
+        model = write_tiny_model_of(rehearsal.arch, Path(r.model.path), seed=spec.job.seed, on_sglang=r.rollout.on_sglang)
         if rehearsal.positions is not None:
             give_positions(model, rehearsal.positions)
     except Exception as e:  # noqa: BLE001 - reported as the rehearsal's first failure

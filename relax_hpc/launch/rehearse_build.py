@@ -1,7 +1,7 @@
 """What a rehearsal writes before it runs: the tiny model of the spec's architecture and, when the
 spec's data file is not readable, synthetic rows with the spec's columns and media kinds.
 
-    write_tiny_model_of("qwen3_omni", work / "model", seed=1, engine="sglang")
+    write_tiny_model_of("qwen3_omni", work / "model", seed=1, on_sglang=True)
     write_synthetic_rows(spec.data, "multiple_choice", ("audio",), work / "data" / "train.jsonl", rows=64, seed=1)
 
 The rows use only the characters of the tiny character tokenizer (relax_hpc/models/tiny.py), and
@@ -26,8 +26,8 @@ _TAGGED_REWARDS = ("openr1mm",)
 CHOICES = "a:red b:green c:blue d:white"
 
 
-def write_tiny_model_of(arch: str, out_dir: Path, seed: int, engine: str) -> Path:
-    """A tiny model of `arch` at `out_dir` (relax_hpc/models/tiny*.py), shaped as `engine` needs
+def write_tiny_model_of(arch: str, out_dir: Path, seed: int, on_sglang: bool) -> Path:
+    """A tiny model of `arch` at `out_dir` (relax_hpc/models/tiny*.py), shaped as its engines need
     (tiny_mm.shape_for_engine: 14-pixel patches for Qwen2.5-VL, three deepstack layers for
     Qwen3-Omni on SGLang)."""
     if arch == "qwen3":
@@ -44,7 +44,7 @@ def write_tiny_model_of(arch: str, out_dir: Path, seed: int, engine: str) -> Pat
         return write_tiny_moe_model(out_dir, seed=seed)
     from relax_hpc.models.tiny_mm import shape_for_engine, write_tiny_multimodal
 
-    return write_tiny_multimodal(out_dir, arch, seed=seed, **shape_for_engine(arch, engine))
+    return write_tiny_multimodal(out_dir, arch, seed=seed, **shape_for_engine(arch, on_sglang))
 
 
 def give_positions(model_dir: Path, positions: int) -> None:

@@ -270,7 +270,7 @@ def _fit_cpu(spec: JobSpec, train: Any, rollout: Any, data: Any, arch: str,
     data = dataclasses.replace(data, max_prompt_tokens=prompt_tokens)
     _changed(changes, "data.max_prompt_tokens", spec.data.max_prompt_tokens, prompt_tokens,
              f"prompt and response fit the tiny model's {tiny_positions(arch)} positions")
-    if r.engine == "sglang":
+    if r.on_sglang:
         if r.sglang.tp_size > 1:
             rollout = dataclasses.replace(rollout, sglang=dataclasses.replace(rollout.sglang, tp_size=1))
             _changed(changes, "rollout.sglang.tp_size", r.sglang.tp_size, 1,
@@ -324,7 +324,7 @@ def _fit_overlong_buffer(spec: JobSpec, algorithm: Any, rollout: Any, changes: l
 
 
 def _sglang_python(spec: JobSpec, rollout: Any, machine: Machine, changes: list[Change]) -> Any:
-    if spec.rollout.engine != "sglang" or spec.rollout.sglang.python is not None or machine.sglang_python is None:
+    if not spec.rollout.on_sglang or spec.rollout.sglang.python is not None or machine.sglang_python is None:
         return rollout
     _changed(changes, "rollout.sglang.python", None, machine.sglang_python,
              "SGLang pins its own torch: its servers run from their own environment (RELAX_SGLANG_ENV, else "

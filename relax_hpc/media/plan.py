@@ -83,16 +83,16 @@ def _check(spec: JobSpec, plan: MediaPlan, columns: dict[str, str]) -> None:
             "train.backend", show_value(spec.train.backend),
             'the Megatron backend has no vision or audio towers yet; set backend = "torch" '
             '(strategy = "fsdp2" shards a large model) for a data set with media'))
-    if "video" in columns and spec.rollout.engine == "sglang" and spec.train.device == "cpu":
+    if "video" in columns and spec.rollout.on_sglang and spec.train.device == "cpu":
         problems.append(SpecProblem(
             "data.video_key", show_value(columns["video"]),
             'an SGLang server on CPU cannot decode video (it needs torchcodec or decord); set [rollout] '
             'engine = "native" to train on video on CPU, or run the engines on GPUs'))
-    if columns and spec.rollout.engine == "sglang":
+    if columns and spec.rollout.on_sglang:
         problems += _sglang_env_problems(spec, columns)
     if spec.container.image is None:  # in an image, `validate --image` checks its environment
         problems += _decoder_problems(columns)
-    if columns and spec.rollout.engine == "sglang" and family is not None and not family.sglang:
+    if columns and spec.rollout.on_sglang and family is not None and not family.sglang:
         problems.append(SpecProblem(
             "rollout.engine", show_value(spec.rollout.engine),
             f'SGLang has no model for {family.model_type}; set engine = "native" for this model'))
@@ -175,7 +175,7 @@ def _explain(spec: JobSpec, plan: MediaPlan, columns: dict[str, str], config: di
             lines.append("trainer: will load the model's multimodal class (an Omni checkpoint's thinker) with "
                          "its image processor and, for audio, its Whisper feature extractor "
                          "(preprocessor_config.json or processor_config.json beside the weights)")
-            lines.append("rollout: " + ("the native engine loads the same" if spec.rollout.engine == "native" else
+            lines.append("rollout: " + ("the native engine loads the same" if not spec.rollout.on_sglang else
                                         "each SGLang server loads the model and its processor; relax-hpc sends "
                                         "each prompt's media as data URLs" +
                                         ("; video only on GPU servers" if "video" in columns else "")))
@@ -193,7 +193,7 @@ def _explain(spec: JobSpec, plan: MediaPlan, columns: dict[str, str], config: di
               f"from {spec.model.path}")
     lines.append(f"trainer: {inputs}; rebuilds each micro-batch's media tensors and M-RoPE positions from "
                  "the rows' canonical media")
-    if spec.rollout.engine == "native":
+    if not spec.rollout.on_sglang:
         lines.append("rollout: the native engine loads the same model and pieces; it prefills with the media "
                      "and never samples media markup tokens")
     else:

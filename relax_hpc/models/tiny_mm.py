@@ -112,13 +112,13 @@ def build_mm_chat_template(audio: bool) -> str:
     )
 
 
-def shape_for_engine(arch: str, engine: str) -> dict[str, int]:
-    """The `write_tiny_multimodal` options a tiny `arch` model needs to be served by `engine`
-    ("native" or "sglang"): SGLang 0.5.23's Qwen2.5-VL reads only the real models' 14-pixel
+def shape_for_engine(arch: str, on_sglang: bool) -> dict[str, int]:
+    """The `write_tiny_multimodal` options a tiny `arch` model needs to be served by its engines
+    (`on_sglang`: SGLang servers, `RolloutSpec.on_sglang`; else the native engine): SGLang 0.5.23's Qwen2.5-VL reads only the real models' 14-pixel
     patches (it takes rows of any other width for precomputed embeddings), and its Qwen3-Omni
     thinker (the Qwen3-VL-MoE text model) adds three deepstack features, as the real model has,
     whatever the config says."""
-    if engine != "sglang":
+    if not on_sglang:
         return {}
     if arch == "qwen2_5_vl":
         return {"patch_size": 14}

@@ -21,7 +21,9 @@ With `[critic] num_processes` > 1 each rank (`CriticWorker(cfg, rank, world_size
 process group of the critic's own) does 2 to 4 for its share of the rows: the whitening's mean
 and variance and the metrics come from sums all-reduced over the ranks, and the gradient is the
 whole step's (backends/value_model.py), so N ranks write and train what one would.
-`[critic] strategy` holds the value model whole on every rank (`ddp`) or sharded (`fsdp2`).
+`[critic] strategy` holds the value model whole on every rank (`ddp`) or sharded (`fsdp2`);
+`[critic] backend = "megatron"` runs it on megatron-core instead (backends/megatron_value.py),
+where the shares are the tensor-parallel replicas' (`trainer.data_rank` of `trainer.data_size`).
 
 A critic rank killed mid-step is a dead role like a trainer rank: the run restarts globally from
 the newest checkpoint, which holds the critic's model and optimizer (`save_checkpoint`, collective,
@@ -53,7 +55,15 @@ from relax_hpc.backends.value_model import ValueOptimConfig, ValueTrainer
 from relax_hpc.models.hf import load_tokenizer
 from relax_hpc.roles.actor import join_rank_group
 from relax_hpc.roles.heartbeat import Heartbeats
-from relax_hpc.spec.schema import AlgorithmSpec, CheckpointSpec, CriticSpec, JobInfoSpec, JobSpec, TrainSpec
+from relax_hpc.spec.schema import (
+    AlgorithmSpec,
+    CheckpointSpec,
+    CriticSpec,
+    JobInfoSpec,
+    JobSpec,
+    MegatronSpec,
+    TrainSpec,
+)
 from relax_hpc.transfer.connect import connect_queue
 from relax_hpc.transfer.queue import partition_name
 
@@ -87,6 +97,14 @@ class CriticConfig:
     def strategy(self) -> Strategy:
         return self.table.strategy or TrainSpec.strategy
 
+    @property
+    def backend(self) -> str:
+        return self.table.backend or TrainSpec.backend
+
+    @property
+    def megatron(self) -> MegatronSpec:
+        return self.table.megatron or MegatronSpec()
+
 
 def critic_config(spec: JobSpec, job_dir: Path, device: str) -> CriticConfig | None:
     """The critic the spec asks for (`[critic]`, with advantage = "gae"), or None."""
@@ -95,7 +113,8 @@ def critic_config(spec: JobSpec, job_dir: Path, device: str) -> CriticConfig | N
         return None
     return CriticConfig(
         model_path=c.model_path or spec.model.path, checkpoint_dir=str(job_dir / CRITIC_CHECKPOINTS),
-        table=dataclasses.replace(c, strategy=c.strategy or spec.train.strategy), algo=a,
+        table=dataclasses.replace(c, strategy=c.strategy or spec.train.strategy, backend=c.backend or spec.train.backend,
+                                  megatron=c.megatron or spec.train.megatron), algo=a,
         keep_last=spec.checkpoint.keep_last, device=device, num_threads=1, seed=spec.job.seed)
 
 
@@ -116,9 +135,14 @@ class CriticWorker(Heartbeats):
         tok = load_tokenizer(cfg.model_path)
         self.pad_id = int(tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
         c, a = cfg.table, cfg.algo
-        self.trainer = ValueTrainer(cfg.model_path, ValueOptimConfig(
-            c.lr, c.grad_clip, c.micro_batch_size, a.value_clip_eps, a.loss_agg, cfg.strategy), self.device, cfg.seed,
-            self.pad_id)
+        optim = ValueOptimConfig(c.lr, c.grad_clip, c.micro_batch_size, a.value_clip_eps, a.loss_agg, cfg.strategy)
+        self.trainer: Any
+        if cfg.backend == "megatron":
+            from relax_hpc.backends.megatron_value import MegatronValueTrainer
+
+            self.trainer = MegatronValueTrainer(cfg.model_path, optim, cfg.megatron, self.device, cfg.seed, self.pad_id)
+        else:
+            self.trainer = ValueTrainer(cfg.model_path, optim, self.device, cfg.seed, self.pad_id)
         # Each rank reads every row of a step as a task of its own (and under a consumer id of its own:
         # sessions of one id fence each other off), and keeps its share.
         self.consumer = cfg.kind if world_size == 1 else f"{cfg.kind}_{rank}"
@@ -144,13 +168,14 @@ class CriticWorker(Heartbeats):
             self._queue = connect_queue(target, self.consumer)
         partition = partition_name(step)
         every_row, every_index = self._whole_step(partition)
-        mine = sorted(range(len(every_index)), key=lambda k: every_index[k])[self.rank::self.world_size]
+        share = self.trainer.data_rank, self.trainer.data_size  # Megatron: tensor-parallel peers share rows
+        mine = sorted(range(len(every_index)), key=lambda k: every_index[k])[share[0]::share[1]]
         rows, indices = [every_row[k] for k in mine], [every_index[k] for k in mine]
         # pack_rows reads an advantage per row; these rows have none yet, and the critic needs none.
         batch = pack_rows([{**row, OUTPUT_FIELD: 0.0} for row in rows], self.pad_id) if rows else None
         values = self.trainer.values(batch)
         advantages, returns = self._advantages(batch, values, rows)
-        if rows:
+        if rows and self.trainer.writes_rows:
             self._queue.write(partition, indices, [{OUTPUT_FIELD: adv} for adv in _per_row(advantages, rows)])
         self._queue.ack(partition, self.consumer, every_index)
         stats = self.trainer.train(batch, values, None if returns is None else returns.float())

@@ -418,6 +418,36 @@ def _critic_processes_fit(spec: Resolved) -> list[SpecProblem]:
     return [SpecProblem(key="critic.num_processes", value=show_value(count), message=message)]
 
 
+def _critic_megatron_layout(spec: Resolved) -> list[SpecProblem]:
+    """The Megatron critic (backends/megatron_value.py) splits its model by tensor parallelism only."""
+    got = spec.get("critic", "train.backend", "train.megatron")
+    if got is None or got[0] is None:
+        return []
+    critic, train_backend, train_megatron = got
+    backend = critic.backend or train_backend
+    if backend != "megatron":
+        if critic.megatron is None:
+            return []
+        return [SpecProblem("critic.megatron", None, f'is used only with critic.backend = "megatron", not "{backend}"'
+                            '; set backend = "megatron" in [critic] or remove [critic.megatron]')]
+    layout = critic.megatron or train_megatron
+    unset = "" if critic.megatron else " (unset [critic.megatron] takes [train.megatron]'s; add it to set the critic's)"
+    problems = []
+    if critic.num_processes % layout.tensor_parallel:
+        problems.append(SpecProblem("critic.megatron.tensor_parallel", show_value(layout.tensor_parallel), (
+            f"must divide critic.num_processes = {critic.num_processes} (the critic's data-parallel size is what "
+            f"is left){unset}")))
+    for name in ("pipeline_parallel", "context_parallel", "expert_parallel"):
+        if getattr(layout, name) != 1:
+            problems.append(SpecProblem(f"critic.megatron.{name}", show_value(getattr(layout, name)), (
+                f"must be 1: the Megatron critic splits its model by tensor parallelism only{unset}")))
+    for name, why in (("sequence_parallel", "its value head reads whole hidden states"),
+                      ("distributed_optimizer", "its optimizer state is not sharded")):
+        if getattr(layout, name):
+            problems.append(SpecProblem(f"critic.megatron.{name}", "true", f"must be false: {why}{unset}"))
+    return problems
+
+
 def _stale_after_several_heartbeats(spec: Resolved) -> list[SpecProblem]:
     got = spec.get("health.heartbeat_s", "health.stale_s")
     if got is None or got[1] >= 2 * got[0]:
@@ -455,4 +485,5 @@ CROSS_CHECKS: tuple[Callable[[Resolved], list[SpecProblem]], ...] = (
     _gae_and_critic_go_together,
     _gae_writes_the_advantages,
     _critic_processes_fit,
+    _critic_megatron_layout,
 )

@@ -217,6 +217,12 @@ class RolloutSpec:
     agent_session_timeout_s: float = setting(600.0, within(0, MAX_TIMEOUT_S, low_open=True))
     sglang: SGLangSpec = setting_from(SGLangSpec)
 
+    @property
+    def on_sglang(self) -> bool:
+        """The engines are SGLang servers (engine = "sglang"): their own interpreter, requests over
+        HTTP, weights pushed to them; otherwise the native engine, in the rollout's processes."""
+        return self.engine == "sglang"
+
 
 @dataclass(frozen=True, kw_only=True)
 class AlgorithmSpec:
@@ -327,6 +333,8 @@ class CriticSpec:
     grad_clip: float = setting(1.0, at_least(0))  # 0 disables clipping
     num_processes: int = setting(1, within(1, MAX_COUNT))  # the critic's data-parallel ranks
     strategy: TrainStrategy | None = setting(None)  # how they hold the value model; unset: [train] strategy
+    backend: Literal["torch", "megatron"] | None = setting(None)  # unset: [train] backend
+    megatron: MegatronSpec | None = setting(None)  # [critic.megatron], backend "megatron"; unset: [train.megatron]
 
 
 @dataclass(frozen=True, kw_only=True)

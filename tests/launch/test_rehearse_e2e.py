@@ -1,10 +1,10 @@
 """`relax-hpc rehearse` end to end: a production spec through run, resume and export on CPU, as a
 user runs it (a subprocess of the CLI; its runs are subprocesses of their own).
 
-The shipped production specs rehearse in `test_production_spec_rehearses`, which runs only with
-`RELAX_REHEARSE_PRODUCTION=1`: OPT_IN says, for each, how far its rehearsal got on 2026-12-02 and
-why it is not in the default suite yet (a run longer than the
-per-test budget: two `relax-hpc run`s that each start two SGLang servers). What runs by default is
+The shipped production specs (those that name GPUs) rehearse as they are with
+`tools/rehearse-production` (`make rehearse`), about 3 minutes each on 2 quiet cores (two `relax-hpc
+run`s that each start two SGLang servers): over the test command's budget, so not part of it
+(docs/testing.md, "Budget"); the test below checks which specs it takes. What runs here is
 the DAPO spec on the embedded engine and backend (its own comment: set engine = "native",
 backend = "torch"): the same columns, reward, algorithm, dynamic sampling, async mode and
 staleness, two trainer ranks and two engines behind the router, through run, resume and export.
@@ -14,6 +14,7 @@ staleness, two trainer ranks and two engines behind the router, through run, res
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -22,18 +23,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from side_env import MEGATRON, SGLANG
+
+from relax_hpc.launch.production_specs import names_gpus, production_specs
+from relax_hpc.spec import load_spec
 
 REPO = Path(__file__).resolve().parents[2]
-OPT_IN = {  # spec -> how far its rehearsal got (2026-12-02, 2 cores shared with other work)
-    "qwen3_4b_dapo": "passes (bf16 with the CPU optimizer's float32 masters, Megatron TP = 2, 2 SGLang engines, "
-                     "export through the bridge) in ~7 min: over the per-test budget",
-    "qwen3_vl_4b_openr1": "passes with the FSDP2 multimodal wrapping (backends/parallel.py), in ~15 min: "
-                          "over the per-test budget",
-    "qwen3_omni": "passes (FSDP2 over the omni thinker, 2 SGLang engines on image and audio rows, export with "
-                  "the omni layout) in ~5 min: over the per-test budget",
-}
-NEEDS = {"qwen3_4b_dapo": (SGLANG, MEGATRON), "qwen3_vl_4b_openr1": (SGLANG,), "qwen3_omni": (SGLANG,)}
 TIMEOUT_S = 1500  # two runs (each starting its engines) and an export on 2 busy cores
 
 pytestmark = [pytest.mark.slow]
@@ -77,14 +71,12 @@ def test_dapo_on_the_embedded_backends_rehearses_run_resume_and_export(tmp_path:
     assert json.loads((out / "hf" / "config.json").read_text())["model_type"] == "qwen3"
 
 
-@pytest.mark.parametrize("name", sorted(OPT_IN))
-@pytest.mark.timeout(TIMEOUT_S + 60)
-def test_production_spec_rehearses(name: str, tmp_path: Path) -> None:
-    if os.environ.get("RELAX_REHEARSE_PRODUCTION") != "1":
-        needs = " and ".join(env.name for env in NEEDS[name])
-        pytest.skip(f"opt-in, not a pass: {OPT_IN[name]}; RELAX_REHEARSE_PRODUCTION=1 runs it (needs {needs})")
-    for env in NEEDS[name]:
-        env.python_or_skip()
-    done = _rehearse(REPO / "jobspecs" / f"{name}.toml", tmp_path / "rehearsal")
-    last = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else done.stderr[-2000:]
-    assert done.returncode == 0 and last.startswith(f"rehearsal passed: {REPO / 'jobspecs'}"), last
+def test_the_production_rehearsals_take_every_shipped_spec_that_names_gpus() -> None:
+    listed = subprocess.run([str(REPO / "tools" / "rehearse-production"), "--list"], check=True, cwd=REPO,
+                            capture_output=True, text=True, timeout=120).stdout.split()
+    assert listed == [f"jobspecs/{name}.toml" for name in ("qwen3_4b_dapo", "qwen3_omni", "qwen3_vl_4b_openr1")]
+    assert [p.name for p in production_specs(REPO / "jobspecs")] == [Path(name).name for name in listed]
+    tiny = load_spec(REPO / "jobspecs" / "tiny_slurm.toml")  # a Slurm spec on CPUs is not a production one
+    assert not names_gpus(tiny)
+    assert names_gpus(dataclasses.replace(tiny, cluster=dataclasses.replace(
+        tiny.cluster, forward=dataclasses.replace(tiny.cluster.trainer, gpus_per_node=1))))

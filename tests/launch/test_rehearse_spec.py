@@ -166,7 +166,7 @@ def test_cuda_gives_the_tiny_model_the_positions_the_spec_needs(tmp_path: Path) 
     assert _rehearse(_spec("qwen3_vl_4b_openr1")).positions is None  # CPU: the budgets shrink to fit
     cuda = _rehearse(_spec("qwen3_vl_4b_openr1"), "cuda")
     assert cuda.positions == 2048 + 4096
-    model = write_tiny_model_of("qwen3_vl", tmp_path / "vl", seed=1, engine="sglang")
+    model = write_tiny_model_of("qwen3_vl", tmp_path / "vl", seed=1, on_sglang=True)
     give_positions(model, cuda.positions)
     config = AutoConfig.from_pretrained(model)
     assert config.text_config.max_position_embeddings == 2048 + 4096

@@ -22,7 +22,7 @@ def test_the_rehearsal_of_a_tool_spec_writes_the_tool_model(tmp_path: Path) -> N
     unbuilt = rehearsal_spec(spec, Machine("cpu", 2, work))
     built = rehearsal_spec(spec, Machine("cpu", 2, work, model_config={"model_type": "qwen3"}))
     assert unbuilt.arch == built.arch == "qwen3_tools"
-    model = write_tiny_model_of(built.arch, Path(built.spec.model.path), seed=1, engine=built.spec.rollout.engine)
+    model = write_tiny_model_of(built.arch, Path(built.spec.model.path), seed=1, on_sglang=built.spec.rollout.on_sglang)
     assert len(AutoTokenizer.from_pretrained(model).encode(TOOL_CALL, add_special_tokens=False)) == 1
     plain = rehearsal_spec(load_spec(REPO / "jobspecs" / "agent_calculator.toml"),
                            Machine("cpu", 2, work, model_config={"model_type": "qwen3"}))

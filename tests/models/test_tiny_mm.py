@@ -271,14 +271,14 @@ def test_cli_make_tiny_kind_and_arch_must_agree(tmp_path: Path, capsys: pytest.C
 
 
 
-@pytest.mark.parametrize(("arch", "engine", "shape"), [
-    ("qwen3_omni", "sglang", {"deepstack_layers": 3}), ("qwen2_5_vl", "sglang", {"patch_size": 14}),
-    ("qwen3_vl", "sglang", {}), ("qwen3_omni", "native", {}), ("qwen2_5_vl", "native", {}),
+@pytest.mark.parametrize(("arch", "on_sglang", "shape"), [
+    ("qwen3_omni", True, {"deepstack_layers": 3}), ("qwen2_5_vl", True, {"patch_size": 14}),
+    ("qwen3_vl", True, {}), ("qwen3_omni", False, {}), ("qwen2_5_vl", False, {}),
 ])
-def test_shape_for_engine_names_what_sglang_reads(arch: str, engine: str, shape: dict[str, int]) -> None:
+def test_shape_for_engine_names_what_sglang_reads(arch: str, on_sglang: bool, shape: dict[str, int]) -> None:
     # SGLang 0.5.23's Qwen3-VL-MoE text model (the omni thinker's) adds range(3) deepstack slices
     # whatever the config says, so a tiny omni with one feature fails on its first image.
-    assert shape_for_engine(arch, engine) == shape
+    assert shape_for_engine(arch, on_sglang) == shape
 
 
 def test_omni_with_three_deepstack_layers_feeds_three_features(tmp_path: Path) -> None:
