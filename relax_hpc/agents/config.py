@@ -20,8 +20,9 @@ def is_agentic(rollout: RolloutSpec) -> bool:
 
 def samples_per_session(rollout: RolloutSpec) -> int:
     """The most training samples one episode or session of `[rollout]` exports, which the
-    transfer queue is sized by: an env or generate episode is one sample; an agent session exports one per completion ("individual") or per chain of completions ("concat":
-    a completion that does not extend the chain starts another), at most `max_turns`, which
+    transfer queue is sized by: an env or generate episode is one sample; an agent session
+    exports one per completion ("individual") or per chain of completions ("concat": a
+    completion that does not extend the chain starts another), at most `max_turns`, which
     `AgenticRollout` holds each session to."""
     return rollout.max_turns if rollout.agent else 1
 

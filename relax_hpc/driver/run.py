@@ -40,7 +40,7 @@ from typing import Any
 from relax_hpc.agents.config import is_agentic, samples_per_session
 from relax_hpc.algos import LossConfig
 from relax_hpc.auth import SECRET_ENV
-from relax_hpc.backends.base import OptimConfig, require_backend
+from relax_hpc.backends.base import require_backend
 from relax_hpc.ckpt.fs import atomic_write_text
 from relax_hpc.ckpt.permissions import PRIVATE_FILE_MODE
 from relax_hpc.driver.alerts import (
@@ -171,12 +171,8 @@ def role_configs(spec: JobSpec, job_dir: Path, device: str) -> tuple[RolloutConf
         entropy_coef=a.entropy_coef, dual_clip_c=a.dual_clip_c, tis_cap=a.tis_cap,
         sapo_tau_pos=a.sapo_tau_pos, sapo_tau_neg=a.sapo_tau_neg,
     )
-    optim = OptimConfig(
-        lr=t.lr, weight_decay=t.weight_decay, adam_betas=(t.adam_betas[0], t.adam_betas[1]),
-        grad_clip=t.grad_clip, micro_batch_size=t.micro_batch_size, mini_batches=t.mini_batches,
-    )
     actor = ActorConfig(
-        model_path=spec.model.path, optim=optim, loss=loss,
+        model_path=spec.model.path, optim=t, loss=loss,
         checkpoint_dir=str(job_dir / "checkpoints"), keep_last=spec.checkpoint.keep_last,
         seed=spec.job.seed, dtype=spec.model.dtype, device=device, temperature=r.temperature,
         num_threads=threads,

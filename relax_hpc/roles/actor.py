@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from relax_hpc.algos import LossConfig
 from relax_hpc.auth import JobSecret, job_secret
-from relax_hpc.backends.base import OptimConfig, TrainBackend, make_backend
+from relax_hpc.backends.base import OptimSettings, TrainBackend, make_backend
 from relax_hpc.backends.batch import pack_rows
 from relax_hpc.backends.parallel import Strategy, rank_device, ray_gpu_ids
 from relax_hpc.ckpt.resume_state import ResumeState
@@ -67,7 +67,7 @@ COLLECTIVE_TIMEOUT = timedelta(minutes=30)
 @dataclass(frozen=True)
 class ActorConfig:
     model_path: str
-    optim: OptimConfig
+    optim: OptimSettings  # [train]: the optimizer and its batches
     loss: LossConfig
     checkpoint_dir: str
     keep_last: int

@@ -19,7 +19,6 @@ from relax_hpc.agents.batcher import EngineBatcher
 from relax_hpc.agents.multiturn import GenerateArgs, generate_with_env, run_generate
 from relax_hpc.agents.service import AgenticRollout
 from relax_hpc.algos.loss_types import LossConfig
-from relax_hpc.backends.base import OptimConfig
 from relax_hpc.backends.torch_backend import TorchBackend
 from relax_hpc.data.dataset import PromptRow
 from relax_hpc.data.rows import row_to_sample, sample_to_row
@@ -32,7 +31,7 @@ from relax_hpc.media.items import MediaItem, PromptMedia
 from relax_hpc.media.processor import MediaProcessor
 from relax_hpc.models.hf import load_tokenizer
 from relax_hpc.models.tiny_mm import write_tiny_multimodal
-from relax_hpc.spec.schema import RolloutSpec
+from relax_hpc.spec.schema import RolloutSpec, TrainSpec
 from agent_doubles import ImageEnv, ScriptedEngine, observation_image, tiny_tokenizer
 
 TOLERANCE = 1e-5  # float32 on CPU, as tests/media/test_media_parity.py
@@ -61,7 +60,7 @@ class Omni:
 @pytest.fixture(scope="module")
 def omni(tmp_path_factory: pytest.TempPathFactory) -> Omni:
     path = write_tiny_multimodal(tmp_path_factory.mktemp("agents") / "omni", "qwen2_5_omni", seed=0)
-    return Omni(NativeEngine(path), TorchBackend(path, OptimConfig(), LossConfig()))
+    return Omni(NativeEngine(path), TorchBackend(path, TrainSpec(steps=1), LossConfig()))
 
 
 def pixels(seed: int) -> np.ndarray:

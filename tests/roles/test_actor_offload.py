@@ -10,17 +10,17 @@ import pytest
 
 from relax_hpc.algos import LossConfig
 from relax_hpc.backends.memory import RecordingBackend
-from relax_hpc.backends.base import OptimConfig
 from relax_hpc.ckpt import ResumeState
 from relax_hpc.data.rows import sample_to_row
 from relax_hpc.data.sample import Sample
 from relax_hpc.roles.actor import ActorConfig, ActorWorker
+from relax_hpc.spec.schema import TrainSpec
 from relax_hpc.transfer.memory import InMemoryTransferQueue
 from relax_hpc.transfer.queue import partition_name
 
 
 def _worker(tmp_path: Path, backend: RecordingBackend, offload: bool = True) -> ActorWorker:
-    cfg = ActorConfig(model_path="unused: the backend is given", optim=OptimConfig(micro_batch_size=2),
+    cfg = ActorConfig(model_path="unused: the backend is given", optim=TrainSpec(steps=1, micro_batch_size=2),
                       loss=LossConfig(), checkpoint_dir=str(tmp_path / "checkpoints"), keep_last=1, seed=0,
                       offload_between_steps=offload)
     return ActorWorker(cfg, backend=backend)

@@ -40,7 +40,6 @@ MIRRORS_LEFT = {
     "ValueOptimConfig": "the critic's value-trainer settings, copied from [critic]",
     "RolloutConfig": "the rollout role's settings, still copied from the spec in driver/run.py",
     "ActorConfig": "the trainer role's settings, still copied from the spec in driver/run.py",
-    "OptimConfig": "the trainer's optimizer settings, still copied from [train] in driver/run.py",
 }
 
 # A field that shares its name with a spec key but means something else: "Class.field" -> what.
