@@ -38,7 +38,6 @@ from pathlib import Path
 from typing import Any
 
 from relax_hpc.agents.config import is_agentic, samples_per_session
-from relax_hpc.algos import LossConfig
 from relax_hpc.auth import SECRET_ENV
 from relax_hpc.backends.base import require_backend
 from relax_hpc.ckpt.fs import atomic_write_text
@@ -165,23 +164,13 @@ def role_configs(spec: JobSpec, job_dir: Path, device: str) -> tuple[RolloutConf
         sglang_spec=sglang_spec_resolved(r.sglang), job_dir=str(job_dir), routing_replay=a.routing_replay,
         algorithm=a,
     )
-    loss = LossConfig(
-        name=a.name, clip_eps_low=a.clip_eps_low, clip_eps_high=a.clip_eps_high,
-        kl_coef=a.kl_coef, kl_estimator=a.kl_estimator, loss_agg=a.loss_agg,
-        entropy_coef=a.entropy_coef, dual_clip_c=a.dual_clip_c, tis_cap=a.tis_cap,
-        sapo_tau_pos=a.sapo_tau_pos, sapo_tau_neg=a.sapo_tau_neg,
-    )
     actor = ActorConfig(
-        model_path=spec.model.path, optim=t, loss=loss,
-        checkpoint_dir=str(job_dir / "checkpoints"), keep_last=spec.checkpoint.keep_last,
-        seed=spec.job.seed, dtype=spec.model.dtype, device=device, temperature=r.temperature,
-        num_threads=threads,
-        teacher_path=a.opd_teacher_path if a.name == "opd" else None, opd_coef=a.opd_coef,
+        model=spec.model, train=t, job=spec.job, checkpoint_dir=str(job_dir / "checkpoints"),
+        algorithm=a, rollout=r, checkpoint=spec.checkpoint, device=device, num_threads=threads,
         archive_dir=str(archive_dir(job_dir)) if spec.metrics.trajectory_archive else None,
         role_fields=tuple(OUTPUT_FIELD[f.kind] for f in queue_role_configs(spec, device)
                           if isinstance(f, ForwardConfig)),
-        strategy=t.strategy, backend=t.backend, offload_between_steps=shares_devices(spec),
-        megatron=t.megatron, routing_replay=a.routing_replay,
+        offload_between_steps=shares_devices(spec),
     )
     return rollout, actor
 

@@ -30,8 +30,9 @@ MIRRORS_LEFT = {
     # The per-request sampling of one engine call (the agent proxy builds one per request); a
     # runtime type by design, whose defaults point at RolloutSpec's (test_single_defaults.py).
     "SamplingParams": "per-request sampling of an engine call, built from [rollout] or a request",
-    # The pure loss functions' input; kept on purpose and built from [algorithm] in one place.
-    "LossConfig": "the pure loss functions' input, built from AlgorithmSpec in one place",
+    # The pure loss functions' input; kept on purpose and built from [algorithm] in one place:
+    # algos/loss_types.py: loss_config.
+    "LossConfig": "the pure loss functions' input, built from AlgorithmSpec in one place (loss_config)",
     # The documented `args` of a user's generate function (REFERENCE.md): a public runtime type.
     "GenerateArgs": "the args a custom generate function is given, a public interface",
     # The critic holds [critic] and [algorithm] themselves, but still copies a resolved model
@@ -39,7 +40,6 @@ MIRRORS_LEFT = {
     "CriticConfig": "holds [critic] and [algorithm]; still copies model_path, keep_last and seed",
     "ValueOptimConfig": "the critic's value-trainer settings, copied from [critic]",
     "RolloutConfig": "the rollout role's settings, still copied from the spec in driver/run.py",
-    "ActorConfig": "the trainer role's settings, still copied from the spec in driver/run.py",
 }
 
 # A field that shares its name with a spec key but means something else: "Class.field" -> what.
