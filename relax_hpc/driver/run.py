@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from relax_hpc.agents.config import is_agentic, samples_per_session
+from relax_hpc.agents.config import samples_per_session
 from relax_hpc.auth import SECRET_ENV
 from relax_hpc.backends.base import require_backend
 from relax_hpc.ckpt.fs import atomic_write_text
@@ -54,7 +54,6 @@ from relax_hpc.driver.loop import LoopResult, StopFlag
 from relax_hpc.driver.rest import publish_rest_url, serve_rest_api
 from relax_hpc.driver.restarts import RebuildableRoles, run_with_restarts
 from relax_hpc.driver.spec_checks import check_spec_runs
-from relax_hpc.engines.base import SamplingParams
 from relax_hpc.engines.disk_weights import FEDERATION_WEIGHTS
 from relax_hpc.engines.factory import check_engine_available
 from relax_hpc.ops.archive import archive_dir
@@ -71,7 +70,7 @@ from relax_hpc.ops.ray_node_env import apply_ray_node_env
 from relax_hpc.ops.run_status import RunStatus
 from relax_hpc.ops.trackers import ClearMLSink, MlflowSink, WandbSink, require_trackers
 from relax_hpc.roles.actor import ActorConfig
-from relax_hpc.roles.advantages import AdvantagesConfig, divides_by_std
+from relax_hpc.roles.advantages import AdvantagesConfig
 from relax_hpc.roles.critic import CRITIC_CHECKPOINTS, critic_config
 from relax_hpc.roles.critic_roles import with_critic
 from relax_hpc.roles.forward import OUTPUT_FIELD, ForwardConfig
@@ -146,23 +145,13 @@ def role_configs(spec: JobSpec, job_dir: Path, device: str) -> tuple[RolloutConf
     # One thread per role: these models are small, and oversubscribed intra-op threads slow
     # everything down badly on a busy 2-core machine.
     threads = 1
-    sampling = SamplingParams(
-        max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
-        top_k=r.top_k, stop=tuple(r.stop),
-    )
     rollout = RolloutConfig(
-        model_path=spec.model.path, data=spec.data, reward=spec.reward, seed=spec.job.seed,
-        prompts_per_step=r.prompts_per_step, n_samples_per_prompt=r.n_samples_per_prompt,
-        sampling=sampling, engine=r.engine, num_engines=r.num_engines, chunks_per_engine=r.chunks_per_engine,
-        dtype=spec.model.dtype,
+        model=spec.model, data=spec.data, reward=spec.reward, rollout=r, algorithm=a, job=spec.job,
         device=device, num_threads=threads,
-        normalize_std=divides_by_std(a),
-        dynamic_sampling=r.dynamic_sampling, max_sampling_rounds=r.max_sampling_rounds,
         # With GAE the critic writes the advantages onto the queue, as the Advantages role would.
-        agentic=r if is_agentic(r) else None, advantages_role=spec.train.advantages_role or a.advantage == "gae",
-        release_between_steps=shares_devices(spec),
-        sglang_spec=sglang_spec_resolved(r.sglang), job_dir=str(job_dir), routing_replay=a.routing_replay,
-        algorithm=a,
+        rows_without_advantages=spec.train.advantages_role or a.advantage == "gae",
+        release_between_steps=shares_devices(spec), sglang_spec=sglang_spec_resolved(r.sglang),
+        job_dir=str(job_dir),
     )
     actor = ActorConfig(
         model=spec.model, train=t, job=spec.job, checkpoint_dir=str(job_dir / "checkpoints"),

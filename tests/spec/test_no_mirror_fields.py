@@ -39,7 +39,6 @@ MIRRORS_LEFT = {
     # path, [checkpoint] keep_last and [job] seed; its value trainer copies [critic]'s optimizer keys.
     "CriticConfig": "holds [critic] and [algorithm]; still copies model_path, keep_last and seed",
     "ValueOptimConfig": "the critic's value-trainer settings, copied from [critic]",
-    "RolloutConfig": "the rollout role's settings, still copied from the spec in driver/run.py",
 }
 
 # A field that shares its name with a spec key but means something else: "Class.field" -> what.
