@@ -44,10 +44,10 @@ import torch
 import torch.distributed as dist
 
 from relax_hpc.algos import LossConfig
-from relax_hpc.backends.base import OptimConfig
 from relax_hpc.backends.torch_backend import TorchBackend
 from relax_hpc.data.sample import Sample
 from relax_hpc.models.tiny import TinyModelSize, vocab_size, write_tiny_model
+from relax_hpc.spec.schema import TrainSpec
 
 LR = 1e-6
 MODES = {  # name: (model dtype, strategy)
@@ -88,7 +88,7 @@ def measure_mode(mode: str, model_dir: Path, samples: list[Sample], steps: int, 
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    backend = TorchBackend(model_dir, OptimConfig(lr=LR, grad_clip=1.0, micro_batch_size=micro),
+    backend = TorchBackend(model_dir, TrainSpec(steps=1, lr=LR, grad_clip=1.0, micro_batch_size=micro),
                            LossConfig(name="grpo", kl_coef=0.0), dtype=dtype, device=device,
                            strategy=strategy)
     before = weights_on_cpu(backend)

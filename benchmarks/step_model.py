@@ -297,7 +297,7 @@ def measure_costs(base: str, model_dir: Path, root: Path, repeats: int, log: Cal
     job_dir.mkdir(parents=True, exist_ok=True)
     spec = parse_spec(bench_async.spec_text(base, model_dir, job_dir, 10, "colocate", 0, None), "<step model>")
     rollout_cfg, actor_cfg = role_configs(spec, job_dir, "cpu")
-    n = rollout_cfg.n_samples_per_prompt
+    n = rollout_cfg.rollout.n_samples_per_prompt
     saved_secret = os.environ.get(SECRET_ENV)
     os.environ[SECRET_ENV] = str(write_job_secret(job_dir, bench_queue.SECRET))  # the queue's and roles'
     try:

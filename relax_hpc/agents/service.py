@@ -18,7 +18,7 @@ from collections import Counter
 from typing import Any, Coroutine, TypeVar
 
 from relax_hpc.agents.batcher import EngineBatcher
-from relax_hpc.agents.config import AgenticConfig, samples_per_session
+from relax_hpc.agents.config import samples_per_session
 from relax_hpc.agents.dotted import load_dotted
 from relax_hpc.agents.export import assign_rewards, export_concat, export_individual
 from relax_hpc.agents.media import offered
@@ -28,14 +28,16 @@ from relax_hpc.agents.workflow import AgentRunner, SessionResult
 from relax_hpc.data.sample import Sample
 from relax_hpc.engines.base import RolloutEngine, SamplingParams
 from relax_hpc.media.items import PromptMedia
+from relax_hpc.spec.schema import RolloutSpec
 
 T = TypeVar("T")
 
 
 class AgenticRollout:
-    def __init__(self, cfg: AgenticConfig, engine: RolloutEngine, tokenizer: Any, sampling: SamplingParams,
+    def __init__(self, cfg: RolloutSpec, engine: RolloutEngine, tokenizer: Any, sampling: SamplingParams,
                  eos_id: int, max_context_tokens: int | None = None, media_processor: Any = None) -> None:
-        """`media_processor`: the model's `relax_hpc.media.processor.MediaProcessor`, None for a text model."""
+        """`cfg`: the job's [rollout], which names the env, generate or agent and their keys.
+        `media_processor`: the model's `relax_hpc.media.processor.MediaProcessor`, None for a text model."""
         self.cfg, self.engine, self.sampling = cfg, engine, sampling
         self.media_processor = media_processor
         self._loop = asyncio.new_event_loop()
@@ -46,11 +48,11 @@ class AgenticRollout:
         self.runner: AgentRunner | None = None
         if cfg.agent:
             self.proxy = AgentProxy(self.batcher, tokenizer, sampling, token=proxy_token(),
-                                    ttl_s=cfg.session_timeout_s, max_context_tokens=max_context_tokens,
+                                    ttl_s=cfg.agent_session_timeout_s, max_context_tokens=max_context_tokens,
                                     media_processor=media_processor)
             self._call(self.proxy.start())
             self.runner = AgentRunner(cfg.agent, cfg.agent_mode, self.proxy,  # type: ignore[arg-type]
-                                      cfg.subproc_max_workers)
+                                      cfg.agent_subproc_max_workers)
         else:
             env_class = load_dotted("[rollout] env", cfg.env) if cfg.env else None
             self.generate_fn = (load_dotted("[rollout] generate", cfg.generate) if cfg.generate
@@ -116,17 +118,17 @@ class AgenticRollout:
         if most > samples_per_session(self.cfg):
             raise RuntimeError(
                 f'[rollout] agent = "{self.cfg.agent}": a session exported {most} samples (agent_export_style = '
-                f'"{self.cfg.export_style}"), more than [rollout] max_turns = {self.cfg.max_turns}, the most one '
-                "session may export (the transfer queue holds prompts_per_step x n_samples_per_prompt x max_turns "
-                f"rows a step); set [rollout] max_turns to at least {most}, the most completions a session of "
-                "this agent makes")
+                f'"{self.cfg.agent_export_style}"), more than [rollout] max_turns = {self.cfg.max_turns}, the most '
+                "one session may export (the transfer queue holds prompts_per_step x n_samples_per_prompt x "
+                f"max_turns rows a step); set [rollout] max_turns to at least {most}, the most completions a "
+                "session of this agent makes")
         return groups, {"rollout/completions_per_session": completions / max(1, len(results)),
                         # replies this step with a tool-call block the proxy could not read
                         "agent/malformed_tool_calls": float(self.proxy.malformed_tool_calls - malformed_before)}
 
     async def _run_sessions(self, datas: list[dict[str, Any]], seed: int) -> list[SessionResult]:
         assert self.runner is not None
-        cap = len(datas) if self.cfg.agent_mode == "inline" else min(len(datas), self.cfg.subproc_max_workers)
+        cap = len(datas) if self.cfg.agent_mode == "inline" else min(len(datas), self.cfg.agent_subproc_max_workers)
         self.batcher.begin(cap, seed)
         remaining = len(datas)
 
@@ -144,8 +146,8 @@ class AgenticRollout:
     def _session_samples(self, res: SessionResult, row: Any, group_id: int) -> list[Sample]:
         if not res.records:
             return []
-        rewards = assign_rewards(res.records, res.result, self.cfg.turn_discount)
-        export = export_concat if self.cfg.export_style == "concat" else export_individual
+        rewards = assign_rewards(res.records, res.result, self.cfg.agent_turn_discount)
+        export = export_concat if self.cfg.agent_export_style == "concat" else export_individual
         out = []
         for e in export(res.records, rewards):
             meta = {**row.metadata, "env_reward": e.reward, "completion_ids": e.completion_ids,

@@ -9,7 +9,7 @@ own module and adding one line to the registry in ``losses.py``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Callable, Final
 
 import torch
@@ -37,6 +37,11 @@ class LossConfig:
     tis_cap: float | None = AlgorithmSpec.tis_cap
     sapo_tau_pos: float = AlgorithmSpec.sapo_tau_pos
     sapo_tau_neg: float = AlgorithmSpec.sapo_tau_neg
+
+
+def loss_config(algorithm: AlgorithmSpec) -> LossConfig:
+    """The loss knobs of an `[algorithm]` table (each field is the key of the same name)."""
+    return LossConfig(**{f.name: getattr(algorithm, f.name) for f in fields(LossConfig)})
 
 
 @dataclass

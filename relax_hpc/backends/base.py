@@ -5,7 +5,7 @@ Implementations: `TorchBackend` (HF model, AdamW, ddp or fsdp2 over torch.distri
 megatron-bridge; backends/megatron.py) and the in-memory twin `backends/memory.py:
 RecordingBackend` (records calls, for tests). `make_backend` builds the one `[train] backend`
 names, inside the trainer rank's own process. The types every backend shares live here too:
-`OptimConfig` (the optimizer's settings) and `StepStats` (one optimizer step's stats, summed
+`OptimSettings` (what a backend reads of [train]) and `StepStats` (one optimizer step's stats, summed
 over micro-batches and ranks).
 """
 
@@ -13,16 +13,14 @@ from __future__ import annotations
 
 import importlib.util
 import sys
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Protocol
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Protocol, Sequence
 
 import torch
 
 from relax_hpc.algos.losses import STEP_SUM_STATS
 from relax_hpc.backends.batch import TrainBatch
 from relax_hpc.data.sample import Sample
-from relax_hpc.spec.schema import TrainSpec
 
 if TYPE_CHECKING:  # annotations only: importing this module must not load torch's DCP (drivers, forward roles)
     from relax_hpc.algos import LossConfig
@@ -33,16 +31,31 @@ if TYPE_CHECKING:  # annotations only: importing this module must not load torch
 BACKENDS: tuple[str, ...] = ("torch", "megatron")
 
 
-@dataclass(frozen=True)
-class OptimConfig:
-    """The optimizer's settings from [train]; the defaults are TrainSpec's."""
+class OptimSettings(Protocol):
+    """What a backend reads of [train] for its optimizer and batches: a TrainSpec is one."""
 
-    lr: float = TrainSpec.lr
-    weight_decay: float = TrainSpec.weight_decay
-    adam_betas: tuple[float, float] = (0.9, 0.999)  # TrainSpec.adam_betas (a list: built per spec)
-    grad_clip: float = TrainSpec.grad_clip  # 0 disables clipping
-    micro_batch_size: int = TrainSpec.micro_batch_size
-    mini_batches: int = TrainSpec.mini_batches  # optimizer steps per rollout batch
+    @property
+    def lr(self) -> float: ...
+
+    @property
+    def weight_decay(self) -> float: ...
+
+    @property
+    def adam_betas(self) -> Sequence[float]: ...
+
+    @property
+    def grad_clip(self) -> float: ...  # 0 disables clipping
+
+    @property
+    def micro_batch_size(self) -> int: ...
+
+    @property
+    def mini_batches(self) -> int: ...  # optimizer steps per rollout batch
+
+
+def adam_betas(optim: OptimSettings) -> tuple[float, float]:
+    """[train] adam_betas (a list of two, as TOML has it) as the optimizer takes them."""
+    return optim.adam_betas[0], optim.adam_betas[1]
 
 
 class StepStats:
@@ -142,7 +155,7 @@ def _find_spec(name: str) -> object | None:
 
 
 def make_backend(
-    backend: str, model_path: str, optim: OptimConfig, loss: LossConfig, *, dtype: str, device: str,
+    backend: str, model_path: str, optim: OptimSettings, loss: LossConfig, *, dtype: str, device: str,
     temperature: float, teacher_path: str | None, opd_coef: float, keep_reference: bool, strategy: Strategy,
     megatron: MegatronSpec | None = None, seed: int = 0, routing_replay: bool = False,
 ) -> TrainBackend:

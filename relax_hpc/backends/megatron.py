@@ -34,7 +34,7 @@ import torch.distributed as dist
 from relax_hpc.algos import LossConfig, LossInputs, opd_advantages, policy_loss
 from relax_hpc.algos.aggregation import loss_denominator
 from relax_hpc.backends import megatron_ckpt
-from relax_hpc.backends.base import OptimConfig, StepStats
+from relax_hpc.backends.base import OptimSettings, StepStats, adam_betas
 from relax_hpc.backends.batch import TrainBatch, pack_samples
 from relax_hpc.backends.megatron_data import (
     MegatronLayout,
@@ -73,7 +73,7 @@ class MegatronBackend:
     """A ``TrainBackend`` on megatron-core; see the module docstring."""
 
     def __init__(
-        self, model_path: str | Path, optim: OptimConfig, loss: LossConfig, *, megatron: MegatronSpec,
+        self, model_path: str | Path, optim: OptimSettings, loss: LossConfig, *, megatron: MegatronSpec,
         dtype: str = "float32", device: str = "cpu", temperature: float = 1.0,
         teacher_path: str | Path | None = None, opd_coef: float = 1.0, keep_reference: bool = True,
         seed: int = 0, routing_replay: bool = False,
@@ -103,7 +103,7 @@ class MegatronBackend:
             t_bridge, t_provider = make_provider(str(teacher_path), megatron, dtype=dtype, device=device)
             self.teacher = build_model(t_bridge, t_provider, train=False, distributed_optimizer=False)
         self.optimizer = make_optimizer(
-            self.built.model, lr=optim.lr, betas=optim.adam_betas, weight_decay=optim.weight_decay,
+            self.built.model, lr=optim.lr, betas=adam_betas(optim), weight_decay=optim.weight_decay,
             grad_clip=optim.grad_clip, dtype=provider.params_dtype, device=device,
             distributed=megatron.distributed_optimizer)
         tokenizer = load_tokenizer(str(model_path))

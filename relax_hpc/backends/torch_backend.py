@@ -32,7 +32,7 @@ from relax_hpc.algos import (
     token_logprobs_and_entropy,
 )
 from relax_hpc.algos.aggregation import loss_denominator
-from relax_hpc.backends.base import OptimConfig, StepStats
+from relax_hpc.backends.base import OptimSettings, StepStats, adam_betas
 from relax_hpc.backends.batch import TrainBatch, pack_samples
 from relax_hpc.backends.parallel import (
     STRATEGIES,
@@ -62,7 +62,7 @@ class TorchBackend:
     def __init__(
         self,
         model_path: str | Path,
-        optim: OptimConfig,
+        optim: OptimSettings,
         loss: LossConfig,
         dtype: str = "float32",
         device: str = "cpu",
@@ -128,7 +128,7 @@ class TorchBackend:
         self._autocast = not self.sharded and self.compute_dtype != torch.float32
         # After sharding: FSDP2 replaces the parameters with sharded ones.
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=optim.lr, betas=optim.adam_betas,
+            self.model.parameters(), lr=optim.lr, betas=adam_betas(optim),
             weight_decay=optim.weight_decay,
         )
 

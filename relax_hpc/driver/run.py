@@ -37,10 +37,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from relax_hpc.agents.config import agentic_from_spec, samples_per_session
-from relax_hpc.algos import LossConfig
+from relax_hpc.agents.config import samples_per_session
 from relax_hpc.auth import SECRET_ENV
-from relax_hpc.backends.base import OptimConfig, require_backend
+from relax_hpc.backends.base import require_backend
 from relax_hpc.ckpt.fs import atomic_write_text
 from relax_hpc.ckpt.permissions import PRIVATE_FILE_MODE
 from relax_hpc.driver.alerts import (
@@ -55,7 +54,6 @@ from relax_hpc.driver.loop import LoopResult, StopFlag
 from relax_hpc.driver.rest import publish_rest_url, serve_rest_api
 from relax_hpc.driver.restarts import RebuildableRoles, run_with_restarts
 from relax_hpc.driver.spec_checks import check_spec_runs
-from relax_hpc.engines.base import SamplingParams
 from relax_hpc.engines.disk_weights import FEDERATION_WEIGHTS
 from relax_hpc.engines.factory import check_engine_available
 from relax_hpc.ops.archive import archive_dir
@@ -72,7 +70,7 @@ from relax_hpc.ops.ray_node_env import apply_ray_node_env
 from relax_hpc.ops.run_status import RunStatus
 from relax_hpc.ops.trackers import ClearMLSink, MlflowSink, WandbSink, require_trackers
 from relax_hpc.roles.actor import ActorConfig
-from relax_hpc.roles.advantages import AdvantagesConfig, divides_by_std
+from relax_hpc.roles.advantages import AdvantagesConfig
 from relax_hpc.roles.critic import CRITIC_CHECKPOINTS, critic_config
 from relax_hpc.roles.critic_roles import with_critic
 from relax_hpc.roles.forward import OUTPUT_FIELD, ForwardConfig
@@ -147,45 +145,21 @@ def role_configs(spec: JobSpec, job_dir: Path, device: str) -> tuple[RolloutConf
     # One thread per role: these models are small, and oversubscribed intra-op threads slow
     # everything down badly on a busy 2-core machine.
     threads = 1
-    sampling = SamplingParams(
-        max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
-        top_k=r.top_k, stop=tuple(r.stop),
-    )
     rollout = RolloutConfig(
-        model_path=spec.model.path, data=spec.data, reward=spec.reward, seed=spec.job.seed,
-        prompts_per_step=r.prompts_per_step, n_samples_per_prompt=r.n_samples_per_prompt,
-        sampling=sampling, engine=r.engine, num_engines=r.num_engines, chunks_per_engine=r.chunks_per_engine,
-        dtype=spec.model.dtype,
+        model=spec.model, data=spec.data, reward=spec.reward, rollout=r, algorithm=a, job=spec.job,
         device=device, num_threads=threads,
-        normalize_std=divides_by_std(a),
-        dynamic_sampling=r.dynamic_sampling, max_sampling_rounds=r.max_sampling_rounds,
         # With GAE the critic writes the advantages onto the queue, as the Advantages role would.
-        agentic=agentic_from_spec(r), advantages_role=spec.train.advantages_role or a.advantage == "gae",
-        release_between_steps=shares_devices(spec),
-        sglang_spec=sglang_spec_resolved(r.sglang), job_dir=str(job_dir), routing_replay=a.routing_replay,
-        algorithm=a,
-    )
-    loss = LossConfig(
-        name=a.name, clip_eps_low=a.clip_eps_low, clip_eps_high=a.clip_eps_high,
-        kl_coef=a.kl_coef, kl_estimator=a.kl_estimator, loss_agg=a.loss_agg,
-        entropy_coef=a.entropy_coef, dual_clip_c=a.dual_clip_c, tis_cap=a.tis_cap,
-        sapo_tau_pos=a.sapo_tau_pos, sapo_tau_neg=a.sapo_tau_neg,
-    )
-    optim = OptimConfig(
-        lr=t.lr, weight_decay=t.weight_decay, adam_betas=(t.adam_betas[0], t.adam_betas[1]),
-        grad_clip=t.grad_clip, micro_batch_size=t.micro_batch_size, mini_batches=t.mini_batches,
+        rows_without_advantages=spec.train.advantages_role or a.advantage == "gae",
+        release_between_steps=shares_devices(spec), sglang_spec=sglang_spec_resolved(r.sglang),
+        job_dir=str(job_dir),
     )
     actor = ActorConfig(
-        model_path=spec.model.path, optim=optim, loss=loss,
-        checkpoint_dir=str(job_dir / "checkpoints"), keep_last=spec.checkpoint.keep_last,
-        seed=spec.job.seed, dtype=spec.model.dtype, device=device, temperature=r.temperature,
-        num_threads=threads,
-        teacher_path=a.opd_teacher_path if a.name == "opd" else None, opd_coef=a.opd_coef,
+        model=spec.model, train=t, job=spec.job, checkpoint_dir=str(job_dir / "checkpoints"),
+        algorithm=a, rollout=r, checkpoint=spec.checkpoint, device=device, num_threads=threads,
         archive_dir=str(archive_dir(job_dir)) if spec.metrics.trajectory_archive else None,
         role_fields=tuple(OUTPUT_FIELD[f.kind] for f in queue_role_configs(spec, device)
                           if isinstance(f, ForwardConfig)),
-        strategy=t.strategy, backend=t.backend, offload_between_steps=shares_devices(spec),
-        megatron=t.megatron, routing_replay=a.routing_replay,
+        offload_between_steps=shares_devices(spec),
     )
     return rollout, actor
 

@@ -31,41 +31,38 @@ import json
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, NamedTuple
+from typing import Literal, NamedTuple
 
 from relax_hpc.ops.sample_ids import NO_SAMPLE_ID, format_sample_id, make_sample_id, split_sample_id
 from relax_hpc.ops.archive import ArchiveError, archive_dir, format_ranges, read_columns, step_files
+from relax_hpc.spec.schema import JobSpec, RolloutSpec
 
 Kind = Literal["duplicated", "lost"]
 
 
 @dataclass(frozen=True)
 class StepPlan:
-    """What one step should train, from the job's spec."""
+    """What one step should train: the job's [rollout] table, as its spec.toml has it."""
 
-    prompts_per_step: int
-    n_samples_per_prompt: int
-    dynamic_sampling: bool
-    agentic: bool
-    steps: int  # [train] steps
+    rollout: RolloutSpec
 
-    @classmethod
-    def from_spec(cls, spec: Any) -> StepPlan:
-        r = spec.rollout
-        return cls(r.prompts_per_step, r.n_samples_per_prompt, r.dynamic_sampling,
-                   bool(r.env or r.generate or r.agent), spec.train.steps)
+    @property
+    def agentic(self) -> bool:
+        """An env, a custom generate or an agent: a group holds what its sessions exported."""
+        r = self.rollout
+        return bool(r.env or r.generate or r.agent)
 
     @property
     def planned_samples(self) -> int:
-        return self.prompts_per_step * self.n_samples_per_prompt
+        return self.rollout.prompts_per_step * self.rollout.n_samples_per_prompt
 
     def describe(self) -> str:
-        p, n = self.prompts_per_step, self.n_samples_per_prompt
+        p, n = self.rollout.prompts_per_step, self.rollout.n_samples_per_prompt
         if self.agentic:
             return (f"agentic: up to {p} groups per step, each the samples its {n} sessions exported "
                     "(any number); checked: ids once, members numbered without gaps, positions < "
                     f"{p}; not checked: how many samples a group should have")
-        if self.dynamic_sampling:
+        if self.rollout.dynamic_sampling:
             return (f"dynamic sampling: up to {p} groups of {n} per step; checked: ids once, groups "
                     "numbered from 0 without gaps, each whole; not checked: whether a short step "
                     "should have found more groups")
@@ -150,7 +147,7 @@ def check_exactly_once(job_dir: Path) -> ExactlyOnceReport:
             f"no trajectory archive in {job_dir} (looked for {archive_dir(job_dir)}/rank<r>/step_*.h5): "
             "the exactly-once check reads the samples each step trained; set [metrics] "
             "trajectory_archive = true in the job spec and run the job (it archives from its next step)")
-    plan = StepPlan.from_spec(_load_job_spec(job_dir))
+    plan = StepPlan(_load_job_spec(job_dir).rollout)
     steps = sorted(files)
     problems: list[Problem] = []
     samples = without_id = 0
@@ -181,7 +178,7 @@ def check_exactly_once(job_dir: Path) -> ExactlyOnceReport:
     return ExactlyOnceReport(job_dir, plan, tuple(steps), samples, tuple(problems), tuple(notes), without_id)
 
 
-def _load_job_spec(job_dir: Path) -> Any:
+def _load_job_spec(job_dir: Path) -> JobSpec:
     from relax_hpc.spec import SpecError, load_spec
 
     path = job_dir / "spec.toml"
@@ -223,7 +220,7 @@ def _check_by_sample_id(check: _StepCheck, rows: list[_Row]) -> None:
     groups: dict[int, dict[int, _Row]] = defaultdict(dict)
     for (g, m), rs in slots.items():
         groups[g][m] = rs[0]
-    n, p = plan.n_samples_per_prompt, plan.prompts_per_step
+    n, p = plan.rollout.n_samples_per_prompt, plan.rollout.prompts_per_step
     for g in sorted(groups):
         members = groups[g]
         if g >= p:
@@ -236,7 +233,7 @@ def _check_by_sample_id(check: _StepCheck, rows: list[_Row]) -> None:
         check.add("lost", len(missing), f"group {g} lacks member(s) {format_ranges(missing)} of {len(want)}")
         _check_group_agrees(check, f"group {g}", list(members.values()))
     if not plan.agentic:
-        last = p - 1 if not plan.dynamic_sampling else max((g for g in groups if g < p), default=-1)
+        last = p - 1 if not plan.rollout.dynamic_sampling else max((g for g in groups if g < p), default=-1)
         absent = [g for g in range(last + 1) if g not in groups]
         check.add("lost", len(absent) * n, f"group(s) {format_ranges(absent)} missing, {n} samples each")
     _check_groups_distinct(check, {g: list(ms.values()) for g, ms in groups.items() if g < p})
@@ -270,7 +267,7 @@ def _check_groups_distinct(check: _StepCheck, groups: dict[int, list[_Row]]) -> 
 def _check_by_group_id(check: _StepCheck, rows: list[_Row]) -> None:
     """Rows without sample ids: group sizes against the plan, and the number of groups."""
     plan = check.plan
-    n, p = plan.n_samples_per_prompt, plan.prompts_per_step
+    n, p = plan.rollout.n_samples_per_prompt, plan.rollout.prompts_per_step
     groups: dict[int, list[_Row]] = defaultdict(list)
     for r in rows:
         groups[r.group_id].append(r)
@@ -284,7 +281,7 @@ def _check_by_group_id(check: _StepCheck, rows: list[_Row]) -> None:
         extra = len(groups) - p
         count = extra * n if not plan.agentic else extra
         check.add("duplicated", count, f"{len(groups)} groups, beyond the plan of {p} per step")
-    elif len(groups) < p and not (plan.agentic or plan.dynamic_sampling):
+    elif len(groups) < p and not (plan.agentic or plan.rollout.dynamic_sampling):
         check.add("lost", (p - len(groups)) * n, f"{len(groups)} groups of the {p} planned")
 
 
@@ -294,9 +291,8 @@ def _missing_steps(job_dir: Path, files: dict[int, list[Path]], plan: StepPlan) 
     end = max(steps[-1] + 1, _finished_end_step(job_dir, files) or 0)
     have = set(steps)
     unit = "samples" if not plan.agentic else "sessions"
-    return [Problem(s, "lost", plan.planned_samples,
-                    f"step {s} is not archived ({plan.prompts_per_step} x {plan.n_samples_per_prompt} "
-                    f"{unit} planned)")
+    p, n = plan.rollout.prompts_per_step, plan.rollout.n_samples_per_prompt
+    return [Problem(s, "lost", plan.planned_samples, f"step {s} is not archived ({p} x {n} {unit} planned)")
             for s in range(steps[0], end) if s not in have]
 
 

@@ -24,11 +24,11 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from relax_hpc.algos import LossConfig
+from relax_hpc.algos import loss_config
 from relax_hpc.auth import JobSecret, job_secret
-from relax_hpc.backends.base import OptimConfig, TrainBackend, make_backend
+from relax_hpc.backends.base import TrainBackend, make_backend
 from relax_hpc.backends.batch import pack_rows
-from relax_hpc.backends.parallel import Strategy, rank_device, ray_gpu_ids
+from relax_hpc.backends.parallel import rank_device, ray_gpu_ids
 from relax_hpc.ckpt.resume_state import ResumeState
 from relax_hpc.data.rows import (
     ARCHIVE_FIELDS,
@@ -43,7 +43,8 @@ from relax_hpc.ops.heap import settle_heap
 from relax_hpc.roles.heartbeat import Heartbeats
 from relax_hpc.spec.schema import (
     AlgorithmSpec,
-    MegatronSpec,
+    CheckpointSpec,
+    JobInfoSpec,
     ModelSpec,
     RolloutSpec,
     TrainSpec,
@@ -66,26 +67,22 @@ COLLECTIVE_TIMEOUT = timedelta(minutes=30)
 
 @dataclass(frozen=True)
 class ActorConfig:
-    model_path: str
-    optim: OptimConfig
-    loss: LossConfig
-    checkpoint_dir: str
-    keep_last: int
-    seed: int
-    dtype: str = ModelSpec.dtype
-    device: str = "cpu"
-    temperature: float = RolloutSpec.temperature
-    num_threads: int = 0
-    teacher_path: str | None = None  # on-policy distillation
-    opd_coef: float = AlgorithmSpec.opd_coef
+    """A trainer rank: the spec tables it reads, as the spec gives them, and what the driver
+    resolves for it."""
+
+    model: ModelSpec  # path, dtype
+    train: TrainSpec  # the optimizer and its batches, backend, strategy, [train.megatron]
+    algorithm: AlgorithmSpec  # the loss, the OPD teacher, routing replay
+    rollout: RolloutSpec  # temperature
+    checkpoint: CheckpointSpec  # keep_last
+    job: JobInfoSpec  # seed
+    checkpoint_dir: str  # JOBDIR/checkpoints
+    device: str = "cpu"  # resolved (cpu, cuda:N)
+    num_threads: int = 0  # torch's intra-op threads; 0: torch's own choice
     archive_dir: str | None = None  # JOBDIR/trajectories when [metrics] trajectory_archive is on
     role_fields: tuple[str, ...] = ()  # fields the ActorFwd / Reference roles write: wait for them
-    strategy: Strategy = TrainSpec.strategy  # [train] strategy: "fsdp2" shards the model over the ranks
-    backend: str = TrainSpec.backend  # [train] backend: which make_backend builds
     # [cluster] colocate: the optimizer state leaves the device between steps (engines use it)
     offload_between_steps: bool = False
-    megatron: MegatronSpec | None = None  # [train.megatron] (None: its defaults)
-    routing_replay: bool = AlgorithmSpec.routing_replay  # R3: replay the engines' expert routing
 
 
 def rendezvous_address() -> str:
@@ -166,28 +163,29 @@ class ActorWorker(WeightSenderEndpoint, Heartbeats):
         if cfg.num_threads > 0:
             torch.set_num_threads(cfg.num_threads)
         self.device = join_rank_group("trainer", cfg.device, rank, world_size, master)
-        torch.manual_seed(cfg.seed + rank)
+        torch.manual_seed(cfg.job.seed + rank)
         self.rank, self.world_size = rank, world_size
-        self.cfg_micro_batch, self.mini_batches = cfg.optim.micro_batch_size, cfg.optim.mini_batches
+        t, a = cfg.train, cfg.algorithm
+        self.cfg_micro_batch, self.mini_batches = t.micro_batch_size, t.mini_batches
         self.backend: TrainBackend = backend or make_backend(
-            cfg.backend, cfg.model_path, cfg.optim, cfg.loss, dtype=cfg.dtype, device=self.device,
-            temperature=cfg.temperature, teacher_path=cfg.teacher_path, opd_coef=cfg.opd_coef,
-            keep_reference="ref_log_probs" not in cfg.role_fields, strategy=cfg.strategy,
-            megatron=cfg.megatron, seed=cfg.seed, routing_replay=cfg.routing_replay,
+            t.backend, cfg.model.path, t, loss_config(a), dtype=cfg.model.dtype, device=self.device,
+            temperature=cfg.rollout.temperature, teacher_path=a.opd_teacher_path if a.name == "opd" else None,
+            opd_coef=a.opd_coef, keep_reference="ref_log_probs" not in cfg.role_fields, strategy=t.strategy,
+            megatron=t.megatron, seed=cfg.job.seed, routing_replay=a.routing_replay,
         )
         # fsdp2: the whole weights as of the last collective gather (rank 0 only), for the channel.
         self._gathered: list[tuple[str, torch.Tensor]] | None = None
         self._gather_weights()
         # Routing replay: the engine's routed experts travel with each row (not in TRAIN_FIELDS: a
         # get returns only rows that have every field asked for).
-        self.role_fields = (*cfg.role_fields, *((ROUTED_EXPERTS_FIELD,) if cfg.routing_replay else ()))
+        self.role_fields = (*cfg.role_fields, *((ROUTED_EXPERTS_FIELD,) if a.routing_replay else ()))
         if getattr(self.backend, "media_processor", None) is not None:  # a multimodal model reads its media
             self.role_fields = (*self.role_fields, *MEDIA_FIELDS)
         self.offload_between_steps = cfg.offload_between_steps
         self._offloaded = False  # the optimizer state is off the device until the next rows arrive
         from relax_hpc.ckpt.manager import CheckpointManager  # torch's DCP: in the rank, not the driver
 
-        self.checkpoints = CheckpointManager(Path(cfg.checkpoint_dir), keep_last=cfg.keep_last)
+        self.checkpoints = CheckpointManager(Path(cfg.checkpoint_dir), keep_last=cfg.checkpoint.keep_last)
         self._queue: TransferQueue | None = None
         self.archive: TrajectoryArchive | None = (
             HDF5TrajectoryArchive(Path(cfg.archive_dir), rank, world_size) if cfg.archive_dir else None)

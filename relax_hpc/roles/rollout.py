@@ -10,6 +10,7 @@ producer's batch boundary, where it also waits for the version the staleness bou
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import threading
 import time
@@ -18,7 +19,7 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
-from relax_hpc.agents.config import AgenticConfig
+from relax_hpc.agents.config import is_agentic
 from relax_hpc.algos import group_advantages
 from relax_hpc.algos.estimators import outcome_advantages, overlong_penalty
 from relax_hpc.data.dataset import DataCursor, DataSettings, load_dataset
@@ -32,14 +33,15 @@ from relax_hpc.media.items import PromptMedia
 from relax_hpc.media.processor import media_processor_for
 from relax_hpc.ops.heap import settle_heap
 from relax_hpc.rewards.hub import RewardHub, RewardSettings
+from relax_hpc.roles.advantages import divides_by_std
 from relax_hpc.roles.heartbeat import Heartbeats
 from relax_hpc.roles.shipping import StepShipper
 from relax_hpc.spec.schema import (
     AlgorithmSpec,
+    JobInfoSpec,
     ModelSpec,
     RolloutSpec,
     SGLangSpec,
-    TrainSpec,
 )
 from relax_hpc.transfer.connect import connect_queue, report_failure
 from relax_hpc.transfer.memory import InMemoryTransferQueue
@@ -50,41 +52,63 @@ from relax_hpc.weights.endpoints import WeightInbox, WeightReceiverEndpoint
 
 @dataclass(frozen=True)
 class RolloutConfig:
-    model_path: str
+    """The rollout role: the spec tables it reads, as the spec gives them, and what the driver
+    resolves for it. The properties are the fleet's view of them (engines/fleet.py: FleetSettings)."""
+
+    model: ModelSpec  # path, dtype
     data: DataSettings  # the spec's [data] table
     reward: RewardSettings  # the spec's [reward] table
-    seed: int
-    prompts_per_step: int
-    n_samples_per_prompt: int
-    sampling: SamplingParams
-    engine: str  # [rollout] engine: which make_engine builds
-    num_engines: int = RolloutSpec.num_engines  # engines behind the router (built here when in process)
-    chunks_per_engine: int = RolloutSpec.chunks_per_engine  # pieces of a step per serving engine
-    normalize_std: bool = AlgorithmSpec.normalize_std  # group advantages: False is Dr.GRPO
-    # The spec's [algorithm] table: the advantage estimator and DAPO's overlong shaping (None: its defaults).
-    algorithm: AlgorithmSpec | None = None
-    dtype: str = ModelSpec.dtype
-    device: str = "cpu"
+    rollout: RolloutSpec  # prompts and samples per step, sampling, engines, dynamic sampling, an agent or env
+    algorithm: AlgorithmSpec  # the advantage estimator, DAPO's overlong shaping, routing replay
+    job: JobInfoSpec  # seed
+    device: str = "cpu"  # resolved (cpu, cuda:N)
     num_threads: int = 0  # 0: leave torch's default
     queue_timeout_s: float = 3600.0  # how long the producer waits for the trainer to clear a step
     # How long the producer waits for the weights a step needs. The broadcast has started when the
     # wait begins, and the channel's own deadline (600 s) reports a stuck one first and better.
     weights_timeout_s: float = 1800.0
-    dynamic_sampling: bool = RolloutSpec.dynamic_sampling
-    max_sampling_rounds: int = RolloutSpec.max_sampling_rounds
-    agentic: AgenticConfig | None = None  # multi-turn env / custom generate / agent (docs/agents.md)
-    advantages_role: bool = TrainSpec.advantages_role  # rows go out without `advantages`
+    # Rows go out without `advantages`: the Advantages role or the critic writes them on the queue.
+    rows_without_advantages: bool = False
     # [cluster] colocate: engines release their memory from a step's end until the next weights
     release_between_steps: bool = False
-    sglang_spec: SGLangSpec | None = None  # engine = "sglang": [rollout.sglang] (None: its defaults)
+    sglang_spec: SGLangSpec | None = None  # engine = "sglang": [rollout.sglang], its python resolved
     job_dir: str | None = None  # the SGLang servers' logs go to JOBDIR/logs (None: a temp dir)
-    routing_replay: bool = AlgorithmSpec.routing_replay  # engines return each sample's routed experts (R3)
     # Engines started at run time in actors of their own beat every this many seconds into
     # JOBDIR/health/engine_<n>.json (relax_hpc/ops/health.py); 0: they do not.
     engine_heartbeat_interval_s: float = 0.0
     # An engine that joined over HTTP (a grow job's) is given up, its prompts going to the others,
     # when one request takes longer than this: a step never waits longer for a vanished node.
     remote_engine_timeout_s: float = 300.0
+
+    @property
+    def model_path(self) -> str:
+        return self.model.path
+
+    @property
+    def dtype(self) -> str:
+        return self.model.dtype
+
+    @property
+    def engine(self) -> str:
+        return self.rollout.engine
+
+    @property
+    def num_engines(self) -> int:
+        return self.rollout.num_engines
+
+    @property
+    def chunks_per_engine(self) -> int:
+        return self.rollout.chunks_per_engine
+
+    @property
+    def routing_replay(self) -> bool:
+        return self.algorithm.routing_replay
+
+
+def sampling_of(rollout: RolloutSpec) -> SamplingParams:
+    """The sampling of every engine call `[rollout]` makes."""
+    return SamplingParams(max_new_tokens=rollout.max_new_tokens, temperature=rollout.temperature,
+                          top_p=rollout.top_p, top_k=rollout.top_k, stop=tuple(rollout.stop))
 
 
 def engine_role_name(engine_id: str) -> str:
@@ -133,21 +157,21 @@ class RolloutWorker(WeightReceiverEndpoint, Heartbeats):
         self.fleet = EngineFleet(cfg, engines, clients, spawn_actors=self._spawn_engine_actors)
         self.engine = self.fleet.router
         tok = self.engine.tokenizer
-        stop_ids = tuple(cfg.sampling.stop_token_ids) + (self.engine.eos_id,)
-        self.sampling = SamplingParams(**{**cfg.sampling.__dict__, "stop_token_ids": stop_ids})
-        self.algorithm = cfg.algorithm if cfg.algorithm is not None else AlgorithmSpec()
+        self.sampling = dataclasses.replace(sampling_of(cfg.rollout), stop_token_ids=(self.engine.eos_id,))
+        self.algorithm = cfg.algorithm
+        self.normalize_std = divides_by_std(cfg.algorithm)
         # A multimodal model: every sample carries its prompt's media (empty for a text prompt),
         # and the media travel with the prompts to the engines.
         self.media_processor = media_processor_for(cfg.model_path)
         self.rows, self.report = load_dataset(cfg.data, tok, self.media_processor)
-        self.cursor = DataCursor(len(self.rows), cfg.seed, cfg.data.shuffle)
+        self.cursor = DataCursor(len(self.rows), cfg.job.seed, cfg.data.shuffle)
         judge, judge_tokenizer = build_genrm_judge(cfg.reward, cfg.dtype, cfg.device)
         self.rewards = RewardHub.from_settings(cfg.reward, genrm_engine=judge, genrm_tokenizer=judge_tokenizer)
         self.agentic: Any = None
-        if cfg.agentic is not None:
+        if is_agentic(cfg.rollout):
             from relax_hpc.agents.service import AgenticRollout
 
-            self.agentic = AgenticRollout(cfg.agentic, self.engine, tok, self.sampling,
+            self.agentic = AgenticRollout(cfg.rollout, self.engine, tok, self.sampling,
                                           self.engine.eos_id, _max_context(self.engine, cfg.model_path),
                                           media_processor=self.media_processor)
         # Producer state: new weights wait in the inbox until the next batch boundary.
@@ -350,7 +374,7 @@ class RolloutWorker(WeightReceiverEndpoint, Heartbeats):
                 # What rollout waited for before it could start: which side paces the loop.
                 stats["time/rollout_wait_staleness_s"] = t_weights - t_wait
                 stats["time/rollout_wait_weights_s"] = t_go - t_weights
-                if not self.cfg.advantages_role:  # else the Advantages role writes them on the queue
+                if not self.cfg.rows_without_advantages:  # else the Advantages role writes them on the queue
                     self._set_advantages(samples)
                 with self._lock:
                     self._cursor_after[step] = self.cursor.state()
@@ -371,17 +395,17 @@ class RolloutWorker(WeightReceiverEndpoint, Heartbeats):
 
     def _rows_of(self, samples: list[Sample]) -> Sequence[dict[str, Any]]:
         # With an Advantages role, that role writes each row's advantage on the queue.
-        return samples_to_rows(samples, without=("advantages",) if self.cfg.advantages_role else ())
+        return samples_to_rows(samples, without=("advantages",) if self.cfg.rows_without_advantages else ())
 
     def _set_advantages(self, samples: list[Sample]) -> None:
         rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
         estimator = self.algorithm.advantage
         if estimator == "group" and self.agentic is None:  # consecutive groups of n_samples_per_prompt
-            advantages = group_advantages(rewards, self.cfg.n_samples_per_prompt, self.cfg.normalize_std)
+            advantages = group_advantages(rewards, self.cfg.rollout.n_samples_per_prompt, self.normalize_std)
         else:  # by group id: agent sessions export a varying number of samples per prompt
             trained = torch.tensor([sum(s.mask()) for s in samples], dtype=torch.float32)
             advantages = outcome_advantages(estimator, rewards, [s.group_id for s in samples], trained,
-                                            self.cfg.normalize_std)
+                                            self.normalize_std)
         for sample, adv in zip(samples, advantages.tolist()):
             sample.advantage = adv
 
@@ -410,16 +434,16 @@ class RolloutWorker(WeightReceiverEndpoint, Heartbeats):
         still short after that trains on the groups it has.
         """
         t0 = time.perf_counter()
-        want, n = self.cfg.prompts_per_step, self.cfg.n_samples_per_prompt
+        want, n = self.cfg.rollout.prompts_per_step, self.cfg.rollout.n_samples_per_prompt
         kept: list[list[Sample]] = []
         stats: dict[str, float] = {}
         rounds = dropped = 0
-        while len(kept) < want and rounds < self.cfg.max_sampling_rounds:
+        while len(kept) < want and rounds < self.cfg.rollout.max_sampling_rounds:
             groups, round_stats = self._generate_groups(want - len(kept), step, rounds)
             for k, v in round_stats.items():
                 stats[k] = stats.get(k, 0.0) + v
             rounds += 1
-            if not self.cfg.dynamic_sampling:
+            if not self.cfg.rollout.dynamic_sampling:
                 kept = groups
                 break
             for group in groups:
@@ -428,7 +452,7 @@ class RolloutWorker(WeightReceiverEndpoint, Heartbeats):
                     kept.append(group)
                 else:
                     dropped += 1
-            if rounds == self.cfg.max_sampling_rounds and not kept:
+            if rounds == self.cfg.rollout.max_sampling_rounds and not kept:
                 kept = groups  # nothing had signal: train on zero advantages rather than stall
         assign_sample_ids(step, kept[:want])  # each sample's slot in the step (the exactly-once check)
         samples = [s for group in kept[:want] for s in group]
@@ -447,17 +471,17 @@ class RolloutWorker(WeightReceiverEndpoint, Heartbeats):
         if self.algorithm.overlong_filter:
             stats["rollout/overlong_filtered_frac"] = sum(
                 s.reward_info.get("overlong_filtered", 0.0) for s in samples) / len(samples)
-        if self.cfg.dynamic_sampling:
+        if self.cfg.rollout.dynamic_sampling:
             stats["rollout/dropped_groups"] = float(dropped)
             stats["rollout/sampling_rounds"] = float(rounds)
         return samples, stats
 
     def _generate_groups(self, prompts: int, step: int, round_: int) -> tuple[list[list[Sample]], dict[str, float]]:
         t0 = time.perf_counter()
-        n = self.cfg.n_samples_per_prompt
+        n = self.cfg.rollout.n_samples_per_prompt
         picked = [self.rows[i] for i in self.cursor.take(prompts)]
         flat = [row.prompt_ids for row in picked for _ in range(n)]
-        seed = (self.cfg.seed * 1_000_003 + step) * 131 + round_
+        seed = (self.cfg.job.seed * 1_000_003 + step) * 131 + round_
         if self.agentic is not None:
             groups, extra = self.agentic.generate_groups(picked, n, seed, self._next_group + 1)
             self._next_group += len(groups)

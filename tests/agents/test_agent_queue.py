@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 
 from agent_doubles import ScriptedEngine, tiny_tokenizer
-from relax_hpc.agents.config import AgenticConfig
 from relax_hpc.agents.service import AgenticRollout
 from relax_hpc.data.dataset import PromptRow
 from relax_hpc.driver.run import run_job
 from relax_hpc.engines.base import SamplingParams
 from relax_hpc.spec import parse_spec
+from relax_hpc.spec.schema import RolloutSpec
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -73,7 +73,7 @@ def test_a_session_that_exports_more_than_max_turns_names_the_key() -> None:
     tok = tiny_tokenizer()
     engine = ScriptedEngine(tok, ["ab", "cd"])
     params = SamplingParams(max_new_tokens=4, stop_token_ids=(int(tok.eos_token_id),))
-    svc = AgenticRollout(AgenticConfig(agent="agent_doubles:ChatAgent", max_turns=1), engine, tok, params,
+    svc = AgenticRollout(RolloutSpec(agent="agent_doubles:ChatAgent", max_turns=1), engine, tok, params,
                          int(tok.eos_token_id), 256)
     try:
         with pytest.raises(RuntimeError, match=r'exported 2 samples \(agent_export_style = "individual"\), more '

@@ -13,7 +13,6 @@ import httpx
 import openai
 import pytest
 
-from relax_hpc.agents.config import AgenticConfig
 from relax_hpc.agents.examples import langchain_agent, sdk_agent
 from relax_hpc.agents.examples.tool_model import TOOL_CALL
 from relax_hpc.agents.proxy import AgentProxy, proxy_token
@@ -21,6 +20,7 @@ from relax_hpc.agents.service import AgenticRollout
 from relax_hpc.auth import JobSecret
 from relax_hpc.data.dataset import PromptRow as Row
 from relax_hpc.engines.base import SamplingParams
+from relax_hpc.spec.schema import RolloutSpec
 from agent_doubles import ScriptedEngine
 from tool_agents import WEATHER_CALL, WEATHER_TOOL, load_tool_tokenizer
 
@@ -41,7 +41,7 @@ def proxy_of(tok: Any) -> Iterator[Callable[..., tuple[AgenticRollout, ScriptedE
               ) -> tuple[AgenticRollout, ScriptedEngine]:
         engine = ScriptedEngine(tok, script, version=2)
         params = SamplingParams(max_new_tokens=200, stop_token_ids=(int(tok.eos_token_id),))
-        svc = AgenticRollout(AgenticConfig(agent=agent, **cfg), engine, tok, params,  # type: ignore[arg-type]
+        svc = AgenticRollout(RolloutSpec(agent=agent, **cfg), engine, tok, params,  # type: ignore[arg-type]
                              int(tok.eos_token_id))
         started.append(svc)
         return svc, engine
@@ -119,7 +119,7 @@ def test_responses_api_refuses_what_it_cannot_serve_naming_the_field(proxy_of: C
 def test_openai_agents_sdk_runner_round_trips_a_tool_call(proxy_of: Callable[..., Any]) -> None:
     # The example agent, unchanged: Runner.run on the SDK's default (Responses) model.
     svc, engine = proxy_of([TOOL_CALL, "7"], agent="relax_hpc.agents.examples.sdk_agent:BoxAgent",
-                           export_style="concat")
+                           agent_export_style="concat")
     groups, stats = svc.generate_groups([Row(0, [], "what is in box a?", "7", {})], 1, seed=3, first_group_id=1)
     [[sample]] = groups
     assert sample.metadata["env_reward"] == pytest.approx(1.0) and len(engine.produced) == 2
@@ -205,10 +205,11 @@ def test_a_tool_call_cut_at_max_tokens_keeps_finish_length(proxy_of: Callable[..
 def test_example_specs_name_importable_agents() -> None:
     from pathlib import Path
 
-    from relax_hpc.agents.config import agentic_from_spec
+    from relax_hpc.agents.config import agent_code_problems
     from relax_hpc.spec import load_spec
 
     root = Path(__file__).resolve().parents[2]
     for name, module in (("agent_tools_sdk", sdk_agent), ("agent_tools_langchain", langchain_agent)):
-        cfg = agentic_from_spec(load_spec(root / "jobspecs" / f"{name}.toml").rollout)
-        assert cfg is not None and cfg.agent == f"{module.__name__}:BoxAgent" and cfg.export_style == "concat"
+        rollout = load_spec(root / "jobspecs" / f"{name}.toml").rollout
+        assert rollout.agent == f"{module.__name__}:BoxAgent" and rollout.agent_export_style == "concat"
+        assert agent_code_problems(rollout) == []

@@ -7,13 +7,14 @@ import asyncio
 import pytest
 
 from relax_hpc.agents.batcher import EngineBatcher
-from relax_hpc.agents.config import AgenticConfig
+from relax_hpc.agents.config import agent_code_problems
 from relax_hpc.agents.dotted import load_dotted
 from relax_hpc.agents.multiturn import GenerateArgs, generate_with_env, observation_token_ids, run_generate
 from relax_hpc.agents.service import AgenticRollout
 from relax_hpc.data.dataset import PromptRow as Row
 from relax_hpc.data.sample import Sample
 from relax_hpc.engines.base import SamplingParams
+from relax_hpc.spec.schema import RolloutSpec
 from agent_doubles import EchoEnv, ScriptedEngine, tiny_tokenizer
 
 TOK = tiny_tokenizer()
@@ -94,15 +95,18 @@ def test_dotted_paths_load_and_fail_with_the_key_named() -> None:
         load_dotted("[rollout] generate", "agent_doubles:Nope")
     with pytest.raises(ValueError, match="must be \"package.module:Name\""):
         load_dotted("[rollout] agent", "just_a_name")
-    with pytest.raises(ValueError) as e:
-        AgenticConfig(env="bad_mod:E", agent="agent_doubles:ChatAgent", export_style="x").check()
-    msg = str(e.value)
-    assert "cannot be combined" in msg and "bad_mod" in msg and "agent_export_style" in msg
+    # Every path is imported and each one that fails is a problem of its key (the values' own
+    # rules, such as agent with env, are the spec's: tests/cli/test_validate_agents.py).
+    problems = agent_code_problems(RolloutSpec(env="bad_mod:E", generate="agent_doubles:Nope",
+                                               agent="agent_doubles:ChatAgent"))
+    assert [(p.key, p.value) for p in problems] == [("rollout.env", "'bad_mod:E'"),
+                                                    ("rollout.generate", "'agent_doubles:Nope'")]
+    assert "cannot import module" in problems[0].message and "has no attribute 'Nope'" in problems[1].message
 
 
 def test_custom_generate_through_the_rollout_service() -> None:
     engine = ScriptedEngine(TOK, ["7", "1"], version=3)
-    cfg = AgenticConfig(generate="agent_doubles:custom_generate")
+    cfg = RolloutSpec(generate="agent_doubles:custom_generate")
     service = AgenticRollout(cfg, engine, TOK, PARAMS, EOS)
     try:
         rows = [Row(5, TOK.encode("q", add_special_tokens=False), "q", "7", {"k": 1})]

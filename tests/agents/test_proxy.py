@@ -11,13 +11,13 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from relax_hpc.agents.config import AgenticConfig
 from relax_hpc.agents.proxy import PROXY_AUTH_MESSAGE, RequestError, parse_chat_request, proxy_token
 from relax_hpc.agents.service import AgenticRollout
 from relax_hpc.agents.sessions import SessionAuthError, SessionStore
 from relax_hpc.auth import JobSecret
 from relax_hpc.data.dataset import PromptRow as Row
 from relax_hpc.engines.base import SamplingParams
+from relax_hpc.spec.schema import RolloutSpec
 from agent_doubles import ScriptedEngine, tiny_tokenizer
 
 TOK = tiny_tokenizer()
@@ -30,7 +30,7 @@ ROWS = [Row(0, [], "hi", "x", {}), Row(1, [], "yo", "y", {})]
 
 def service(agent: str, script: list[str], **kw: object) -> tuple[AgenticRollout, ScriptedEngine]:
     engine = ScriptedEngine(TOK, script, version=3)
-    return AgenticRollout(AgenticConfig(agent=agent, **kw), engine, TOK, PARAMS, EOS, 256), engine  # type: ignore[arg-type]
+    return AgenticRollout(RolloutSpec(agent=agent, **kw), engine, TOK, PARAMS, EOS, 256), engine  # type: ignore[arg-type]
 
 
 def produced_set(engine: ScriptedEngine) -> list[tuple]:
@@ -67,8 +67,8 @@ def test_inline_sdk_chat_records_exactly_what_the_engine_produced() -> None:
 
 def test_inline_concat_export_and_discount() -> None:
     engine = ScriptedEngine(TOK, ["ab"], version=3)
-    svc = AgenticRollout(AgenticConfig(agent="agent_doubles:ChatAgent", export_style="concat",
-                                       turn_discount=0.5), engine, TOK, PARAMS, EOS)
+    svc = AgenticRollout(RolloutSpec(agent="agent_doubles:ChatAgent", agent_export_style="concat",
+                                     agent_turn_discount=0.5), engine, TOK, PARAMS, EOS)
     try:
         groups, _ = svc.generate_groups(ROWS[:1], 1, seed=5, first_group_id=1)
     finally:
@@ -84,7 +84,7 @@ def test_inline_concat_export_and_discount() -> None:
 
 
 def test_dict_reward_maps_to_the_named_completion() -> None:
-    svc, _ = service("agent_doubles:DictRewardAgent", ["ab"], turn_discount=0.5)
+    svc, _ = service("agent_doubles:DictRewardAgent", ["ab"], agent_turn_discount=0.5)
     try:
         groups, _ = svc.generate_groups(ROWS[:1], 1, seed=5, first_group_id=1)
     finally:
@@ -94,7 +94,7 @@ def test_dict_reward_maps_to_the_named_completion() -> None:
 
 
 def test_subproc_sync_sdk_reads_the_endpoint_from_the_environment() -> None:
-    svc, engine = service("sync_agent:SyncEnvAgent", ["zz"], agent_mode="subproc", subproc_max_workers=1)
+    svc, engine = service("sync_agent:SyncEnvAgent", ["zz"], agent_mode="subproc", agent_subproc_max_workers=1)
     try:
         groups, _ = svc.generate_groups(ROWS, 1, seed=5, first_group_id=1)
     finally:

@@ -13,10 +13,10 @@ import httpx
 import pytest
 
 from relax_hpc.agents import proxy as proxy_module
-from relax_hpc.agents.config import AgenticConfig
 from relax_hpc.agents.service import AgenticRollout
 from relax_hpc.engines.base import SamplingParams
 from relax_hpc.engines.http.serving import ServingLimits
+from relax_hpc.spec.schema import RolloutSpec
 from agent_doubles import ScriptedEngine, tiny_tokenizer
 from socket_waits import closed_by_server
 
@@ -27,7 +27,7 @@ PARAMS = SamplingParams(max_new_tokens=6, stop_token_ids=(int(TOK.eos_token_id),
 
 def _service() -> tuple[AgenticRollout, ScriptedEngine]:
     engine = ScriptedEngine(TOK, ["ab"], version=3)
-    config = AgenticConfig(agent="agent_doubles:ChatAgent")
+    config = RolloutSpec(agent="agent_doubles:ChatAgent")
     return AgenticRollout(config, engine, TOK, PARAMS, int(TOK.eos_token_id), 256), engine  # type: ignore[arg-type]
 
 

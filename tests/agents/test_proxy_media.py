@@ -19,12 +19,10 @@ import pytest
 from PIL import Image
 
 from relax_hpc.agents.batcher import EngineBatcher
-from relax_hpc.agents.config import AgenticConfig
 from relax_hpc.agents.media import offered_parts
 from relax_hpc.agents.multiturn import GenerateArgs, generate_with_env, run_generate
 from relax_hpc.agents.service import AgenticRollout
 from relax_hpc.algos.loss_types import LossConfig
-from relax_hpc.backends.base import OptimConfig
 from relax_hpc.backends.torch_backend import TorchBackend
 from relax_hpc.data.dataset import PromptRow, load_dataset
 from relax_hpc.data.rows import row_to_sample, sample_to_row
@@ -37,8 +35,9 @@ from relax_hpc.media.items import MediaItem, PromptMedia
 from relax_hpc.media.processor import MediaProcessor
 from relax_hpc.models.hf import load_tokenizer
 from relax_hpc.models.tiny_mm import write_tiny_multimodal
-from relax_hpc.spec.schema import DataSpec
-from agent_doubles import ForwardedMessagesAgent, ImageEnv, OfferedMediaAgent, ScriptedEngine, observation_image, tiny_tokenizer
+from relax_hpc.spec.schema import DataSpec, RolloutSpec, TrainSpec
+from agent_doubles import (ForwardedMessagesAgent, ImageEnv, OfferedMediaAgent, ScriptedEngine, observation_image,
+                           tiny_tokenizer)
 
 TOLERANCE = 1e-5  # float32 on CPU, as tests/media/test_media_parity.py
 SINE = (0.5 * np.sin(2 * np.pi * 500 * np.arange(16000) / 16000)).astype(np.float32)  # 1 s at 16 kHz
@@ -54,7 +53,7 @@ class Omni:
         assert self.engine.media_processor is not None
         return self.engine.media_processor
 
-    def rollout(self, cfg: AgenticConfig, engine: Any = None) -> AgenticRollout:
+    def rollout(self, cfg: RolloutSpec, engine: Any = None) -> AgenticRollout:
         params = SamplingParams(max_new_tokens=4, stop_token_ids=(self.engine.eos_id,))
         return AgenticRollout(cfg, engine or self.engine, self.engine.tokenizer, params, self.engine.eos_id, 512,
                               media_processor=self.processor)
@@ -66,7 +65,7 @@ class Omni:
 @pytest.fixture(scope="module")
 def omni(tmp_path_factory: pytest.TempPathFactory) -> Omni:
     path = write_tiny_multimodal(tmp_path_factory.mktemp("agents") / "omni", "qwen2_5_omni", seed=0)
-    return Omni(NativeEngine(path), TorchBackend(path, OptimConfig(), LossConfig()))
+    return Omni(NativeEngine(path), TorchBackend(path, TrainSpec(steps=1), LossConfig()))
 
 
 def pixels(seed: int) -> np.ndarray:
@@ -95,7 +94,7 @@ def test_agent_images_and_audio_reach_the_engine_and_the_trainer(omni: Omni) -> 
     images = [pixels(0), pixels(1)]
     row = PromptRow(0, [], "look", "x", {"images": [image_url(p) for p in images],
                                          "audio": b64(encode_audio_wav(SINE, 16000))})
-    svc = omni.rollout(AgenticConfig(agent="agent_doubles:MediaChatAgent"))
+    svc = omni.rollout(RolloutSpec(agent="agent_doubles:MediaChatAgent"))
     try:
         [[first, second]], _ = svc.generate_groups([row], 1, seed=5, first_group_id=1)
     finally:
@@ -119,7 +118,7 @@ def test_agent_images_and_audio_reach_the_engine_and_the_trainer(omni: Omni) -> 
 
 
 def test_media_the_proxy_cannot_use_get_400_naming_the_part(omni: Omni) -> None:
-    svc = omni.rollout(AgenticConfig(agent="agent_doubles:ChatAgent"))
+    svc = omni.rollout(RolloutSpec(agent="agent_doubles:ChatAgent"))
     try:
         assert svc.proxy is not None
         session = svc.proxy.sessions.open()
@@ -169,7 +168,7 @@ def test_models_that_cannot_read_a_kind_refuse_it(tmp_path: Any) -> None:
     ]
     for tokenizer, processor, part, needle in cases:
         engine = ScriptedEngine(tokenizer, ["ab"])
-        svc = AgenticRollout(AgenticConfig(agent="agent_doubles:ChatAgent"), engine, tokenizer, params,
+        svc = AgenticRollout(RolloutSpec(agent="agent_doubles:ChatAgent"), engine, tokenizer, params,
                              engine.eos_id, media_processor=processor)
         try:
             assert svc.proxy is not None
@@ -217,7 +216,7 @@ def test_image_observations_reach_the_engine_and_the_trainer(omni: Omni) -> None
     text = tok.apply_chat_template([{"role": "user", "content": "look"}], add_generation_prompt=True, tokenize=False)
     row = PromptRow(0, tok.encode(text, add_special_tokens=False), "look", "7", {})
     engine = RecordingEngine(omni.engine)
-    svc = omni.rollout(AgenticConfig(env="agent_doubles:ImageEnv", max_turns=3), engine)
+    svc = omni.rollout(RolloutSpec(env="agent_doubles:ImageEnv", max_turns=3), engine)
     try:
         [[s]], _ = svc.generate_groups([row], 1, seed=3, first_group_id=1)
     finally:
@@ -260,7 +259,7 @@ def test_a_rows_media_reach_the_agent_and_come_back_in_its_samples(omni: Omni, t
     image, clip = row.media.items
     assert image.data.shape[:2] != (50, 37) and clip.data.size != 11025  # both were canonicalised
     engine, OfferedMediaAgent.offered = RecordingEngine(omni.engine), []
-    svc = omni.rollout(AgenticConfig(agent="agent_doubles:OfferedMediaAgent", export_style="concat"), engine)
+    svc = omni.rollout(RolloutSpec(agent="agent_doubles:OfferedMediaAgent", agent_export_style="concat"), engine)
     try:
         [samples, text_samples], _ = svc.generate_groups([row, text_row], 1, seed=4, first_group_id=1)
     finally:
@@ -300,7 +299,7 @@ def test_an_agent_forwarding_its_rows_messages_prompts_the_engine_exactly_as_the
         omni: Omni, tmp_path: Path) -> None:
     row, text_row = media_row(omni, tmp_path), PromptRow(1, [], "no media here", "y", {})
     engine, ForwardedMessagesAgent.messages = RecordingEngine(omni.engine), []
-    svc = omni.rollout(AgenticConfig(agent="agent_doubles:ForwardedMessagesAgent"), engine)
+    svc = omni.rollout(RolloutSpec(agent="agent_doubles:ForwardedMessagesAgent"), engine)
     try:
         svc.generate_groups([row, text_row], 1, seed=4, first_group_id=1)
     finally:
@@ -318,7 +317,7 @@ def test_an_agent_forwarding_its_rows_messages_prompts_the_engine_exactly_as_the
 
 def test_a_malformed_part_sent_back_gets_400_naming_its_message_and_part(omni: Omni, tmp_path: Path) -> None:
     row = media_row(omni, tmp_path)
-    svc = omni.rollout(AgenticConfig(agent="agent_doubles:ChatAgent"))
+    svc = omni.rollout(RolloutSpec(agent="agent_doubles:ChatAgent"))
     try:
         assert svc.proxy is not None
         session = svc.proxy.sessions.open()

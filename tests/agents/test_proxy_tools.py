@@ -13,7 +13,6 @@ import httpx
 import openai
 import pytest
 
-from relax_hpc.agents.config import AgenticConfig
 from relax_hpc.agents.proxy import AgentProxy, parse_chat_request, proxy_token
 from relax_hpc.agents.service import AgenticRollout
 from relax_hpc.agents.sessions import Session
@@ -21,6 +20,7 @@ from relax_hpc.agents.tools import RequestError, parse_reply, parse_tools
 from relax_hpc.auth import JobSecret
 from relax_hpc.data.dataset import PromptRow as Row
 from relax_hpc.engines.base import SamplingParams
+from relax_hpc.spec.schema import RolloutSpec
 from agent_doubles import ScriptedEngine, tiny_tokenizer
 from tool_agents import WEATHER_CALL, WEATHER_TOOL, load_tool_tokenizer
 
@@ -36,7 +36,7 @@ def tok(tmp_path_factory: pytest.TempPathFactory) -> Any:
 def _service(tok: Any, script: list[str], **cfg: Any) -> tuple[AgenticRollout, ScriptedEngine]:
     engine = ScriptedEngine(tok, script, version=3)
     params = SamplingParams(max_new_tokens=200, stop_token_ids=(int(tok.eos_token_id),))
-    config = AgenticConfig(agent="tool_agents:ToolAgent", **cfg)
+    config = RolloutSpec(agent="tool_agents:ToolAgent", **cfg)
     return AgenticRollout(config, engine, tok, params, int(tok.eos_token_id)), engine  # type: ignore[arg-type]
 
 
@@ -152,7 +152,7 @@ def test_tool_call_round_trip_with_the_sync_sdk(serve: Callable[[list[str]], Ser
 
 
 def test_concat_sample_trains_exactly_the_generated_tokens(tok: Any) -> None:
-    svc, engine = _service(tok, [WEATHER_CALL, "sunny"], export_style="concat")
+    svc, engine = _service(tok, [WEATHER_CALL, "sunny"], agent_export_style="concat")
     try:
         groups, stats = svc.generate_groups([Row(0, [], "weather in paris?", "x", {})], 1, seed=5,
                                             first_group_id=1)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from relax_hpc.agents.config import agentic_from_spec
+from relax_hpc.agents.config import agent_code_problems
 from relax_hpc.spec import load_spec
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -16,8 +16,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_jobspecs_validate_and_name_importable_envs() -> None:
     for name in ("agent_calculator", "agent_guess"):
-        cfg = agentic_from_spec(load_spec(ROOT / "jobspecs" / f"{name}.toml").rollout)
-        assert cfg is not None and cfg.env is not None
+        rollout = load_spec(ROOT / "jobspecs" / f"{name}.toml").rollout
+        assert rollout.env is not None and agent_code_problems(rollout) == []
 
 
 def short_run(name: str, steps: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[float]:

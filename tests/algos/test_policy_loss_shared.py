@@ -10,8 +10,9 @@ import torch
 
 from relax_hpc.algos import losses
 from relax_hpc.algos.advantages import opd_advantages
-from relax_hpc.algos.loss_types import LossConfig, LossInputs, PolicyTerms
+from relax_hpc.algos.loss_types import LossConfig, LossInputs, PolicyTerms, loss_config
 from relax_hpc.algos.losses import available_losses, get_policy_loss, loss_config_problems, policy_loss
+from relax_hpc.spec.schema import AlgorithmSpec
 
 
 def on_policy(n_tokens: int, advantage: float) -> LossInputs:
@@ -106,6 +107,17 @@ def test_config_problems_are_reported_all_at_once() -> None:
     assert keys == ["algorithm.clip_eps_low", "algorithm.kl_coef", "algorithm.kl_estimator", "algorithm.loss_agg",
                     "algorithm.dual_clip_c", "algorithm.tis_cap", "algorithm.sapo_tau_neg"]
     assert loss_config_problems(LossConfig()) == []
+
+
+def test_loss_config_carries_every_knob_of_the_algorithm_table() -> None:
+    table = AlgorithmSpec(name="sapo", clip_eps_low=0.1, clip_eps_high=0.3, kl_coef=0.05, kl_estimator="k2",
+                          loss_agg="token_mean", entropy_coef=0.01, dual_clip_c=3.0, tis_cap=2.0,
+                          sapo_tau_pos=0.5, sapo_tau_neg=1.5, gamma=0.9)  # gamma: the critic's, not the loss's
+    assert loss_config(table) == LossConfig(
+        name="sapo", clip_eps_low=0.1, clip_eps_high=0.3, kl_coef=0.05, kl_estimator="k2",
+        loss_agg="token_mean", entropy_coef=0.01, dual_clip_c=3.0, tis_cap=2.0,
+        sapo_tau_pos=0.5, sapo_tau_neg=1.5)
+    assert loss_config(AlgorithmSpec()) == LossConfig()
 
 
 def test_registering_a_new_algorithm_is_one_dict_entry(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -37,7 +37,6 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from relax_hpc.algos import LossConfig
-from relax_hpc.backends.base import OptimConfig
 from relax_hpc.backends.torch_backend import TorchBackend
 from relax_hpc.data.rows import row_to_sample, sample_to_row
 from relax_hpc.data.sample import Sample
@@ -47,6 +46,7 @@ from relax_hpc.media.processor import MediaProcessor
 from relax_hpc.models.hf import load_policy_model, load_tokenizer
 from relax_hpc.models.tiny import vocab_size
 from relax_hpc.models.tiny_mm import write_tiny_multimodal
+from relax_hpc.spec.schema import TrainSpec
 
 pytestmark = pytest.mark.slow
 
@@ -97,7 +97,7 @@ def _rows(model_dir: Path, kinds: tuple[str, ...], seed: int) -> list[Sample]:
 
 
 def _backend(model_dir: Path, strategy: str) -> TorchBackend:
-    optim = OptimConfig(lr=1e-2, grad_clip=1e9, micro_batch_size=MICRO)
+    optim = TrainSpec(steps=1, lr=1e-2, grad_clip=1e9, micro_batch_size=MICRO)
     return TorchBackend(model_dir, optim, LossConfig(name="grpo", kl_coef=0.0), strategy=strategy)
 
 
@@ -138,7 +138,7 @@ def _first_tensor(output: object) -> torch.Tensor:
 def _bf16_step(model_dir: Path, rank: int) -> dict:
     """One step with dtype bfloat16 at lr 1e-6 (rank 1's rows media-free): what the float32
     master shards, the modules' outputs and the weights sent to engines are."""
-    optim = OptimConfig(lr=1e-6, weight_decay=0.0, grad_clip=0.0, micro_batch_size=MICRO)
+    optim = TrainSpec(steps=1, lr=1e-6, weight_decay=0.0, grad_clip=0.0, micro_batch_size=MICRO)
     backend = TorchBackend(model_dir, optim, LossConfig(name="grpo", kl_coef=0.0), dtype="bfloat16",
                            strategy="fsdp2")
     seen: dict[str, set] = {}

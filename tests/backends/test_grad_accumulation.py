@@ -24,11 +24,11 @@ import torch.multiprocessing as mp
 from relax_hpc.algos import LOSS_AGG_MODES, LossConfig
 from relax_hpc.backends.batch import pack_rows
 from relax_hpc.backends.parallel import STRATEGIES, Strategy
-from relax_hpc.backends.base import OptimConfig
 from relax_hpc.backends.torch_backend import TorchBackend
 from relax_hpc.data.rows import sample_to_row
 from relax_hpc.data.sample import Sample
 from relax_hpc.models.tiny import vocab_size
+from relax_hpc.spec.schema import TrainSpec
 
 N_SAMPLES = 40
 MICRO = 8
@@ -46,7 +46,7 @@ def _backend(model_dir: Path, mode: str, micro: int, mini_batches: int = 1,
              strategy: Strategy = "ddp") -> TorchBackend:
     # lr = 0: parameters never move, so every optimizer step's gradient is taken at the same
     # point and a later mini-batch's gradient can be compared with a single-batch one.
-    optim = OptimConfig(lr=0.0, grad_clip=0.0, micro_batch_size=micro, mini_batches=mini_batches)
+    optim = TrainSpec(steps=1, lr=0.0, grad_clip=0.0, micro_batch_size=micro, mini_batches=mini_batches)
     return TorchBackend(model_dir, optim, _loss(mode), keep_reference=False, strategy=strategy)
 
 

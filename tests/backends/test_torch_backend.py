@@ -13,10 +13,10 @@ import torch
 
 from relax_hpc.algos import LossConfig
 from relax_hpc.backends.batch import pack_rows
-from relax_hpc.backends.base import OptimConfig
 from relax_hpc.backends.torch_backend import TorchBackend
 from relax_hpc.data.rows import sample_to_row
 from relax_hpc.data.sample import Sample
+from relax_hpc.spec.schema import TrainSpec
 
 # Response token ids of the tiny char-level vocabulary (digits are 3..12, "+" 13, "=" 16, EOS 2).
 SEQS = [
@@ -39,7 +39,7 @@ def _samples(backend: TorchBackend, advantages: list[float]) -> list[Sample]:
 
 def _backend(path: Path, **optim: object) -> TorchBackend:
     loss = optim.pop("loss", LossConfig())
-    return TorchBackend(path, OptimConfig(**{"lr": 1e-3, **optim}), loss)  # type: ignore[arg-type]
+    return TorchBackend(path, TrainSpec(steps=1, **{"lr": 1e-3, **optim}), loss)  # type: ignore[arg-type]
 
 
 def _step_counts(backend: TorchBackend) -> set[int]:

@@ -3,6 +3,7 @@ factory; and the rollout role driving an engine it was handed."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from pathlib import Path
 from typing import Any
@@ -106,9 +107,9 @@ def test_the_rollout_role_drives_the_engine_it_is_given(tiny_model_dir: Path) ->
     spec = parse_spec(f'[job]\nname = "r"\n[model]\npath = "{tiny_model_dir}"\n'
                       f'[data]\npath = "{REPO / "jobspecs/data/tiny_sum.jsonl"}"\n'
                       '[reward]\nfunction = "tiny_sum"\n[train]\nsteps = 1\n')
-    cfg = RolloutConfig(model_path=str(tiny_model_dir), data=spec.data, reward=spec.reward, seed=3,
-                        prompts_per_step=2, n_samples_per_prompt=4, sampling=SamplingParams(max_new_tokens=3),
-                        engine="native")
+    rollout = dataclasses.replace(spec.rollout, prompts_per_step=2, n_samples_per_prompt=4, max_new_tokens=3)
+    cfg = RolloutConfig(model=spec.model, data=spec.data, reward=spec.reward, rollout=rollout,
+                        algorithm=spec.algorithm, job=dataclasses.replace(spec.job, seed=3))
     scripted = ScriptedEngine(NativeEngine(tiny_model_dir).tokenizer, ["7"], version=0)
     worker = RolloutWorker(cfg, engine=scripted)
     try:

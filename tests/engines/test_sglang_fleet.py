@@ -56,7 +56,7 @@ from relax_hpc.ops.ports import (
     port_slot_from_env,
     ray_ports,
 )
-from relax_hpc.spec.schema import SGLangSpec
+from relax_hpc.spec.schema import AlgorithmSpec, JobInfoSpec, ModelSpec, RolloutSpec, SGLangSpec
 
 HERE = Path(__file__).resolve().parent
 TOKEN = "t0ken-" * 8  # the servers' API key in these tests
@@ -204,9 +204,9 @@ def test_rollout_turns_the_spec_into_a_launch(tmp_path: Path) -> None:
     from relax_hpc.roles.rollout import RolloutConfig
 
     def config(**sglang: Any) -> RolloutConfig:
-        return RolloutConfig(model_path="m", data=None, reward=None, seed=0, prompts_per_step=1,  # type: ignore[arg-type]
-                             n_samples_per_prompt=1, sampling=SamplingParams(), engine="sglang",
-                             sglang_spec=SGLangSpec(**sglang), job_dir=str(tmp_path))
+        return RolloutConfig(model=ModelSpec(path="m"), data=None, reward=None,  # type: ignore[arg-type]
+                             rollout=RolloutSpec(engine="sglang"), algorithm=AlgorithmSpec(),
+                             job=JobInfoSpec(name="launch"), sglang_spec=SGLangSpec(**sglang), job_dir=str(tmp_path))
 
     launch = sglang_launch(config(python="/x/python", extra_args=["--a"], max_restarts=1))
     assert (launch.interpreter, launch.update_mode, launch.extra_args, launch.sglang.max_restarts) == (

@@ -16,10 +16,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from relax_hpc.algos import LossConfig
 from relax_hpc.backends.parallel import rank_device
-from relax_hpc.backends.base import OptimConfig
 from relax_hpc.roles.actor import ActorConfig, ActorWorker, local_rank_on_node
+from relax_hpc.spec.schema import AlgorithmSpec, CheckpointSpec, JobInfoSpec, ModelSpec, RolloutSpec, TrainSpec
 
 
 def test_cpu_and_explicit_devices_are_kept() -> None:
@@ -68,9 +67,10 @@ def _free_address() -> str:
 
 def _rank(rank: int, master: str, model_dir: str, out: str) -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    cfg = ActorConfig(model_path=model_dir, optim=OptimConfig(lr=1e-3), loss=LossConfig(),
-                      checkpoint_dir=str(Path(out) / "checkpoints"), keep_last=1, seed=0,
-                      num_threads=1, strategy="fsdp2")
+    cfg = ActorConfig(model=ModelSpec(path=model_dir), train=TrainSpec(steps=1, lr=1e-3, strategy="fsdp2"),
+                      algorithm=AlgorithmSpec(), rollout=RolloutSpec(), checkpoint=CheckpointSpec(keep_last=1),
+                      job=JobInfoSpec(name="fsdp2", seed=0), checkpoint_dir=str(Path(out) / "checkpoints"),
+                      num_threads=1)
     worker = ActorWorker(cfg, rank, 2, master)
     try:
         result: dict = {"device": worker.device, "sharded": worker.backend.sharded}

@@ -8,20 +8,20 @@ from pathlib import Path
 
 import pytest
 
-from relax_hpc.algos import LossConfig
 from relax_hpc.backends.memory import RecordingBackend
-from relax_hpc.backends.base import OptimConfig
 from relax_hpc.ckpt import ResumeState
 from relax_hpc.data.rows import sample_to_row
 from relax_hpc.data.sample import Sample
 from relax_hpc.roles.actor import ActorConfig, ActorWorker
+from relax_hpc.spec.schema import AlgorithmSpec, CheckpointSpec, JobInfoSpec, ModelSpec, RolloutSpec, TrainSpec
 from relax_hpc.transfer.memory import InMemoryTransferQueue
 from relax_hpc.transfer.queue import partition_name
 
 
 def _worker(tmp_path: Path, backend: RecordingBackend, offload: bool = True) -> ActorWorker:
-    cfg = ActorConfig(model_path="unused: the backend is given", optim=OptimConfig(micro_batch_size=2),
-                      loss=LossConfig(), checkpoint_dir=str(tmp_path / "checkpoints"), keep_last=1, seed=0,
+    cfg = ActorConfig(model=ModelSpec(path="unused: the backend is given"), train=TrainSpec(steps=1, micro_batch_size=2),
+                      algorithm=AlgorithmSpec(), rollout=RolloutSpec(), checkpoint=CheckpointSpec(keep_last=1),
+                      job=JobInfoSpec(name="offload", seed=0), checkpoint_dir=str(tmp_path / "checkpoints"),
                       offload_between_steps=offload)
     return ActorWorker(cfg, backend=backend)
 

@@ -8,12 +8,11 @@ from pathlib import Path
 
 import torch
 
-from relax_hpc.algos import LossConfig
-from relax_hpc.backends.base import OptimConfig
 from relax_hpc.data.rows import sample_to_row
 from relax_hpc.data.sample import Sample
 from relax_hpc.ops.archive import archive_dir, read_archive
 from relax_hpc.roles.actor import ActorConfig, ActorWorker
+from relax_hpc.spec.schema import AlgorithmSpec, CheckpointSpec, JobInfoSpec, ModelSpec, RolloutSpec, TrainSpec
 from relax_hpc.transfer.memory import InMemoryTransferQueue
 from relax_hpc.transfer.queue import partition_name
 
@@ -23,8 +22,9 @@ MICRO = 3  # 8 rows arrive as micro-batches of 3, 3 and 2
 
 def _config(model: Path, tmp_path: Path, **optim: int) -> ActorConfig:
     return ActorConfig(
-        model_path=str(model), optim=OptimConfig(lr=1e-3, grad_clip=0.0, micro_batch_size=MICRO, **optim),
-        loss=LossConfig(), checkpoint_dir=str(tmp_path / "checkpoints"), keep_last=1, seed=0,
+        model=ModelSpec(path=str(model)), train=TrainSpec(steps=1, lr=1e-3, grad_clip=0.0, micro_batch_size=MICRO, **optim),
+        algorithm=AlgorithmSpec(), rollout=RolloutSpec(), checkpoint=CheckpointSpec(keep_last=1),
+        job=JobInfoSpec(name="queue", seed=0), checkpoint_dir=str(tmp_path / "checkpoints"),
     )
 
 

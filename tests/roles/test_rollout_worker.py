@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from relax_hpc.data.sample import Sample
-from relax_hpc.engines.base import SamplingParams
 from relax_hpc.roles.rollout import RolloutConfig, RolloutWorker
 from relax_hpc.roles.shipping import StepShipper
 from relax_hpc.spec import parse_spec
@@ -40,12 +39,11 @@ def _worker(model_dir: Path, dynamic: bool = False, rounds: int = 1, prompts: in
         f'[data]\npath = "{REPO / "jobspecs/data/tiny_sum.jsonl"}"\n'
         f'[reward]\nfunction = "{reward}"\n[train]\nsteps = 1\n'
     )
-    cfg = RolloutConfig(
-        model_path=str(model_dir), data=spec.data, reward=spec.reward, seed=3,
-        prompts_per_step=prompts, n_samples_per_prompt=8,
-        sampling=SamplingParams(max_new_tokens=3), engine="native", dynamic_sampling=dynamic, max_sampling_rounds=rounds,
-        weights_timeout_s=weights_timeout_s,
-    )
+    rollout = dataclasses.replace(spec.rollout, prompts_per_step=prompts, n_samples_per_prompt=8, max_new_tokens=3,
+                                  engine="native", dynamic_sampling=dynamic, max_sampling_rounds=rounds)
+    cfg = RolloutConfig(model=spec.model, data=spec.data, reward=spec.reward, rollout=rollout,
+                        algorithm=spec.algorithm, job=dataclasses.replace(spec.job, seed=3),
+                        weights_timeout_s=weights_timeout_s)
     return RolloutWorker(cfg)
 
 
@@ -246,9 +244,12 @@ def test_routing_replay_samples_carry_the_engines_routes(tmp_path: Path) -> None
     moe = write_tiny_moe_model(tmp_path / "moe", seed=0)
     spec = parse_spec(f'[job]\nname = "r"\n[model]\npath = "{moe}"\n[data]\npath = "{REPO / "jobspecs/data/tiny_sum.jsonl"}"\n'
                       '[reward]\nfunction = "tiny_sum"\n[train]\nsteps = 1\n')
-    common = dict(model_path=str(moe), data=spec.data, reward=spec.reward, seed=3, prompts_per_step=2,
-                  n_samples_per_prompt=2, sampling=SamplingParams(max_new_tokens=3), engine="native")
-    samples, _ = RolloutWorker(RolloutConfig(**common, routing_replay=True)).generate(0)
+    rollout = dataclasses.replace(spec.rollout, prompts_per_step=2, n_samples_per_prompt=2, max_new_tokens=3,
+                                  engine="native")
+    common = dict(model=spec.model, data=spec.data, reward=spec.reward, rollout=rollout,
+                  job=dataclasses.replace(spec.job, seed=3))
+    replay = dataclasses.replace(spec.algorithm, routing_replay=True)
+    samples, _ = RolloutWorker(RolloutConfig(**common, algorithm=replay)).generate(0)
     assert len(samples) == 4
     for s in samples:
         # [prompt + response - 1 fed tokens, 2 MoE layers, top-2], experts 0..7 in uint8
@@ -256,7 +257,7 @@ def test_routing_replay_samples_carry_the_engines_routes(tmp_path: Path) -> None
         assert tuple(s.routed_experts.shape) == (len(s.prompt_ids) + len(s.response_ids) - 1, 2, 2)
         assert int(s.routed_experts.max()) < 8
         assert torch.equal(sample_to_row(s)[ROUTED_EXPERTS_FIELD], s.routed_experts)
-    plain, _ = RolloutWorker(RolloutConfig(**common)).generate(0)
+    plain, _ = RolloutWorker(RolloutConfig(**common, algorithm=spec.algorithm)).generate(0)
     assert all(s.routed_experts is None and ROUTED_EXPERTS_FIELD not in sample_to_row(s) for s in plain)
 
 
@@ -266,5 +267,6 @@ def test_received_weights_stay_on_the_device_only_for_one_engine_that_binds_them
     # its buffers in host memory, off the GPUs the engines fill.
     single = _worker(model_dir)
     assert single.weight_home() is None
-    several = RolloutWorker(dataclasses.replace(single.cfg, num_engines=2))
+    two_engines = dataclasses.replace(single.cfg.rollout, num_engines=2)
+    several = RolloutWorker(dataclasses.replace(single.cfg, rollout=two_engines))
     assert several.weight_home() == "cpu"

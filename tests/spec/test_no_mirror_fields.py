@@ -30,15 +30,11 @@ MIRRORS_LEFT = {
     # The per-request sampling of one engine call (the agent proxy builds one per request); a
     # runtime type by design, whose defaults point at RolloutSpec's (test_single_defaults.py).
     "SamplingParams": "per-request sampling of an engine call, built from [rollout] or a request",
-    # The pure loss functions' input; kept on purpose and built from [algorithm] in one place.
-    "LossConfig": "the pure loss functions' input, built from AlgorithmSpec in one place",
+    # The pure loss functions' input; kept on purpose and built from [algorithm] in one place:
+    # algos/loss_types.py: loss_config.
+    "LossConfig": "the pure loss functions' input, built from AlgorithmSpec in one place (loss_config)",
     # The documented `args` of a user's generate function (REFERENCE.md): a public runtime type.
     "GenerateArgs": "the args a custom generate function is given, a public interface",
-    "RolloutConfig": "the rollout role's settings, still copied from the spec in driver/run.py",
-    "ActorConfig": "the trainer role's settings, still copied from the spec in driver/run.py",
-    "OptimConfig": "the trainer's optimizer settings, still copied from [train] in driver/run.py",
-    "AgenticConfig": "[rollout]'s agentic keys, still copied by agents/config.py",
-    "StepPlan": "the exactly-once check's reading of [rollout] and [train] steps",
 }
 
 # A field that shares its name with a spec key but means something else: "Class.field" -> what.
