@@ -30,9 +30,6 @@ MIRRORS_LEFT = {
     # The per-request sampling of one engine call (the agent proxy builds one per request); a
     # runtime type by design, whose defaults point at RolloutSpec's (test_single_defaults.py).
     "SamplingParams": "per-request sampling of an engine call, built from [rollout] or a request",
-    # The pure loss functions' input; kept on purpose and built from [algorithm] in one place:
-    # algos/loss_types.py: loss_config.
-    "LossConfig": "the pure loss functions' input, built from AlgorithmSpec in one place (loss_config)",
     # The documented `args` of a user's generate function (REFERENCE.md): a public runtime type.
     "GenerateArgs": "the args a custom generate function is given, a public interface",
 }
