@@ -184,7 +184,8 @@ def test_models_that_cannot_read_a_kind_refuse_it(tmp_path: Any) -> None:
         finally:
             svc.close()
     # An environment that shows an image to a text model stops the episode with the reason.
-    args = GenerateArgs(EngineBatcher(ScriptedEngine(tok, ["ab"])), tok, ImageEnv, 3, 200, eos)
+    args = GenerateArgs(EngineBatcher(ScriptedEngine(tok, ["ab"])), tok, ImageEnv,
+                        RolloutSpec(max_turns=3, max_total_tokens=200), eos)
     episode = Sample(prompt_ids=tok.encode("hi", add_special_tokens=False), response_ids=[], rollout_log_probs=[],
                      weight_version=0, group_id=1, prompt_index=0, label="7")
     with pytest.raises(ValueError, match="observation part 0 is media \\(image\\), but the model reads text only"):

@@ -30,13 +30,12 @@ MIRRORS_LEFT = {
     # The per-request sampling of one engine call (the agent proxy builds one per request); a
     # runtime type by design, whose defaults point at RolloutSpec's (test_single_defaults.py).
     "SamplingParams": "per-request sampling of an engine call, built from [rollout] or a request",
-    # The documented `args` of a user's generate function (REFERENCE.md): a public runtime type.
-    "GenerateArgs": "the args a custom generate function is given, a public interface",
 }
 
 # A field that shares its name with a spec key but means something else: "Class.field" -> what.
 OTHER_MEANING = {
     "ChatRequest.stop": "one chat request's stop strings, not [rollout] stop",
+    "GenerateArgs.engine": "the batched engine a generate function calls, not [rollout] engine",
     "ToolCall.name": "a tool's name",
     "RootListing.steps": "the checkpoint steps found on disk",
     "Sample.advantage": "a sample's advantage value, not the [algorithm] advantage estimator",
