@@ -39,13 +39,12 @@ sys.path.insert(0, str(REPO))
 
 import torch
 
-from relax_hpc.algos import LossConfig
 from relax_hpc.backends.torch_backend import TorchBackend
 from relax_hpc.data.sample import Sample
 from relax_hpc.data.tiny_task import tiny_sum_rows
 from relax_hpc.models.hf import load_causal_lm, load_tokenizer
 from relax_hpc.models.tiny import TinyModelSize, vocab_size, write_tiny_model
-from relax_hpc.spec.schema import TrainSpec
+from relax_hpc.spec.schema import AlgorithmSpec, TrainSpec
 
 LR = 1e-5
 GRAD_CLIP = 1.0
@@ -147,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         size = model_size(args.hidden, args.layers, max_positions=64 + args.response_len)
         model_dir = write_tiny_model(Path(tmp) / "model", seed=1, size=size)
         optim = TrainSpec(steps=args.steps, lr=LR, grad_clip=GRAD_CLIP, micro_batch_size=args.micro_batch)
-        backend = TorchBackend(model_dir, optim, LossConfig(loss_agg="token_mean"), device=args.device)
+        backend = TorchBackend(model_dir, optim, AlgorithmSpec(loss_agg="token_mean"), device=args.device)
         samples = make_samples(model_dir, args.batch, args.response_len)
         bare = BareLoop(model_dir, samples, backend.pad_id, args.micro_batch, args.device)
     if args.old_log_probs:

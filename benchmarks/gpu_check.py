@@ -43,11 +43,10 @@ sys.path.insert(0, str(REPO / "tests" / "weights"))
 import torch
 import torch.distributed as dist
 
-from relax_hpc.algos import LossConfig
 from relax_hpc.backends.torch_backend import TorchBackend
 from relax_hpc.data.sample import Sample
 from relax_hpc.models.tiny import TinyModelSize, vocab_size, write_tiny_model
-from relax_hpc.spec.schema import TrainSpec
+from relax_hpc.spec.schema import AlgorithmSpec, TrainSpec
 
 LR = 1e-6
 MODES = {  # name: (model dtype, strategy)
@@ -89,7 +88,7 @@ def measure_mode(mode: str, model_dir: Path, samples: list[Sample], steps: int, 
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     backend = TorchBackend(model_dir, TrainSpec(steps=1, lr=LR, grad_clip=1.0, micro_batch_size=micro),
-                           LossConfig(name="grpo", kl_coef=0.0), dtype=dtype, device=device,
+                           AlgorithmSpec(name="grpo", kl_coef=0.0), dtype=dtype, device=device,
                            strategy=strategy)
     before = weights_on_cpu(backend)
     sync(device)

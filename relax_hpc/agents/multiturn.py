@@ -8,7 +8,8 @@ that fills in one sample's response (`response_ids`, `rollout_log_probs`, `loss_
 `response_text`, `finish_reason`, `weight_version`, and anything in `metadata`). `args` is a
 `GenerateArgs`: the batched engine (`await args.engine.generate(prompt_ids, params,
 media=sample.media)`), the tokenizer, the environment class from `[rollout] env` (or None), the
-turn and token limits and, for a multimodal model, its media processor. With only
+`[rollout]` table (whose turn and token limits `args.max_turns` and `args.max_total_tokens` read)
+and, for a multimodal model, its media processor. With only
 `[rollout] env` set, `generate_with_env` below is the generate function.
 
 All samples of a step run concurrently on one event loop; their engine calls are batched, so
@@ -27,6 +28,7 @@ from relax_hpc.agents.media import observation_parts, prompt_media
 from relax_hpc.data.sample import Sample
 from relax_hpc.engines.base import SamplingParams
 from relax_hpc.media.items import MediaItem, PromptMedia
+from relax_hpc.spec.schema import RolloutSpec
 
 GenerateFn = Callable[["GenerateArgs", Sample, SamplingParams], Awaitable[Sample]]
 
@@ -36,15 +38,26 @@ TERMINATED, TRUNCATED, MAX_TURNS, TOKEN_BUDGET = "terminated", "truncated", "max
 
 @dataclass
 class GenerateArgs:
-    """What a generate function is given besides the sample (the `args` of REFERENCE.md)."""
+    """What a generate function is given besides the sample (the `args` of docs/agents.md).
+
+    `rollout` is the job's [rollout] table itself; `max_turns` and `max_total_tokens` read it."""
 
     engine: EngineBatcher
     tokenizer: Any  # a Hugging Face tokenizer with a chat template
     env_class: type[BaseInteractionEnv] | None
-    max_turns: int
-    max_total_tokens: int  # budget of response tokens, model and observation tokens together
+    rollout: RolloutSpec
     eos_id: int
     media_processor: Any = None  # relax_hpc.media.processor.MediaProcessor; None: a text model
+
+    @property
+    def max_turns(self) -> int:
+        """[rollout] max_turns: model turns per episode."""
+        return self.rollout.max_turns
+
+    @property
+    def max_total_tokens(self) -> int:
+        """[rollout] max_total_tokens: budget of response tokens, model and observation tokens together."""
+        return self.rollout.max_total_tokens
 
 
 def observation_tokens(tokenizer: Any, message: dict[str, Any], eos_id: int, after_stop: bool,

@@ -57,8 +57,7 @@ class AgenticRollout:
             env_class = load_dotted("[rollout] env", cfg.env) if cfg.env else None
             self.generate_fn = (load_dotted("[rollout] generate", cfg.generate) if cfg.generate
                                 else generate_with_env)
-            self.args = GenerateArgs(self.batcher, tokenizer, env_class, cfg.max_turns,
-                                     cfg.max_total_tokens, eos_id, media_processor)
+            self.args = GenerateArgs(self.batcher, tokenizer, env_class, cfg, eos_id, media_processor)
 
     def _call(self, coro: Coroutine[Any, Any, T]) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()

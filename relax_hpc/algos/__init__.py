@@ -16,7 +16,7 @@ from relax_hpc.algos.advantages import (
 from relax_hpc.algos.aggregation import LOSS_AGG_MODES, aggregate
 from relax_hpc.algos.kl import KL_ESTIMATORS, kl_penalty
 from relax_hpc.algos.logprobs import token_logprobs_and_entropy
-from relax_hpc.algos.loss_types import LossConfig, LossInputs, PolicyLossFn, PolicyTerms, loss_config
+from relax_hpc.algos.loss_types import LossInputs, LossSettings, PolicyLossFn, PolicyTerms
 from relax_hpc.algos.losses import (
     POLICY_LOSSES,
     available_losses,
@@ -31,8 +31,8 @@ __all__ = [
     "KL_ESTIMATORS",
     "LOSS_AGG_MODES",
     "POLICY_LOSSES",
-    "LossConfig",
     "LossInputs",
+    "LossSettings",
     "PolicyLossFn",
     "PolicyTerms",
     "aggregate",
@@ -41,7 +41,6 @@ __all__ = [
     "get_policy_loss",
     "group_advantages",
     "kl_penalty",
-    "loss_config",
     "loss_config_problems",
     "normalizes_std",
     "opd_advantages",

@@ -21,11 +21,11 @@ from __future__ import annotations
 import torch
 
 from relax_hpc.algos.advantages import broadcast_advantages
-from relax_hpc.algos.loss_types import LOG_RATIO_LIMIT, LossConfig, LossInputs, PolicyTerms
+from relax_hpc.algos.loss_types import LOG_RATIO_LIMIT, LossSettings, LossInputs, PolicyTerms
 from relax_hpc.algos.ppo_clip import clipped_objective
 
 
-def gspo_loss(cfg: LossConfig, inputs: LossInputs) -> PolicyTerms:
+def gspo_loss(cfg: LossSettings, inputs: LossInputs) -> PolicyTerms:
     """GSPO-token: the sequence ratio ``s_i`` applied to every token of response i."""
     keep = inputs.mask.to(torch.bool)
     token_log_ratio = inputs.logp.detach() - inputs.old_logp.detach()

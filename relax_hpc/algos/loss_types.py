@@ -1,6 +1,6 @@
-"""Types shared by every policy-loss algorithm: config, inputs, per-token result.
+"""Types shared by every policy-loss algorithm: settings, inputs, per-token result.
 
-An algorithm is a function ``(LossConfig, LossInputs) -> PolicyTerms`` that
+An algorithm is a function ``(LossSettings, LossInputs) -> PolicyTerms`` that
 returns the *per-token* policy loss; :func:`relax_hpc.algos.losses.policy_loss`
 then applies the shared pieces (TIS weight, aggregation, KL loss, entropy
 bonus, statistics). Adding an algorithm means writing one such function in its
@@ -9,39 +9,54 @@ own module and adding one line to the registry in ``losses.py``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-from typing import Callable, Final
+from dataclasses import dataclass
+from typing import Callable, Final, Protocol
 
 import torch
 from torch import Tensor
-
-from relax_hpc.spec.schema import AlgorithmSpec
 
 # exp(20) ~ 4.9e8: far outside any clip range, yet finite in float32 and
 # bfloat16, so a wildly off-policy token cannot turn the loss into inf/NaN.
 LOG_RATIO_LIMIT: Final[float] = 20.0
 
 
-@dataclass(frozen=True)
-class LossConfig:
-    """Knobs of the policy loss; field names match the keys of the TOML ``[algorithm]`` table."""
+class LossSettings(Protocol):
+    """What the policy loss reads of [algorithm]: a `relax_hpc.spec.schema.AlgorithmSpec` is one.
 
-    name: str = AlgorithmSpec.name
-    clip_eps_low: float = AlgorithmSpec.clip_eps_low
-    clip_eps_high: float = AlgorithmSpec.clip_eps_high
-    kl_coef: float = AlgorithmSpec.kl_coef
-    kl_estimator: str = AlgorithmSpec.kl_estimator
-    loss_agg: str = AlgorithmSpec.loss_agg
-    entropy_coef: float = AlgorithmSpec.entropy_coef
-    dual_clip_c: float | None = AlgorithmSpec.dual_clip_c
-    tis_cap: float | None = AlgorithmSpec.tis_cap
-    sapo_tau_pos: float = AlgorithmSpec.sapo_tau_pos
-    sapo_tau_neg: float = AlgorithmSpec.sapo_tau_neg
+    Tests build one with `AlgorithmSpec(name="gspo", ...)`; the defaults are the spec's."""
 
+    @property
+    def name(self) -> str: ...
 
-def loss_config(algorithm: AlgorithmSpec) -> LossConfig:
-    """The loss knobs of an `[algorithm]` table (each field is the key of the same name)."""
-    return LossConfig(**{f.name: getattr(algorithm, f.name) for f in fields(LossConfig)})
+    @property
+    def clip_eps_low(self) -> float: ...
+
+    @property
+    def clip_eps_high(self) -> float: ...
+
+    @property
+    def kl_coef(self) -> float: ...  # 0 disables the KL loss
+
+    @property
+    def kl_estimator(self) -> str: ...
+
+    @property
+    def loss_agg(self) -> str: ...
+
+    @property
+    def entropy_coef(self) -> float: ...  # 0 disables the entropy bonus
+
+    @property
+    def dual_clip_c(self) -> float | None: ...  # None disables dual-clip
+
+    @property
+    def tis_cap(self) -> float | None: ...  # None disables truncated importance sampling
+
+    @property
+    def sapo_tau_pos(self) -> float: ...
+
+    @property
+    def sapo_tau_neg(self) -> float: ...
 
 
 @dataclass
@@ -66,7 +81,7 @@ class PolicyTerms:
     clipped: Tensor  # [B, T] bool, True where clipping cut the gradient, for "clip_frac"
 
 
-PolicyLossFn = Callable[[LossConfig, LossInputs], PolicyTerms]
+PolicyLossFn = Callable[[LossSettings, LossInputs], PolicyTerms]
 
 
 def log_ratio(logp: Tensor, old_logp: Tensor) -> Tensor:

@@ -12,7 +12,7 @@ gets the per-token policy loss, and then adds, in this order:
 3. KL loss (``kl_coef > 0``): ``+ kl_coef * aggregate(kl_penalty(logp, ref_logp))``.
 4. Entropy bonus (``entropy_coef > 0``): ``- entropy_coef * aggregate(entropy)``.
 
-To add an algorithm: write ``def my_loss(cfg: LossConfig, inputs: LossInputs)
+To add an algorithm: write ``def my_loss(cfg: LossSettings, inputs: LossInputs)
 -> PolicyTerms`` in its own module and add one line to ``POLICY_LOSSES``.
 The spec layer can call :func:`loss_config_problems` to validate an
 ``[algorithm]`` table up front.
@@ -32,8 +32,8 @@ from relax_hpc.algos.kl import KL_ESTIMATORS, kl_penalty
 from relax_hpc.algos.logprobs import token_logprobs_and_entropy
 from relax_hpc.algos.loss_types import (
     LOG_RATIO_LIMIT,
-    LossConfig,
     LossInputs,
+    LossSettings,
     PolicyLossFn,
     PolicyTerms,
 )
@@ -43,8 +43,8 @@ from relax_hpc.algos.sapo import sapo_loss
 __all__ = [
     "POLICY_LOSSES",
     "STEP_SUM_STATS",
-    "LossConfig",
     "LossInputs",
+    "LossSettings",
     "PolicyTerms",
     "aggregate",
     "available_losses",
@@ -87,7 +87,7 @@ def get_policy_loss(name: str) -> PolicyLossFn:
         ) from None
 
 
-def loss_config_problems(cfg: LossConfig) -> list[str]:
+def loss_config_problems(cfg: LossSettings) -> list[str]:
     """Return every problem with ``cfg`` as ``"algorithm.<key> = <value>: <what is allowed>"``; empty if valid."""
     problems: list[str] = []
 
@@ -125,7 +125,7 @@ def tis_weight(old_logp: Tensor, rollout_logp: Tensor, cap: float) -> Tensor:
 
 
 def policy_loss(
-    cfg: LossConfig, inputs: LossInputs, denominator: float | None = None
+    cfg: LossSettings, inputs: LossInputs, denominator: float | None = None
 ) -> tuple[Tensor, dict[str, float]]:
     """Return ``(scalar loss to backpropagate, stats)`` for one micro-batch.
 
@@ -177,7 +177,7 @@ def policy_loss(
     return total, stats
 
 
-def _mask_inputs(cfg: LossConfig, inputs: LossInputs) -> LossInputs:
+def _mask_inputs(cfg: LossSettings, inputs: LossInputs) -> LossInputs:
     """Check shapes and required inputs, and zero every per-token input outside the mask.
 
     Zeroing with ``torch.where`` (not multiplication) means a -inf or NaN log-prob

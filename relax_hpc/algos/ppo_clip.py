@@ -18,10 +18,10 @@ import torch
 from torch import Tensor
 
 from relax_hpc.algos.advantages import broadcast_advantages
-from relax_hpc.algos.loss_types import LossConfig, LossInputs, PolicyTerms, log_ratio
+from relax_hpc.algos.loss_types import LossSettings, LossInputs, PolicyTerms, log_ratio
 
 
-def clipped_objective(ratio: Tensor, advantages: Tensor, cfg: LossConfig) -> tuple[Tensor, Tensor]:
+def clipped_objective(ratio: Tensor, advantages: Tensor, cfg: LossSettings) -> tuple[Tensor, Tensor]:
     """Return the per-token clipped surrogate loss and a bool mask of where clipping was active.
 
     ``ratio`` must carry the gradient; ``advantages`` is ``[B, T]``. Where the
@@ -40,7 +40,7 @@ def clipped_objective(ratio: Tensor, advantages: Tensor, cfg: LossConfig) -> tup
     return loss, was_clipped
 
 
-def ppo_clip_loss(cfg: LossConfig, inputs: LossInputs) -> PolicyTerms:
+def ppo_clip_loss(cfg: LossSettings, inputs: LossInputs) -> PolicyTerms:
     """Token-level PPO-clip with separate low/high eps and optional dual-clip."""
     ratio = torch.exp(log_ratio(inputs.logp, inputs.old_logp))
     advantages = broadcast_advantages(inputs.advantages, inputs.logp).detach()

@@ -18,10 +18,10 @@ from __future__ import annotations
 import torch
 
 from relax_hpc.algos.advantages import broadcast_advantages
-from relax_hpc.algos.loss_types import LossConfig, LossInputs, PolicyTerms, log_ratio
+from relax_hpc.algos.loss_types import LossSettings, LossInputs, PolicyTerms, log_ratio
 
 
-def sapo_loss(cfg: LossConfig, inputs: LossInputs) -> PolicyTerms:
+def sapo_loss(cfg: LossSettings, inputs: LossInputs) -> PolicyTerms:
     """Soft-gated policy loss ``-f(r) * A`` with a separate temperature for A > 0 and A <= 0."""
     ratio = torch.exp(log_ratio(inputs.logp, inputs.old_logp))
     advantages = broadcast_advantages(inputs.advantages, inputs.logp).detach()

@@ -23,7 +23,7 @@ from relax_hpc.backends.batch import TrainBatch
 from relax_hpc.data.sample import Sample
 
 if TYPE_CHECKING:  # annotations only: importing this module must not load torch's DCP (drivers, forward roles)
-    from relax_hpc.algos import LossConfig
+    from relax_hpc.algos import LossSettings
     from relax_hpc.backends.parallel import Strategy
     from relax_hpc.ckpt import CheckpointManager, ResumeState
     from relax_hpc.spec.schema import MegatronSpec
@@ -155,7 +155,7 @@ def _find_spec(name: str) -> object | None:
 
 
 def make_backend(
-    backend: str, model_path: str, optim: OptimSettings, loss: LossConfig, *, dtype: str, device: str,
+    backend: str, model_path: str, optim: OptimSettings, loss: LossSettings, *, dtype: str, device: str,
     temperature: float, teacher_path: str | None, opd_coef: float, keep_reference: bool, strategy: Strategy,
     megatron: MegatronSpec | None = None, seed: int = 0, routing_replay: bool = False,
 ) -> TrainBackend:

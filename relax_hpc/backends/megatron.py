@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from relax_hpc.algos import LossConfig, LossInputs, opd_advantages, policy_loss
+from relax_hpc.algos import LossInputs, LossSettings, opd_advantages, policy_loss
 from relax_hpc.algos.aggregation import loss_denominator
 from relax_hpc.backends import megatron_ckpt
 from relax_hpc.backends.base import OptimSettings, StepStats, adam_betas
@@ -73,7 +73,7 @@ class MegatronBackend:
     """A ``TrainBackend`` on megatron-core; see the module docstring."""
 
     def __init__(
-        self, model_path: str | Path, optim: OptimSettings, loss: LossConfig, *, megatron: MegatronSpec,
+        self, model_path: str | Path, optim: OptimSettings, loss: LossSettings, *, megatron: MegatronSpec,
         dtype: str = "float32", device: str = "cpu", temperature: float = 1.0,
         teacher_path: str | Path | None = None, opd_coef: float = 1.0, keep_reference: bool = True,
         seed: int = 0, routing_replay: bool = False,

@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 
 from relax_hpc.algos import (
-    LossConfig,
     LossInputs,
+    LossSettings,
     opd_advantages,
     policy_loss,
     token_logprobs_and_entropy,
@@ -63,7 +63,7 @@ class TorchBackend:
         self,
         model_path: str | Path,
         optim: OptimSettings,
-        loss: LossConfig,
+        loss: LossSettings,
         dtype: str = "float32",
         device: str = "cpu",
         temperature: float = 1.0,

@@ -17,7 +17,11 @@ from relax_hpc.spec.schema import RolloutSpec
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to sample. `top_k = 0` and `top_p = 1.0` disable those filters."""
+    """How one engine call samples. `top_k = 0` and `top_p = 1.0` disable those filters.
+
+    The values are this call's: the rollout fills them from [rollout] (roles/rollout.py:
+    sampling_of), and a chat request, an episode's remaining budget, a judge or an HTTP generate
+    request sets its own."""
 
     max_new_tokens: int = RolloutSpec.max_new_tokens
     temperature: float = RolloutSpec.temperature

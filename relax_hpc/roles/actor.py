@@ -24,7 +24,6 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from relax_hpc.algos import loss_config
 from relax_hpc.auth import JobSecret, job_secret
 from relax_hpc.backends.base import TrainBackend, make_backend
 from relax_hpc.backends.batch import pack_rows
@@ -168,7 +167,7 @@ class ActorWorker(WeightSenderEndpoint, Heartbeats):
         t, a = cfg.train, cfg.algorithm
         self.cfg_micro_batch, self.mini_batches = t.micro_batch_size, t.mini_batches
         self.backend: TrainBackend = backend or make_backend(
-            t.backend, cfg.model.path, t, loss_config(a), dtype=cfg.model.dtype, device=self.device,
+            t.backend, cfg.model.path, t, a, dtype=cfg.model.dtype, device=self.device,
             temperature=cfg.rollout.temperature, teacher_path=a.opd_teacher_path if a.name == "opd" else None,
             opd_coef=a.opd_coef, keep_reference="ref_log_probs" not in cfg.role_fields, strategy=t.strategy,
             megatron=t.megatron, seed=cfg.job.seed, routing_replay=a.routing_replay,

@@ -31,7 +31,8 @@ def sample(prompt: str = "hi", label: str = "") -> Sample:
 def run(script: list[str], n: int = 1, max_turns: int = 4, budget: int = 200,
         params: SamplingParams = PARAMS) -> tuple[list[Sample], ScriptedEngine]:
     engine = ScriptedEngine(TOK, script, version=3)
-    args = GenerateArgs(EngineBatcher(engine), TOK, EchoEnv, max_turns, budget, EOS)
+    limits = RolloutSpec(max_turns=max_turns, max_total_tokens=budget)
+    args = GenerateArgs(EngineBatcher(engine), TOK, EchoEnv, limits, EOS)
     out = asyncio.run(run_generate(generate_with_env, args, [sample() for _ in range(n)], params, seed=7))
     return out, engine
 

@@ -22,7 +22,6 @@ from relax_hpc.agents.batcher import EngineBatcher
 from relax_hpc.agents.media import offered_parts
 from relax_hpc.agents.multiturn import GenerateArgs, generate_with_env, run_generate
 from relax_hpc.agents.service import AgenticRollout
-from relax_hpc.algos.loss_types import LossConfig
 from relax_hpc.backends.torch_backend import TorchBackend
 from relax_hpc.data.dataset import PromptRow, load_dataset
 from relax_hpc.data.rows import row_to_sample, sample_to_row
@@ -35,7 +34,7 @@ from relax_hpc.media.items import MediaItem, PromptMedia
 from relax_hpc.media.processor import MediaProcessor
 from relax_hpc.models.hf import load_tokenizer
 from relax_hpc.models.tiny_mm import write_tiny_multimodal
-from relax_hpc.spec.schema import DataSpec, RolloutSpec, TrainSpec
+from relax_hpc.spec.schema import AlgorithmSpec, DataSpec, RolloutSpec, TrainSpec
 from agent_doubles import (ForwardedMessagesAgent, ImageEnv, OfferedMediaAgent, ScriptedEngine, observation_image,
                            tiny_tokenizer)
 
@@ -65,7 +64,7 @@ class Omni:
 @pytest.fixture(scope="module")
 def omni(tmp_path_factory: pytest.TempPathFactory) -> Omni:
     path = write_tiny_multimodal(tmp_path_factory.mktemp("agents") / "omni", "qwen2_5_omni", seed=0)
-    return Omni(NativeEngine(path), TorchBackend(path, TrainSpec(steps=1), LossConfig()))
+    return Omni(NativeEngine(path), TorchBackend(path, TrainSpec(steps=1), AlgorithmSpec()))
 
 
 def pixels(seed: int) -> np.ndarray:
@@ -185,7 +184,8 @@ def test_models_that_cannot_read_a_kind_refuse_it(tmp_path: Any) -> None:
         finally:
             svc.close()
     # An environment that shows an image to a text model stops the episode with the reason.
-    args = GenerateArgs(EngineBatcher(ScriptedEngine(tok, ["ab"])), tok, ImageEnv, 3, 200, eos)
+    args = GenerateArgs(EngineBatcher(ScriptedEngine(tok, ["ab"])), tok, ImageEnv,
+                        RolloutSpec(max_turns=3, max_total_tokens=200), eos)
     episode = Sample(prompt_ids=tok.encode("hi", add_special_tokens=False), response_ids=[], rollout_log_probs=[],
                      weight_version=0, group_id=1, prompt_index=0, label="7")
     with pytest.raises(ValueError, match="observation part 0 is media \\(image\\), but the model reads text only"):

@@ -13,7 +13,8 @@ import math
 import pytest
 import torch
 
-from relax_hpc.algos.losses import LossConfig, LossInputs, policy_loss
+from relax_hpc.algos.losses import LossInputs, policy_loss
+from relax_hpc.spec.schema import AlgorithmSpec
 
 
 def inputs_from_ratios(ratios: list[list[float]], advantages: list[float], mask: list[list[int]] | None = None) -> LossInputs:
@@ -31,7 +32,7 @@ def grad_of(loss: torch.Tensor, inputs: LossInputs) -> torch.Tensor:
 @pytest.mark.parametrize("name", ["grpo", "dr_grpo", "opd"])
 def test_ppo_clip_both_sides_positive_and_negative_advantage(name: str) -> None:
     inputs = inputs_from_ratios([[1.5, 1.1, 0.5], [1.5, 0.5, 0.9]], [2.0, -1.0])
-    loss, stats = policy_loss(LossConfig(name=name), inputs)
+    loss, stats = policy_loss(AlgorithmSpec(name=name), inputs)
     # row 0, A = +2, clip range [0.8, 1.2]:
     #   r=1.5: max(-3.0, -1.2*2 = -2.4) = -2.4 (clipped, no grad)
     #   r=1.1: max(-2.2, -2.2)          = -2.2 (grad -A*r = -2.2)
@@ -53,13 +54,13 @@ def test_ppo_clip_both_sides_positive_and_negative_advantage(name: str) -> None:
 def test_clip_higher_uses_separate_upper_eps() -> None:
     # r = 1.25, A = +1: eps_high 0.2 -> clipped at 1.2: loss -1.2, grad 0
     tight = inputs_from_ratios([[1.25]], [1.0])
-    loss, stats = policy_loss(LossConfig(clip_eps_high=0.2), tight)
+    loss, stats = policy_loss(AlgorithmSpec(clip_eps_high=0.2), tight)
     assert loss.item() == pytest.approx(-1.2)
     assert stats["clip_frac"] == 1.0
     assert grad_of(loss, tight).item() == 0.0
     # eps_high 0.28 (DAPO clip-higher) -> 1.25 < 1.28 is inside: loss -1.25, grad -A*r = -1.25
     loose = inputs_from_ratios([[1.25]], [1.0])
-    loss, stats = policy_loss(LossConfig(clip_eps_high=0.28), loose)
+    loss, stats = policy_loss(AlgorithmSpec(clip_eps_high=0.28), loose)
     assert loss.item() == pytest.approx(-1.25)
     assert stats["clip_frac"] == 0.0
     assert grad_of(loss, loose).item() == pytest.approx(-1.25)
@@ -69,12 +70,12 @@ def test_ratio_far_outside_clip_range_has_zero_gradient_only_where_clipped() -> 
     far = math.exp(5.0)  # r = e^5 = 148.413159
     # A = +1: max(-148.41, -1.2) = -1.2 -> clipped, grad exactly 0
     pos = inputs_from_ratios([[far]], [1.0])
-    loss, _ = policy_loss(LossConfig(), pos)
+    loss, _ = policy_loss(AlgorithmSpec(), pos)
     assert loss.item() == pytest.approx(-1.2)
     assert grad_of(loss, pos).item() == 0.0
     # A = -1: max(148.41, 1.2) = 148.41 -> the unclipped branch wins, grad -A*r = 148.41
     neg = inputs_from_ratios([[far]], [-1.0])
-    loss, _ = policy_loss(LossConfig(), neg)
+    loss, _ = policy_loss(AlgorithmSpec(), neg)
     assert loss.item() == pytest.approx(148.413159, rel=1e-6)
     assert grad_of(loss, neg).item() == pytest.approx(148.413159, rel=1e-6)
 
@@ -82,13 +83,13 @@ def test_ratio_far_outside_clip_range_has_zero_gradient_only_where_clipped() -> 
 def test_log_ratio_is_bounded_so_loss_stays_finite() -> None:
     logp = torch.tensor([[100.0]], requires_grad=True)
     inputs = LossInputs(logp=logp, old_logp=torch.zeros(1, 1), advantages=torch.tensor([-1.0]), mask=torch.ones(1, 1))
-    loss, _ = policy_loss(LossConfig(), inputs)
+    loss, _ = policy_loss(AlgorithmSpec(), inputs)
     # log-ratio 100 is clamped to 20: loss = exp(20) = 4.851652e8 (instead of inf)
     assert loss.item() == pytest.approx(math.exp(20.0), rel=1e-6)
 
 
 def test_dual_clip_caps_negative_advantage_loss_at_c_times_abs_a() -> None:
-    cfg = LossConfig(dual_clip_c=3.0)
+    cfg = AlgorithmSpec(dual_clip_c=3.0)
     far = math.exp(5.0)
     # A = -1, r = 148.41: PPO gives 148.41; dual-clip min(148.41, -c*A = 3.0) = 3.0, grad 0
     neg = inputs_from_ratios([[far]], [-1.0])
@@ -115,7 +116,7 @@ def test_gspo_uses_one_masked_sequence_ratio_per_response() -> None:
         advantages=torch.tensor([1.0, 1.0]),
         mask=torch.tensor([[1, 1, 0], [1, 1, 1]]),
     )
-    loss, stats = policy_loss(LossConfig(name="gspo", clip_eps_low=0.1, clip_eps_high=0.1), inputs)
+    loss, stats = policy_loss(AlgorithmSpec(name="gspo", clip_eps_low=0.1, clip_eps_high=0.1), inputs)
     # row 0: mean log-ratio over trained tokens = (0.2 - 0.1)/2 = 0.05 (the masked 7.0 is ignored)
     #        s_0 = exp(0.05) = 1.051271, inside [0.9, 1.1] -> every token -1.051271
     # row 1: s_1 = exp(-0.3) = 0.740818 < 0.9 with A > 0 -> unclipped -0.740818
@@ -132,7 +133,7 @@ def test_gspo_uses_one_masked_sequence_ratio_per_response() -> None:
 
 
 def test_gspo_narrow_clip_cuts_whole_sequence() -> None:
-    cfg = LossConfig(name="gspo", clip_eps_low=3e-4, clip_eps_high=4e-4)
+    cfg = AlgorithmSpec(name="gspo", clip_eps_low=3e-4, clip_eps_high=4e-4)
     # s = exp((0.2 - 0.1)/2) = 1.051271 > 1.0004
     # A = +1: max(-1.051271, -1.0004) = -1.0004 clipped, grad 0 on every token
     pos = LossInputs(logp=torch.tensor([[0.2, -0.1]], requires_grad=True), old_logp=torch.zeros(1, 2),
@@ -151,7 +152,7 @@ def test_gspo_narrow_clip_cuts_whole_sequence() -> None:
 
 def test_sapo_positive_advantage_uses_tau_pos() -> None:
     inputs = inputs_from_ratios([[1.0, 1.5]], [1.0])
-    loss, stats = policy_loss(LossConfig(name="sapo", sapo_tau_pos=1.0), inputs)
+    loss, stats = policy_loss(AlgorithmSpec(name="sapo", sapo_tau_pos=1.0), inputs)
     # r = 1:   f = (4/1)*sigmoid(0) = 2.0 -> loss -2.0
     # r = 1.5: f = 4*sigmoid(0.5) = 4*0.622459 = 2.489837 -> loss -2.489837
     # mean = -4.489837/2 = -2.244919
@@ -165,7 +166,7 @@ def test_sapo_positive_advantage_uses_tau_pos() -> None:
 
 def test_sapo_non_positive_advantage_uses_tau_neg() -> None:
     inputs = inputs_from_ratios([[1.5], [1.0]], [-1.0, -0.5])
-    loss, _ = policy_loss(LossConfig(name="sapo", sapo_tau_neg=1.05), inputs)
+    loss, _ = policy_loss(AlgorithmSpec(name="sapo", sapo_tau_neg=1.05), inputs)
     # row 0: s = sigmoid(1.05*0.5) = sigmoid(0.525) = 0.628316; f = (4/1.05)*0.628316 = 2.393585
     #        loss = -f*A = +2.393585
     # row 1: r = 1 -> f = (4/1.05)*0.5 = 1.904762; loss = 0.5*1.904762 = 0.952381

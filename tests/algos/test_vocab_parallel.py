@@ -22,12 +22,12 @@ import torch.multiprocessing as mp
 from torch import Tensor
 
 from relax_hpc.algos import (
-    LossConfig,
     LossInputs,
     policy_loss,
     token_logprobs_and_entropy,
 )
 from relax_hpc.algos import vocab_parallel_logprobs_and_entropy as vp_logprobs
+from relax_hpc.spec.schema import AlgorithmSpec
 
 WORLD_SIZE = 2
 RANDOM_SPLIT = (0, 6, 11)  # V = 11 in unequal slices [0, 6) and [6, 11): vocab_start need not be r * V / tp
@@ -35,8 +35,8 @@ HAND_SPLIT = (0, 2, 4)  # V = 4 in halves
 TEMPERATURE = 0.7
 EXTREME_TEMPERATURES = (0.5, 2.0)  # powers of 2: logits / T is exact, see _extreme_case
 LOSS_CONFIGS = {
-    "grpo": LossConfig(name="grpo", entropy_coef=0.01),
-    "gspo": LossConfig(name="gspo", clip_eps_low=3e-4, clip_eps_high=4e-4, entropy_coef=0.01),
+    "grpo": AlgorithmSpec(name="grpo", entropy_coef=0.01),
+    "gspo": AlgorithmSpec(name="gspo", clip_eps_low=3e-4, clip_eps_high=4e-4, entropy_coef=0.01),
 }
 # Two rows of the same logits x = (0, ln 3, ln 2, ln 2), targets 1 (rank 0's) and 2 (rank 1's).
 HAND_LOGITS = torch.tensor([[[0.0, math.log(3.0), math.log(2.0), math.log(2.0)]] * 2])

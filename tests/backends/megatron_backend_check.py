@@ -59,12 +59,11 @@ def samples(shift: int = 0) -> list[Any]:
 
 def make(kind: str, model: str, tp: int, pp: int, routing_replay: bool = False, ep: int = 1,
          dtype: str = "float32", lr: float = 1e-2) -> Any:
-    from relax_hpc.algos import LossConfig
     from relax_hpc.backends.base import make_backend
-    from relax_hpc.spec.schema import MegatronSpec, TrainSpec
+    from relax_hpc.spec.schema import AlgorithmSpec, MegatronSpec, TrainSpec
 
     optim = TrainSpec(steps=1, lr=lr, grad_clip=0.0, micro_batch_size=2, weight_decay=0.01)
-    return make_backend(kind, model, optim, LossConfig(name="grpo"), dtype=dtype, device="cpu",
+    return make_backend(kind, model, optim, AlgorithmSpec(name="grpo"), dtype=dtype, device="cpu",
                         temperature=1.0, teacher_path=None, opd_coef=1.0, keep_reference=False,
                         strategy="ddp", megatron=MegatronSpec(tensor_parallel=tp, pipeline_parallel=pp, expert_parallel=ep),
                         routing_replay=routing_replay)

@@ -7,11 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from relax_hpc.algos import LossConfig
 from relax_hpc.backends.base import TrainBackend, make_backend
 from relax_hpc.backends.torch_backend import TorchBackend
 from relax_hpc.data.sample import Sample
-from relax_hpc.spec.schema import TrainSpec
+from relax_hpc.spec.schema import AlgorithmSpec, TrainSpec
 
 SETTINGS = dict(dtype="float32", device="cpu", temperature=1.0, teacher_path=None, opd_coef=1.0,
                 keep_reference=True, strategy="ddp")
@@ -19,7 +18,7 @@ SETTINGS = dict(dtype="float32", device="cpu", temperature=1.0, teacher_path=Non
 
 def _backend(model_dir: Path) -> TrainBackend:
     optim = TrainSpec(steps=1, lr=1e-3, micro_batch_size=2)
-    return make_backend("torch", str(model_dir), optim, LossConfig(), **SETTINGS)
+    return make_backend("torch", str(model_dir), optim, AlgorithmSpec(), **SETTINGS)
 
 
 def _samples() -> list[Sample]:
@@ -33,9 +32,9 @@ def test_factory_builds_the_named_backend_and_names_what_is_allowed(tiny_model_d
     with pytest.raises(ValueError, match=r'train.backend = "megatron" needs megatron.core and megatron.bridge, '
                                          r'which .*python.* cannot import.*relax-hpc\[megatron\].*'
                                          r'tools/setup-megatron-cpu.*set \[train\] backend = "torch"'):
-        make_backend("megatron", str(tiny_model_dir), TrainSpec(steps=1), LossConfig(), **SETTINGS)
+        make_backend("megatron", str(tiny_model_dir), TrainSpec(steps=1), AlgorithmSpec(), **SETTINGS)
     with pytest.raises(ValueError, match=r"train.backend = 'jax': allowed values are torch, megatron"):
-        make_backend("jax", str(tiny_model_dir), TrainSpec(steps=1), LossConfig(), **SETTINGS)
+        make_backend("jax", str(tiny_model_dir), TrainSpec(steps=1), AlgorithmSpec(), **SETTINGS)
 
 
 def test_offload_and_onload_keep_training_identical(tiny_model_dir: Path) -> None:

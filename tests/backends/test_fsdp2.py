@@ -26,7 +26,6 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from relax_hpc.algos import LossConfig
 from relax_hpc.backends.batch import pack_rows
 from relax_hpc.backends.parallel import STRATEGIES, Strategy
 from relax_hpc.backends.torch_backend import TorchBackend
@@ -34,7 +33,7 @@ from relax_hpc.ckpt import CheckpointManager, ResumeState
 from relax_hpc.data.rows import sample_to_row
 from relax_hpc.data.sample import Sample
 from relax_hpc.models.tiny import vocab_size
-from relax_hpc.spec.schema import TrainSpec
+from relax_hpc.spec.schema import AlgorithmSpec, TrainSpec
 
 pytestmark = pytest.mark.slow
 
@@ -46,7 +45,7 @@ CLIP = 0.5  # below every step's gradient norm: clipping the sharded gradients i
 
 def _backend(model_dir: Path, strategy: Strategy) -> TorchBackend:
     optim = TrainSpec(steps=1, lr=1e-2, grad_clip=CLIP, micro_batch_size=4)
-    loss = LossConfig(name="grpo", kl_coef=0.05, kl_estimator="k3")
+    loss = AlgorithmSpec(name="grpo", kl_coef=0.05, kl_estimator="k3")
     return TorchBackend(model_dir, optim, loss, strategy=strategy)
 
 
@@ -145,7 +144,7 @@ def test_fsdp2_trains_like_ddp(runs: tuple[Path, dict], tiny_model_dir: Path) ->
     assert min(ddp["curves"]["grad_norm"]) > CLIP
     assert _max_diff(fsdp2["weights"], ddp["weights"]) <= TOLERANCE
     # The gathered weights are the whole model with HF names, and training moved every one.
-    initial = TorchBackend(tiny_model_dir, TrainSpec(steps=1), LossConfig())
+    initial = TorchBackend(tiny_model_dir, TrainSpec(steps=1), AlgorithmSpec())
     start = dict(initial.named_weights())
     assert fsdp2["weights"].keys() == start.keys()
     assert all(not torch.equal(fsdp2["weights"][n], start[n]) for n in start)

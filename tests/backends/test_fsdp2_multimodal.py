@@ -36,7 +36,6 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from relax_hpc.algos import LossConfig
 from relax_hpc.backends.torch_backend import TorchBackend
 from relax_hpc.data.rows import row_to_sample, sample_to_row
 from relax_hpc.data.sample import Sample
@@ -46,7 +45,7 @@ from relax_hpc.media.processor import MediaProcessor
 from relax_hpc.models.hf import load_policy_model, load_tokenizer
 from relax_hpc.models.tiny import vocab_size
 from relax_hpc.models.tiny_mm import write_tiny_multimodal
-from relax_hpc.spec.schema import TrainSpec
+from relax_hpc.spec.schema import AlgorithmSpec, TrainSpec
 
 pytestmark = pytest.mark.slow
 
@@ -98,7 +97,7 @@ def _rows(model_dir: Path, kinds: tuple[str, ...], seed: int) -> list[Sample]:
 
 def _backend(model_dir: Path, strategy: str) -> TorchBackend:
     optim = TrainSpec(steps=1, lr=1e-2, grad_clip=1e9, micro_batch_size=MICRO)
-    return TorchBackend(model_dir, optim, LossConfig(name="grpo", kl_coef=0.0), strategy=strategy)
+    return TorchBackend(model_dir, optim, AlgorithmSpec(name="grpo", kl_coef=0.0), strategy=strategy)
 
 
 def _run(backend: TorchBackend, model_dir: Path, rank: int | None) -> dict:
@@ -139,7 +138,7 @@ def _bf16_step(model_dir: Path, rank: int) -> dict:
     """One step with dtype bfloat16 at lr 1e-6 (rank 1's rows media-free): what the float32
     master shards, the modules' outputs and the weights sent to engines are."""
     optim = TrainSpec(steps=1, lr=1e-6, weight_decay=0.0, grad_clip=0.0, micro_batch_size=MICRO)
-    backend = TorchBackend(model_dir, optim, LossConfig(name="grpo", kl_coef=0.0), dtype="bfloat16",
+    backend = TorchBackend(model_dir, optim, AlgorithmSpec(name="grpo", kl_coef=0.0), dtype="bfloat16",
                            strategy="fsdp2")
     seen: dict[str, set] = {}
     base = backend.model.model

@@ -21,14 +21,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from relax_hpc.algos import LOSS_AGG_MODES, LossConfig
+from relax_hpc.algos import LOSS_AGG_MODES
 from relax_hpc.backends.batch import pack_rows
 from relax_hpc.backends.parallel import STRATEGIES, Strategy
 from relax_hpc.backends.torch_backend import TorchBackend
 from relax_hpc.data.rows import sample_to_row
 from relax_hpc.data.sample import Sample
 from relax_hpc.models.tiny import vocab_size
-from relax_hpc.spec.schema import TrainSpec
+from relax_hpc.spec.schema import AlgorithmSpec, TrainSpec
 
 N_SAMPLES = 40
 MICRO = 8
@@ -37,8 +37,8 @@ TOLERANCE = 1e-6  # max abs difference between gradients
 Grads = dict[str, torch.Tensor]
 
 
-def _loss(mode: str) -> LossConfig:
-    return LossConfig(name="grpo", loss_agg=mode, kl_coef=0.05, kl_estimator="k3", entropy_coef=0.01,
+def _loss(mode: str) -> AlgorithmSpec:
+    return AlgorithmSpec(name="grpo", loss_agg=mode, kl_coef=0.05, kl_estimator="k3", entropy_coef=0.01,
                       dual_clip_c=3.0, tis_cap=1.5)
 
 

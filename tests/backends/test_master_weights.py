@@ -21,13 +21,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from relax_hpc.algos import LossConfig
 from relax_hpc.backends.torch_backend import TorchBackend
 from relax_hpc.ckpt import CheckpointManager, ResumeState
 from relax_hpc.data.sample import Sample
 from relax_hpc.models.hf import load_policy_model
 from relax_hpc.models.tiny import vocab_size
-from relax_hpc.spec.schema import TrainSpec
+from relax_hpc.spec.schema import AlgorithmSpec, TrainSpec
 
 LR = 1e-6
 STEPS = 3
@@ -35,7 +34,7 @@ STEPS = 3
 
 def _backend(model_dir: Path, dtype: str) -> TorchBackend:
     optim = TrainSpec(steps=1, lr=LR, weight_decay=0.0, grad_clip=0.0, micro_batch_size=4)
-    return TorchBackend(model_dir, optim, LossConfig(name="grpo", kl_coef=0.0), dtype=dtype)
+    return TorchBackend(model_dir, optim, AlgorithmSpec(name="grpo", kl_coef=0.0), dtype=dtype)
 
 
 def _samples(step: int) -> list[Sample]:

@@ -34,7 +34,6 @@ import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from relax_hpc.algos import LossConfig
 from relax_hpc.backends.batch import pack_rows
 from relax_hpc.backends.parallel import full_weights, shard_model
 from relax_hpc.backends.sharded_load import load_sharded
@@ -45,7 +44,7 @@ from relax_hpc.models.hf import load_policy_model
 from relax_hpc.models.tiny import vocab_size, write_tiny_model
 from relax_hpc.models.tiny_mm import write_tiny_multimodal
 from relax_hpc.models.tiny_moe import write_tiny_moe_model
-from relax_hpc.spec.schema import TrainSpec
+from relax_hpc.spec.schema import AlgorithmSpec, TrainSpec
 
 pytestmark = pytest.mark.slow
 
@@ -140,7 +139,7 @@ def _samples(step: int) -> list[Sample]:
 
 def _text_backend(dirs: dict[str, str], strategy: str) -> tuple[TorchBackend, AllocatedBytes]:
     optim = TrainSpec(steps=1, lr=1e-2, micro_batch_size=4)
-    loss = LossConfig(name="grpo", kl_coef=0.05, kl_estimator="k3")
+    loss = AlgorithmSpec(name="grpo", kl_coef=0.05, kl_estimator="k3")
     with AllocatedBytes() as allocated:
         backend = TorchBackend(dirs["text"], optim, loss, teacher_path=dirs["teacher"],
                                strategy=strategy)  # type: ignore[arg-type]

@@ -11,12 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from relax_hpc.algos import LossConfig
 from relax_hpc.backends.batch import pack_rows
 from relax_hpc.backends.torch_backend import TorchBackend
 from relax_hpc.data.rows import sample_to_row
 from relax_hpc.data.sample import Sample
-from relax_hpc.spec.schema import TrainSpec
+from relax_hpc.spec.schema import AlgorithmSpec, TrainSpec
 
 # Response token ids of the tiny char-level vocabulary (digits are 3..12, "+" 13, "=" 16, EOS 2).
 SEQS = [
@@ -38,7 +37,7 @@ def _samples(backend: TorchBackend, advantages: list[float]) -> list[Sample]:
 
 
 def _backend(path: Path, **optim: object) -> TorchBackend:
-    loss = optim.pop("loss", LossConfig())
+    loss = optim.pop("loss", AlgorithmSpec())
     return TorchBackend(path, TrainSpec(steps=1, **{"lr": 1e-3, **optim}), loss)  # type: ignore[arg-type]
 
 
@@ -125,7 +124,7 @@ def test_streamed_rows_use_the_forward_roles_log_probs(tiny_model_dir: Path) -> 
 
 
 def test_kl_reference_is_frozen(tiny_model_dir: Path) -> None:
-    backend = _backend(tiny_model_dir, loss=LossConfig(kl_coef=0.1))
+    backend = _backend(tiny_model_dir, loss=AlgorithmSpec(kl_coef=0.1))
     samples = _samples(backend, [1.0, -1.0, 0.5, -0.5])
     ref_before = backend.compute_log_probs(samples, reference=True)
     policy_before = backend.compute_log_probs(samples)

@@ -44,18 +44,17 @@ def test_algorithm_lifts_the_reward_like_grpo(tiny_model_dir: Path, tmp_path: Pa
 
 def _reverse_kl_to_teacher(student_dir: Path, teacher_dir: Path, job_ckpt: Path | None) -> float:
     """Mean over sampled response tokens of logp_student - logp_teacher (a k1 estimate of KL)."""
-    from relax_hpc.spec.schema import TrainSpec
+    from relax_hpc.spec.schema import AlgorithmSpec, TrainSpec
     from relax_hpc.backends.torch_backend import TorchBackend
-    from relax_hpc.algos import LossConfig
     from relax_hpc.ckpt import CheckpointManager
     from relax_hpc.data.sample import Sample
     from relax_hpc.engines.base import SamplingParams
     from relax_hpc.engines.native import NativeEngine
 
-    student = TorchBackend(student_dir, TrainSpec(steps=1, micro_batch_size=512), LossConfig())
+    student = TorchBackend(student_dir, TrainSpec(steps=1, micro_batch_size=512), AlgorithmSpec())
     if job_ckpt is not None:
         assert CheckpointManager(job_ckpt).load_latest(student.model, student.optimizer) is not None
-    teacher = TorchBackend(teacher_dir, TrainSpec(steps=1, micro_batch_size=512), LossConfig())
+    teacher = TorchBackend(teacher_dir, TrainSpec(steps=1, micro_batch_size=512), AlgorithmSpec())
     engine = NativeEngine(student_dir)
     engine.update_weights(student.named_weights(), 1)
     tok = engine.tokenizer

@@ -9,14 +9,13 @@ import numpy as np
 import pytest
 import torch
 
-from relax_hpc.algos import LossConfig
 from relax_hpc.backends.torch_backend import TorchBackend
 from relax_hpc.data.sample import Sample
 from relax_hpc.engines.base import Generation, SamplingParams
 from relax_hpc.engines.lean_decoder import LeanDecoder
 from relax_hpc.engines.native import NativeEngine, distinct_prompts
 from relax_hpc.media.items import MediaItem, PromptMedia
-from relax_hpc.spec.schema import TrainSpec
+from relax_hpc.spec.schema import AlgorithmSpec, TrainSpec
 
 # Prompts of 1, 4, 6 and 23 tokens: the batch is left-padded up to 23.
 PROMPT_TEXTS = ("7", "1+2=", "12+34=", "<|im_start|>user:5+4=<|im_end|><|im_start|>assistant:")
@@ -56,12 +55,12 @@ def test_logprobs_match_trainer_recomputation(
     assert all(len(g.logprobs) == len(g.token_ids) > 0 for g in gens)
     # micro_batch_size 3 splits the 4 samples into two trainer batches with different padding.
     backend = TorchBackend(
-        tiny_model_dir, TrainSpec(steps=1, micro_batch_size=3), LossConfig(), temperature=temperature
+        tiny_model_dir, TrainSpec(steps=1, micro_batch_size=3), AlgorithmSpec(), temperature=temperature
     )
     recomputed = backend.compute_log_probs(_as_samples(gens))
     assert _max_logprob_diff(gens, recomputed) < LOGPROB_TOL
     # The comparison is sensitive: the trainer at another temperature is far off.
-    other = TorchBackend(tiny_model_dir, TrainSpec(steps=1), LossConfig(), temperature=temperature * 2)
+    other = TorchBackend(tiny_model_dir, TrainSpec(steps=1), AlgorithmSpec(), temperature=temperature * 2)
     assert _max_logprob_diff(gens, other.compute_log_probs(_as_samples(gens))) > 1e-3
 
 
@@ -260,7 +259,7 @@ def test_a_repeated_prompt_is_prefilled_once_and_each_row_samples_on_its_own(
     assert [g.prompt_ids for g in gens] == batch
     for k in range(len(prompts)):  # each row drew its own tokens from its prompt's distribution
         assert len({tuple(g.token_ids) for g in gens[k * group:(k + 1) * group]}) > group // 2
-    backend = TorchBackend(tiny_model_dir, TrainSpec(steps=1, micro_batch_size=64), LossConfig())
+    backend = TorchBackend(tiny_model_dir, TrainSpec(steps=1, micro_batch_size=64), AlgorithmSpec())
     assert _max_logprob_diff(gens, backend.compute_log_probs(_as_samples(gens))) < LOGPROB_TOL
     # Greedy, every row of a prompt is that prompt's one greedy answer.
     greedy = engine.generate(batch, SamplingParams(max_new_tokens=8, top_k=1), seed=0)

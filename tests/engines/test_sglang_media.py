@@ -334,11 +334,10 @@ def vl_engine(sglang_python: Path, vl_dir: Path, tmp_path_factory: pytest.TempPa
 
 @pytest.fixture(scope="module")
 def backend(vl_dir: Path) -> Any:
-    from relax_hpc.algos.loss_types import LossConfig
-    from relax_hpc.spec.schema import TrainSpec
+    from relax_hpc.spec.schema import AlgorithmSpec, TrainSpec
     from relax_hpc.backends.torch_backend import TorchBackend
 
-    return TorchBackend(vl_dir, TrainSpec(steps=1), LossConfig())
+    return TorchBackend(vl_dir, TrainSpec(steps=1), AlgorithmSpec())
 
 
 def _trainer_logprobs(backend: Any, gens: list, media: Sequence[PromptMedia | None]) -> list[list[float]]:

@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 import torch
 
-from relax_hpc.algos.loss_types import LossConfig
 from relax_hpc.backends.batch import pack_rows
 from relax_hpc.backends.torch_backend import TorchBackend
 from relax_hpc.data.rows import row_to_sample, sample_to_row
@@ -27,7 +26,7 @@ from relax_hpc.models.hf import load_policy_model
 from relax_hpc.models.tiny import write_tiny_model
 from relax_hpc.models.tiny_mm import TINY_MM_ARCHS, write_tiny_multimodal
 from relax_hpc.roles.forward import response_log_probs
-from relax_hpc.spec.schema import TrainSpec
+from relax_hpc.spec.schema import AlgorithmSpec, TrainSpec
 
 TOLERANCE = 1e-5  # float32 on CPU: the padding side and batch mix change summation order only
 SAMPLING = SamplingParams(max_new_tokens=8, temperature=1.0)
@@ -50,7 +49,7 @@ class Rig:
 def rig(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Rig:
     arch = request.param
     path = write_tiny_multimodal(tmp_path_factory.mktemp("parity") / arch, arch, seed=0)
-    return Rig(arch, path, NativeEngine(path), TorchBackend(path, TrainSpec(steps=1), LossConfig()))
+    return Rig(arch, path, NativeEngine(path), TorchBackend(path, TrainSpec(steps=1), AlgorithmSpec()))
 
 
 def _image(processor: MediaProcessor, seed: int) -> MediaItem:

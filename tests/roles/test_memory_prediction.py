@@ -11,14 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from relax_hpc.algos import LossConfig
 from relax_hpc.backends.torch_backend import TorchBackend
 from relax_hpc.data.sample import Sample
 from relax_hpc.models.tiny import TinyModelSize, vocab_size, write_tiny_model
 from relax_hpc.roles.memory import trainer_record
 from relax_hpc.spec import parse_spec
 from relax_hpc.spec.memory_estimate import memory_estimate
-from relax_hpc.spec.schema import TrainSpec
+from relax_hpc.spec.schema import AlgorithmSpec, TrainSpec
 
 SIZES = {"default": TinyModelSize(), "wider": TinyModelSize(hidden_size=128, intermediate_size=384, head_dim=32)}
 TOLERANCE = 0.10
@@ -41,7 +40,7 @@ def _samples() -> list[Sample]:
 @pytest.mark.parametrize("size", list(SIZES))
 def test_the_predicted_trainer_bytes_are_the_measured_ones_within_ten_percent(size: str, tmp_path: Path) -> None:
     model_dir = write_tiny_model(tmp_path / size, size=SIZES[size])
-    backend = TorchBackend(model_dir, TrainSpec(steps=1, lr=1e-6, micro_batch_size=2), LossConfig(name="grpo"),
+    backend = TorchBackend(model_dir, TrainSpec(steps=1, lr=1e-6, micro_batch_size=2), AlgorithmSpec(name="grpo"),
                            dtype="bfloat16")
     backend.train(_samples())
     measured = trainer_record(backend, 0, {}).on_device

@@ -1,15 +1,17 @@
 """The spec is the settings: no dataclass outside relax_hpc/spec/ repeats a spec key.
 
-Roles, backends and engines take the spec tables they read (or a narrow Protocol over them) and a
-small runtime context (device, job dir, rank, threads, resolved paths). A dataclass with a field of
-the same name and meaning as a spec key is a mirror: a second place where the setting lives, filled
-field by field and free to drift from the spec. The walk below imports every module of relax_hpc/
-outside spec/ and compares each dataclass's fields with the keys of every table in schema.py.
+Roles, backends, engines and losses take the spec tables they read (or a narrow Protocol over them,
+like `OptimSettings` over [train] and `LossSettings` over [algorithm]) and a small runtime context
+(device, job dir, rank, threads, resolved paths). A dataclass with a field of the same name and
+meaning as a spec key is a mirror: a second place where the setting lives, filled field by field and
+free to drift from the spec. The walk below imports every module of relax_hpc/ outside spec/ and
+compares each dataclass's fields with the keys of every table in schema.py; none is a mirror.
 
 A field that only shares a word with a spec key (a tensor's `dtype`, a Slurm component's `name`)
-goes in OTHER_MEANING with what it means instead; a mirror not yet removed goes in MIRRORS_LEFT
-with why it is still there. Both lists are checked to hold only live entries, so they shrink as
-mirrors go and cannot rot.
+goes in OTHER_MEANING with what it means instead. So do one engine call's sampling values
+(`SamplingParams`): a chat request, a multi-turn episode's remaining budget, a generative judge or
+an HTTP generate request sets them per call, and [rollout] fills them in one place only
+(roles/rollout.py: sampling_of). The list is checked to hold only live entries, so it cannot rot.
 """
 
 from __future__ import annotations
@@ -25,21 +27,17 @@ from dataclasses import dataclass
 import relax_hpc
 from relax_hpc.spec import schema
 
-# Mirrors still to remove: class name -> why it is still there.
-MIRRORS_LEFT = {
-    # The per-request sampling of one engine call (the agent proxy builds one per request); a
-    # runtime type by design, whose defaults point at RolloutSpec's (test_single_defaults.py).
-    "SamplingParams": "per-request sampling of an engine call, built from [rollout] or a request",
-    # The pure loss functions' input; kept on purpose and built from [algorithm] in one place:
-    # algos/loss_types.py: loss_config.
-    "LossConfig": "the pure loss functions' input, built from AlgorithmSpec in one place (loss_config)",
-    # The documented `args` of a user's generate function (REFERENCE.md): a public runtime type.
-    "GenerateArgs": "the args a custom generate function is given, a public interface",
-}
-
 # A field that shares its name with a spec key but means something else: "Class.field" -> what.
 OTHER_MEANING = {
     "ChatRequest.stop": "one chat request's stop strings, not [rollout] stop",
+    # One engine call's sampling; [rollout] fills it only in roles/rollout.py: sampling_of, and its
+    # defaults point at RolloutSpec's (test_single_defaults.py).
+    "SamplingParams.max_new_tokens": "one engine call's token limit (a request's max_tokens, an episode's room)",
+    "SamplingParams.temperature": "one engine call's temperature (a judge's, an HTTP request's)",
+    "SamplingParams.top_p": "one engine call's top-p (an HTTP generate request's)",
+    "SamplingParams.top_k": "one engine call's top-k (an HTTP generate request's)",
+    "SamplingParams.stop": "one engine call's stop strings ([rollout] stop plus a chat request's)",
+    "GenerateArgs.engine": "the batched engine a generate function calls, not [rollout] engine",
     "ToolCall.name": "a tool's name",
     "RootListing.steps": "the checkpoint steps found on disk",
     "Sample.advantage": "a sample's advantage value, not the [algorithm] advantage estimator",
@@ -140,17 +138,14 @@ def repeated_fields(classes: list[type], keys: dict[str, list[str]]) -> dict[str
 
 def test_no_dataclass_repeats_a_spec_key() -> None:
     found = repeated_fields(package_dataclasses(), spec_keys())
-    mirrors = [line for name, lines in sorted(found.items()) if name not in MIRRORS_LEFT for line in lines]
+    mirrors = [line for _, lines in sorted(found.items()) for line in lines]
     assert not mirrors, ("these dataclasses copy spec keys; take the spec table (or a Protocol over it) and a "
                          "runtime context instead, or, for a field that means something else, add it to "
                          "OTHER_MEANING with what it means:\n" + "\n".join(mirrors))
 
 
-def test_the_allow_lists_hold_only_live_entries() -> None:
-    classes = package_dataclasses()
-    found, keys = repeated_fields(classes, spec_keys()), spec_keys()
-    gone = sorted(name for name in MIRRORS_LEFT if name not in found)
-    assert not gone, f"these no longer repeat a spec key: remove them from MIRRORS_LEFT: {gone}"
+def test_other_meaning_holds_only_live_entries() -> None:
+    classes, keys = package_dataclasses(), spec_keys()
     fields = {f"{cls.__name__}.{f.name}" for cls in classes for f in dataclasses.fields(cls)}
     stale = sorted(entry for entry in OTHER_MEANING if entry not in fields or entry.split(".")[1] not in keys)
     assert not stale, f"these fields no longer share a spec key's name: remove them from OTHER_MEANING: {stale}"
