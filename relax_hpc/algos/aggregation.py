@@ -105,3 +105,21 @@ def masked_token_mean(values: Tensor, mask: Tensor) -> float:
     """Return the token-level mean of ``values`` over ``mask`` as a Python float, for logging."""
     with torch.no_grad():
         return float(aggregate(values.detach(), mask, "token_mean").item())
+
+
+def masked_token_means(mask: Tensor, values: dict[str, Tensor]) -> dict[str, float]:
+    """``masked_token_mean`` of each ``[B, T]`` tensor of ``values`` over one ``mask``, in one pass
+    (stacked, masked and summed once: on a small micro-batch a step's statistics cost ops, not
+    elements)."""
+    with torch.no_grad():
+        for name, tensor in values.items():
+            if tensor.shape != mask.shape or tensor.dim() != 2:
+                raise ValueError(f"masked_token_means: {name} has shape {tuple(tensor.shape)} and mask has "
+                                 f"shape {tuple(mask.shape)}; both must be the same [B, T]")
+        dtype = torch.float32
+        for tensor in values.values():
+            dtype = torch.promote_types(dtype, tensor.dtype)
+        keep = mask.to(torch.bool)
+        stacked = torch.stack([tensor.detach().to(dtype) for tensor in values.values()])
+        sums = torch.where(keep, stacked, 0.0).sum(dim=(1, 2)) / keep.sum().clamp_min(1).to(dtype)
+        return dict(zip(values, sums.tolist()))

@@ -58,8 +58,11 @@ class _TokenLogprobEntropy(torch.autograd.Function):
             log_p = x - chunk_lse.unsqueeze(-1)
             lse[start:stop] = chunk_lse
             logp[start:stop] = log_p.gather(-1, targets[start:stop].unsqueeze(-1)).squeeze(-1)
-            # entr(p) = -p log p, 0 at p == 0: the -inf logits of masked tokens give no NaN.
-            entropy[start:stop] = torch.special.entr(torch.exp(log_p)).sum(dim=-1)
+            # -sum p log p, with log p clamped to the dtype's lowest finite value: where p == 0 (a
+            # -inf logit of a masked token) the product is 0, not 0 * -inf = NaN; where p > 0, log p
+            # is above about -104 (float32's exp underflows below) and the clamp changes nothing.
+            # (torch.special.entr does the same with a branch per element: 3x the time.)
+            entropy[start:stop] = -(torch.exp(log_p) * log_p.clamp(min=torch.finfo(dtype).min)).sum(dim=-1)
         ctx.save_for_backward(logits, targets, lse, entropy)
         ctx.temperature = temperature
         ctx.chunk_rows = chunk_rows

@@ -26,7 +26,7 @@ from typing import Final
 import torch
 from torch import Tensor
 
-from relax_hpc.algos.aggregation import LOSS_AGG_MODES, aggregate, loss_denominator, masked_token_mean
+from relax_hpc.algos.aggregation import LOSS_AGG_MODES, aggregate, loss_denominator, masked_token_means
 from relax_hpc.algos.gspo import gspo_loss
 from relax_hpc.algos.kl import KL_ESTIMATORS, kl_penalty
 from relax_hpc.algos.logprobs import token_logprobs_and_entropy
@@ -151,17 +151,16 @@ def policy_loss(
     mask = masked.mask
     per_token = terms.loss
     stats: dict[str, float] = {}
+    means: dict[str, Tensor] = {}  # token means over the mask, for the stats
     if cfg.tis_cap is not None:
         assert masked.rollout_logp is not None  # checked in _mask_inputs
         weight = tis_weight(masked.old_logp, masked.rollout_logp, cfg.tis_cap)
         per_token = per_token * weight
-        stats["tis/weight_mean"] = masked_token_mean(weight, mask)
-        stats["tis/capped_frac"] = masked_token_mean((weight >= cfg.tis_cap).float(), mask)
+        means = {"tis/weight_mean": weight, "tis/capped_frac": (weight >= cfg.tis_cap).float()}
     policy_term = aggregate(per_token, mask, cfg.loss_agg, denominator)
     total = policy_term
     stats["loss/policy"] = float(policy_term.detach().item())
-    stats["clip_frac"] = masked_token_mean(terms.clipped.float(), mask)
-    stats["ratio_mean"] = masked_token_mean(terms.ratio, mask)
+    stats.update(masked_token_means(mask, {**means, "clip_frac": terms.clipped.float(), "ratio_mean": terms.ratio}))
     if masked.ref_logp is not None:
         kl_per_token = kl_penalty(masked.logp, masked.ref_logp, cfg.kl_estimator)
         kl = aggregate(kl_per_token, mask, cfg.loss_agg, denominator)

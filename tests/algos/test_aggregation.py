@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from relax_hpc.algos.aggregation import aggregate, loss_denominator
+from relax_hpc.algos.aggregation import aggregate, loss_denominator, masked_token_mean, masked_token_means
 
 PER_TOKEN = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0], [9.0, 9.0, 9.0]])
 MASK = torch.tensor([[1, 1, 1], [1, 0, 0], [0, 0, 0]])
@@ -103,3 +103,19 @@ def test_micro_batches_with_the_step_denominator_add_up_to_the_whole_batch(
 def test_denominator_must_be_a_positive_count(bad: float) -> None:
     with pytest.raises(ValueError, match=r"denominator = .*finite count > 0"):
         aggregate(PER_TOKEN, MASK, "token_mean", denominator=bad)
+
+
+def test_masked_token_means_are_each_tensors_mean_over_the_mask_worked_by_hand() -> None:
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])  # three tokens
+    ratio = torch.tensor([[1.0, 2.0, 99.0], [3.0, -7.0, float("nan")]])  # outside the mask: ignored
+    clipped = torch.tensor([[True, False, True], [True, True, True]]).float()
+    means = masked_token_means(mask, {"ratio_mean": ratio, "clip_frac": clipped})
+    assert list(means) == ["ratio_mean", "clip_frac"]
+    assert means["ratio_mean"] == pytest.approx((1 + 2 + 3) / 3)
+    assert means["clip_frac"] == pytest.approx(2 / 3)
+    assert means == pytest.approx({"ratio_mean": masked_token_mean(ratio, mask),
+                                   "clip_frac": masked_token_mean(clipped, mask)})
+    # No token kept: 0, as masked_token_mean gives, not NaN.
+    assert masked_token_means(torch.zeros(2, 3), {"ratio_mean": ratio}) == {"ratio_mean": 0.0}
+    with pytest.raises(ValueError, match=r"ratio_mean has shape \(3,\).*\[B, T\]"):
+        masked_token_means(mask, {"ratio_mean": torch.ones(3)})
