@@ -33,7 +33,8 @@ LONGEST_FIRST = ("slurm", "tests/driver/test_omni_e2e.py", "tests/driver/test_tr
                  "tests/driver/test_algorithms_e2e.py", "tests/engines/test_sglang_media.py",
                  "tests/rewards/test_reward_workers.py", "tests/launch/test_faults_disk_full.py",
                  "tests/launch/test_rehearse_e2e.py", "tests/backends/test_megatron_critic.py",
-                 "tests/backends/test_fsdp2_multimodal.py", "tests/backends/test_sharded_load.py")
+                 "tests/backends/test_fsdp2_multimodal.py", "tests/backends/test_sharded_load.py",
+                 "tests/agents/test_tool_specs_learn.py")
 
 
 # Groups that mostly wait (ZMQ and HTTP timeouts, gloo rendezvous, nested pytest sessions): on

@@ -15,12 +15,24 @@ writes it about once in 50 tokens, as the calculator's one-letter call ("c"), so
 learns to call the tool; the proxy parses it as any Qwen3 tool call, and the template writes it
 back as the same single token.
 
+The weights are random but for one habit every chat model brings from its post-training: it ends
+its turn right after a tool call (Qwen3 writes `<|im_end|>` after `</tool_call>`). A random model
+would end it there once in 50 too, so a reply of two tokens would be call + end once in 2500,
+too rare for a short run to learn from, and a client that drops a reply cut at the token limit
+(the OpenAI Agents SDK raises on it) would never see the tool run. `end_turn_after_call` fits
+that one habit before the model is saved: a few steps of Adam on random contexts that raise
+P(end of turn | call) while a KL term keeps every other next-token distribution close to the
+random model's (seed 1, replies to the examples' prompts: P(end right after the call) 0.014
+-> 0.94; as the first token, P(call) 0.015 -> 0.018 and P(end) 0.023 -> 0.024).
+
     write_tool_model(Path("runs/models/tiny-qwen3-tools"), seed=1)
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+
+import torch
 
 from relax_hpc.models.tiny import (
     ALPHABET,
@@ -33,7 +45,7 @@ from relax_hpc.models.tiny import (
     save_model_dir,
 )
 
-__all__ = ["TOOL_CALL", "TOOL_NAME", "TOOL_TEMPLATE", "tool_tokenizer_json", "write_tool_model"]
+__all__ = ["TOOL_CALL", "TOOL_NAME", "TOOL_TEMPLATE", "end_turn_after_call", "tool_tokenizer_json", "write_tool_model"]
 
 TOOL_NAME = "lookup"
 TOOL_CALL = '<tool_call>\n{"name": "' + TOOL_NAME + '", "arguments": {}}\n</tool_call>'
@@ -71,7 +83,6 @@ def tool_tokenizer_json() -> str:
 def write_tool_model(out_dir: Path, seed: int = 0, size: TinyModelSize = TinyModelSize()) -> Path:
     """A randomly initialised tiny Qwen3 with the tool template at `out_dir` (write, then rename);
     refuses an existing directory, as write_tiny_model does."""
-    import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from relax_hpc.models.hf import quiet_transformers
@@ -87,5 +98,35 @@ def write_tool_model(out_dir: Path, seed: int = 0, size: TinyModelSize = TinyMod
         pad_token_id=ids[PAD_TOKEN], bos_token_id=ids[IM_START], eos_token_id=ids[IM_END],
     )
     torch.manual_seed(seed)
-    return save_model_dir(Qwen3ForCausalLM(config), out_dir, size.max_position_embeddings,
+    model = Qwen3ForCausalLM(config)
+    end_turn_after_call(model, call_id=config.vocab_size - 1, end_id=ids[IM_END], seed=seed)
+    return save_model_dir(model, out_dir, size.max_position_embeddings,
                           tokenizer_json=tool_tokenizer_json(), tokenizer_config_extra={"chat_template": TOOL_TEMPLATE})
+
+
+def end_turn_after_call(model: torch.nn.Module, call_id: int, end_id: int, seed: int, steps: int = 40,
+                        lr: float = 3e-3, keep_weight: float = 10.0) -> None:
+    """Teach a random `model` in place to end its turn (`end_id`) right after the call token
+    (`call_id`), and nothing else: the loss is -log P(end | call) at the calls of 64 random
+    contexts of 32 tokens (no padding; each ends with a call, others fall where they fall) plus
+    `keep_weight` x the KL divergence from the untouched model's next-token distribution at every
+    other position."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, call_id + 1, (64, 32), generator=g)  # every token but the pad
+    ids[:, -1] = call_id
+    after_call = ids == call_id
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # too small to split: on 2 busy cores, 2 threads took 17 s, one 2 s
+    try:
+        with torch.no_grad():
+            ref = model(ids).logits.log_softmax(-1)
+        opt = torch.optim.Adam(model.parameters(), lr=lr)
+        for _ in range(steps):
+            logp = model(ids).logits.log_softmax(-1)
+            end = -logp[after_call][:, end_id].mean()
+            keep = (ref.exp() * (ref - logp)).sum(-1)[~after_call].mean()
+            opt.zero_grad()
+            (end + keep_weight * keep).backward()
+            opt.step()
+    finally:
+        torch.set_num_threads(threads)

@@ -46,3 +46,19 @@ def test_a_model_that_is_there_is_left_alone(tmp_path: Path) -> None:
     written = {p.name: p.stat().st_mtime_ns for p in model_dir.iterdir()}
     ensure_model(_shipped("agent_tools_sdk", model_dir))  # write_tool_model would refuse an existing dir
     assert {p.name: p.stat().st_mtime_ns for p in model_dir.iterdir()} == written
+
+
+def test_the_tool_model_ends_its_turn_after_the_call_and_is_random_elsewhere(tmp_path: Path) -> None:
+    # seed 1 (relax_hpc/models/tiny_tools.py): P(end | call) 0.94, P(call first) 0.018, P(end first) 0.024
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model_dir = tmp_path / "model"
+    ensure_model(_shipped("agent_tools_sdk", model_dir))
+    tok, model = AutoTokenizer.from_pretrained(model_dir), AutoModelForCausalLM.from_pretrained(model_dir)
+    call, end = tok.encode(TOOL_CALL, add_special_tokens=False)[0], tok.eos_token_id
+    ids = tok.encode("<|im_start|>user:what is in box a?<|im_end|><|im_start|>assistant:", add_special_tokens=False)
+    with torch.no_grad():
+        probs = model(torch.tensor([ids + [call]])).logits[0].softmax(-1)
+    assert probs[-1, end] > 0.8  # a chat model's habit: the turn ends with the call
+    assert probs[-2, call] < 0.05 and probs[-2, end] < 0.05  # the first token: about 1 in 49 each
