@@ -25,9 +25,6 @@ from transformers import AutoTokenizer
 from relax_hpc.models.tiny import IM_END, IM_START
 from relax_hpc.ops.archive import TrajectoryRow, read_archive
 
-pytest.importorskip("agents")
-pytest.importorskip("langchain_openai")
-
 REPO = Path(__file__).resolve().parents[2]
 
 
