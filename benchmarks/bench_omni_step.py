@@ -217,7 +217,9 @@ def reset_peak(pid: int) -> None:
 
 
 class DirPeak:
-    """The largest total size of the files in a directory, sampled every few ms on a thread."""
+    """The most memory the files of a directory held, sampled every few ms on a thread: their
+    allocated blocks (a segment's size is rounded up to a power of two, and tmpfs holds only the
+    pages written)."""
 
     def __init__(self, path: str | None, every_s: float = 0.005) -> None:
         self.path, self.every_s, self.peak = path, every_s, 0
@@ -233,7 +235,7 @@ class DirPeak:
             for entry in entries:
                 with contextlib.suppress(FileNotFoundError):  # a segment freed while we look
                     if entry.is_file(follow_symlinks=False):
-                        total += entry.stat(follow_symlinks=False).st_size
+                        total += entry.stat(follow_symlinks=False).st_blocks * 512  # pages held, not st_size
         return total
 
     def _run(self) -> None:
