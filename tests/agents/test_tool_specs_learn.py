@@ -28,9 +28,16 @@ from relax_hpc.ops.archive import TrajectoryRow, read_archive
 REPO = Path(__file__).resolve().parents[2]
 
 
-def run_spec(name: str, tmp_path: Path) -> Path:
-    """`relax-hpc run jobspecs/NAME.toml` with its output and model under tmp_path; the job dir."""
-    job, model = tmp_path / name, tmp_path / "tiny-qwen3-tools"
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where the runs keep the tiny tool model: the first run writes it, the second reads it."""
+    return tmp_path_factory.mktemp("tool-model") / "tiny-qwen3-tools"
+
+
+def run_spec(name: str, tmp_path: Path, model: Path) -> Path:
+    """`relax-hpc run jobspecs/NAME.toml` with its output under tmp_path and its model at `model`;
+    the job dir."""
+    job = tmp_path / name
     cmd = [sys.executable, "-m", "relax_hpc.cli.main", "run", f"jobspecs/{name}.toml", "--no-progress",
            "--set", f"job.output_dir={job}", "--set", f"model.path={model}",
            "--set", "metrics.trajectory_archive=true", "--set", "metrics.tensorboard=false",
@@ -83,7 +90,7 @@ def check_learns(job: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["agent_tools_sdk", "agent_tools_langchain"])
-def test_the_tool_spec_learns_and_trains_only_on_the_model_tokens(name: str, tmp_path: Path) -> None:
-    job = run_spec(name, tmp_path)
+def test_the_tool_spec_learns_and_trains_only_on_the_model_tokens(name: str, tmp_path: Path, model_dir: Path) -> None:
+    job = run_spec(name, tmp_path, model_dir)
     check_learns(job)
-    check_loss_masks(job, tmp_path / "tiny-qwen3-tools")
+    check_loss_masks(job, model_dir)
