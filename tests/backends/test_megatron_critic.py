@@ -6,8 +6,9 @@ a torch critic takes them on, from the same weights (the tiny model and one non-
 save and load their checkpoint. Skips without that environment, as tests/side_env.py says
 (RELAX_TEST_MEGATRON=1 makes the environment's own test fail instead). About 20 s on 2 cores.
 Then PPO as a Megatron user runs it: `relax-hpc run` of jobspecs/tiny_megatron.toml with
-`advantage = "gae"` on Ray, the actor TP=2 and the critic data parallel over 2 ranks (its other
-layout; four ranks in all; about 50 s on 2 cores).
+`advantage = "gae"` on Ray, the actor one rank and the critic data parallel over 2 ranks (its other
+layout; three ranks in all; the actor's TP=2 under Ray is tests/backends/test_megatron_backend.py's
+learning run).
 """
 
 from __future__ import annotations
@@ -62,12 +63,15 @@ def test_a_megatron_critic_checkpoint_loads_exactly_its_weights_and_moments(laun
 
 def _megatron_ppo_spec(tmp_path: Path) -> Path:
     """jobspecs/tiny_megatron.toml with a critic: the actor's backend (unset: inherited), two
-    replicas of TP=1."""
+    replicas of TP=1; the actor one rank of TP=1."""
     text = (REPO / "jobspecs" / "tiny_megatron.toml").read_text()
     for old, new in (('name = "tiny_megatron"\n', f'name = "tiny_megatron"\noutput_dir = "{tmp_path / "job"}"\n'),
                      ('"runs/models/tiny-qwen3"', f'"{tmp_path / "model"}"'),
                      ("max_staleness = 0\n", 'max_staleness = 0\nadvantage = "gae"\n'),
-                     ("steps = 60\n", "steps = 2\n"), ("save_interval = 50\n", "save_interval = 2\n")):
+                     ("steps = 60\n", "steps = 2\n"), ("save_interval = 50\n", "save_interval = 2\n"),
+                     # One actor rank: the actor's TP=2 under Ray is test_megatron_backend.py's
+                     # learning run; a second actor rank here cost a Megatron start-up for nothing new.
+                     ("num_processes = 2 ", "num_processes = 1 "), ("tensor_parallel = 2\n", "tensor_parallel = 1\n")):
         assert old in text, old
         text = text.replace(old, new, 1)
     spec = tmp_path / "tiny_megatron_ppo.toml"
