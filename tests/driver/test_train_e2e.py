@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import IO
 
 import pytest
 import torch
@@ -52,31 +55,84 @@ def test_reward_rises_and_every_parameter_changes(tiny_model_dir: Path, tmp_path
     assert list((tmp_path / "job" / "tensorboard").glob("events.out.tfevents.*"))
 
 
+# Heartbeats every 0.5 s, so that a watch of a few seconds of steps sees every role beating.
+HEARTBEATS = "[health]\nheartbeat_s = 0.5\nstale_s = 5\n"
+
+
 def _two_sharded_trainer_processes(spec_text: str) -> str:
     return spec_text.replace("micro_batch_size = 256", 'micro_batch_size = 64\nnum_processes = 2\nstrategy = "fsdp2"')
 
 
+def _blocks(stream: IO[str]) -> Iterator[str]:
+    """Each refresh of `status --watch` into a pipe (a time line, then the status) as one string."""
+    block: list[str] = []
+    for line in iter(stream.readline, ""):
+        if line.startswith("---- ") and block:
+            yield "".join(block)
+            block = []
+        block.append(line)
+
+
+def _shows_live_run(block: str) -> bool:
+    """A refresh showing the run running, at a step, with a fresh heartbeat (pid, host and age) of
+    the driver, the rollout and a trainer rank."""
+    step = re.search(r"(?m)^  step +(\d+)/\d+\b", block)
+    beating = set(re.findall(r"(?m)^    (\S+) +running +pid \d+ +\S+ +beat ", block))
+    return ("state      running" in block and step is not None and int(step.group(1)) >= 1
+            and {"driver", "rollout", "trainer_rank_0"} <= beating)
+
+
+def _stop(proc: subprocess.Popen[str] | None) -> None:
+    if proc is None or proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.communicate(timeout=60)  # drained, it can flush and exit
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+
+
 def test_two_trainer_processes_checkpoint_on_sigterm_and_the_same_command_resumes(
         tiny_model_dir: Path, tmp_path: Path) -> None:
-    # One run for three behaviours (each needed a Ray start of its own before): a signal makes the
+    # One run for four behaviours (each needed a Ray start of its own before): a signal makes the
     # driver checkpoint and stop, and the same command resumes; two trainer processes train as
-    # FSDP2 ranks over gloo and save each checkpoint collectively, sharded; and the resumed run
+    # FSDP2 ranks over gloo and save each checkpoint collectively, sharded; the resumed run
     # gathers the restored shards and pushes them to the engine before it trains on
-    # (tests/driver/test_sglang_e2e.py's FSDP2 learning run has no second run for it). A single trainer's
-    # resume is the Slurm requeue tests' and the fault suite's, two data-parallel (DDP) ranks'
-    # the fault suite's kill-trainer-rank run (docs/testing.md).
+    # (tests/driver/test_sglang_e2e.py's FSDP2 learning run has no second run for it); and
+    # `relax-hpc status --watch` follows the first run live, `relax-hpc status` shows the resumed
+    # one finished. A single trainer's resume is the Slurm requeue tests' and the fault suite's,
+    # two data-parallel (DDP) ranks' the fault suite's kill-trainer-rank run (docs/testing.md).
     job = tmp_path / "job"
     spec_path = tmp_path / "spec.toml"
     spec_path.write_text(_two_sharded_trainer_processes(
-        tiny_spec_text(tiny_model_dir, job, steps=400, save_interval=1000)))
-    cmd = [sys.executable, "-m", "relax_hpc.cli.main", "run", str(spec_path), "--no-progress"]
+        tiny_spec_text(tiny_model_dir, job, steps=400, save_interval=1000, extra=HEARTBEATS)))
+    cli = [sys.executable, "-m", "relax_hpc.cli.main"]
+    cmd = [*cli, "run", str(spec_path), "--no-progress"]
     proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     metrics = job / "metrics.jsonl"
-    deadline = time.time() + 240
-    while time.time() < deadline and len(read_metrics(metrics)) < 3:
-        assert proc.poll() is None, proc.communicate()[1]
-        time.sleep(0.5)
+    deadline = time.time() + 240  # only against a hang: nothing below asserts how long anything took
+    watcher: subprocess.Popen[str] | None = None
+    live: str | None = None
+    last = ""
+    try:
+        while not job.is_dir():
+            assert proc.poll() is None, proc.communicate()[1]
+            assert time.time() < deadline, "the run made no job directory"
+            time.sleep(0.2)
+        watcher = subprocess.Popen([*cli, "status", str(job), "--watch", "--every", "0.2"], cwd=REPO,
+                                   env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert watcher.stdout is not None
+        for last in _blocks(watcher.stdout):
+            live = live or (last if _shows_live_run(last) else None)
+            if (live and len(read_metrics(metrics)) >= 3) or time.time() > deadline:
+                break
+            assert proc.poll() is None, proc.communicate()[1]
+    finally:
+        _stop(watcher)
+    assert watcher.returncode == 0  # Ctrl-C ends a watch normally
+    assert live is not None, f"no refresh showed a running step with beating roles; the last:\n{last}"
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
@@ -87,7 +143,7 @@ def test_two_trainer_processes_checkpoint_on_sigterm_and_the_same_command_resume
     assert (job / "checkpoints" / f"step_{stopped_at}").is_dir()
 
     spec_path.write_text(_two_sharded_trainer_processes(
-        tiny_spec_text(tiny_model_dir, job, steps=stopped_at + 2, save_interval=1000)))
+        tiny_spec_text(tiny_model_dir, job, steps=stopped_at + 2, save_interval=1000, extra=HEARTBEATS)))
     again = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stderr
     assert f"finished step {stopped_at + 2} (from {stopped_at})" in again.stdout
@@ -105,6 +161,15 @@ def test_two_trainer_processes_checkpoint_on_sigterm_and_the_same_command_resume
     for step in (stopped_at, stopped_at + 2):
         resume = read_resume_file(job / "checkpoints" / f"step_{step}")
         assert resume.world_size == 2 and resume.state.step == step
+
+    final = subprocess.run([*cli, "status", str(job)], cwd=REPO, env=_env(), capture_output=True, text=True,
+                           timeout=120)
+    assert final.returncode == 0, final.stderr
+    assert "state      finished" in final.stdout, final.stdout
+    assert f"checkpoint step_{stopped_at + 2} ({job / 'checkpoints' / f'step_{stopped_at + 2}'})" in final.stdout
+    # After the end nothing beats: no role is called stale, every one has ended.
+    assert not re.search(r"(?m)^    \S+ +stale ", final.stdout), final.stdout
+    assert re.search(r"(?m)^    rollout +ended ", final.stdout), final.stdout
 
 
 def test_async_mode_with_staleness_zero_matches_colocate(tiny_model_dir: Path, tmp_path: Path) -> None:
