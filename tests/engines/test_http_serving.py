@@ -195,6 +195,34 @@ def test_the_rest_api_answers_a_bad_content_length_with_its_own_400() -> None:
     assert "at most 1048576 are accepted" in json.loads(reply.split(b"\r\n\r\n", 1)[1])["error"]
 
 
+def test_a_refusal_before_the_body_is_read_says_connection_close() -> None:
+    """The REST API and the agent proxy answered 401 from the headers and closed the connection
+    without saying so: a keep-alive client sent its next request down it and got no reply at all
+    ("Server disconnected without sending a response"), once in a while under load."""
+    body = json.dumps({"count": 1})
+
+    def post(port: int, token: str) -> http.client.HTTPResponse:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=WAIT_S)
+        conn.request("POST", "/rollout/scale_out", body=body,
+                     headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"})
+        reply = conn.getresponse()
+        reply.read()
+        conn.close()
+        return reply
+
+    with RestServer(make_rest_app(_Control(), TOKEN), host="127.0.0.1") as server:
+        refused = post(server.port, "wrong")
+        assert refused.status == 401 and refused.getheader("Connection") == "close"
+        served = post(server.port, TOKEN)  # the body read whole: the connection may stay
+        assert served.status == 200 and served.getheader("Connection") is None
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=WAIT_S)
+        conn.request("GET", "/health", headers={"Authorization": "Bearer wrong"})  # no body to leave unread
+        reply = conn.getresponse()
+        reply.read()
+        conn.close()
+        assert reply.status == 401 and reply.getheader("Connection") is None
+
+
 def test_an_integer_too_long_to_read_gets_400_from_the_engine_server(engine: ScriptedEngine) -> None:
     """Issue #33 item 12: the handler raised, dropped the connection and logged a traceback."""
     with EngineServer(engine, token=TOKEN) as server:

@@ -13,9 +13,10 @@ h11 protocol with these limits (`ServingLimits`):
   (`trusts`): a new connection past it closes that peer's oldest such connection, so one
   peer's idle sockets cannot fill the server, and a new connection always gets its chance;
 - **a total cap**: past it, a 503 with `Retry-After` from the protocol, before anything is read;
-- **lingering close**: a reply sent before its request's body was read (401, 413) half-closes
-  the connection and reads and drops the rest, up to LINGER_BYTES within the deadline, so the
-  client reads the refusal instead of a reset;
+- **lingering close**: a reply sent before its request's body was read (401, 413) says
+  `Connection: close` (`CloseWhenBodyUnread`, so a keep-alive client does not reuse it),
+  half-closes the connection and reads and drops the rest, up to LINGER_BYTES within the
+  deadline, so the client reads the refusal instead of a reset;
 - a `Content-Length` that is not a byte count reaches the app as `x-invalid-content-length`
   (h11 would answer it with a plain-text 400), so the app's own message explains it.
 
@@ -48,6 +49,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from relax_hpc.auth import bearer_matches
 
 __all__ = [
+    "CloseWhenBodyUnread",
     "INVALID_LENGTH_HEADER",
     "LINGER_BYTES",
     "ServingLimits",
@@ -302,10 +304,48 @@ def limited_protocol(limits: ServingLimits, trusts: Callable[[str | None], bool]
     return type("ServerProtocol", (LimitedH11Protocol,), attributes)
 
 
+class CloseWhenBodyUnread:
+    """ASGI wrapper: a reply that starts before its request's body has been read whole (a 401
+    from the headers alone, a 413 from the Content-Length) says `Connection: close`.
+
+    The protocol closes such a connection after the reply (the lingering close above); without
+    the header a keep-alive client puts it back in its pool and may send its next request down
+    it before the close arrives, and gets no reply at all ("Server disconnected without sending
+    a response") instead of the refusal."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        names = {name.lower() for name, _ in scope["headers"]}
+        lengths = [value for name, value in scope["headers"] if name.lower() == b"content-length"]
+        read_whole = b"transfer-encoding" not in names and all(v.strip() == b"0" for v in lengths)
+
+        async def tracked_receive() -> Any:
+            nonlocal read_whole
+            message = await receive()
+            if message["type"] == "http.request" and not message.get("more_body", False):
+                read_whole = True
+            return message
+
+        async def guarded_send(message: Any) -> None:
+            if message["type"] == "http.response.start" and not read_whole:
+                headers = list(message.get("headers", []))
+                if not any(name.lower() == b"connection" for name, _ in headers):
+                    message = {**message, "headers": [*headers, (b"connection", b"close")]}
+            await send(message)
+
+        await self.app(scope, tracked_receive, guarded_send)
+
+
 def uvicorn_config(app: Any, limits: ServingLimits, *, trusts: Callable[[str | None], bool] | None,
                    busy_body: Any = None, shutdown_timeout_s: float = 5.0) -> uvicorn.Config:
     """uvicorn's Config for `app` under `limits` (the caller binds the socket)."""
-    return uvicorn.Config(app, http=limited_protocol(limits, trusts, busy_body), log_level="warning",
+    return uvicorn.Config(CloseWhenBodyUnread(app), http=limited_protocol(limits, trusts, busy_body),
+                          log_level="warning",
                           lifespan="off", access_log=False, ws="none",
                           timeout_keep_alive=max(1, math.ceil(limits.request_timeout_s)),
                           timeout_graceful_shutdown=max(1, round(shutdown_timeout_s)))
