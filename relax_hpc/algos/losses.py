@@ -162,7 +162,9 @@ def policy_loss(
     stats["loss/policy"] = float(policy_term.detach().item())
     stats.update(masked_token_means(mask, {**means, "clip_frac": terms.clipped.float(), "ratio_mean": terms.ratio}))
     if masked.ref_logp is not None:
-        kl_per_token = kl_penalty(masked.logp, masked.ref_logp, cfg.kl_estimator)
+        # Without kl_coef the KL is a statistic only: no graph for it.
+        logp = masked.logp if cfg.kl_coef > 0.0 else masked.logp.detach()
+        kl_per_token = kl_penalty(logp, masked.ref_logp, cfg.kl_estimator)
         kl = aggregate(kl_per_token, mask, cfg.loss_agg, denominator)
         stats["loss/kl"] = float(kl.detach().item())
         if cfg.kl_coef > 0.0:
@@ -230,5 +232,7 @@ def _mask_inputs(cfg: LossSettings, inputs: LossInputs) -> LossInputs:
         mask=keep,
         ref_logp=clean(inputs.ref_logp),
         rollout_logp=clean(inputs.rollout_logp),
-        entropy=clean(inputs.entropy),
+        # Without a bonus the entropy is a statistic only: no graph for it.
+        entropy=clean(None if inputs.entropy is None else
+                      inputs.entropy if cfg.entropy_coef > 0.0 else inputs.entropy.detach()),
     )

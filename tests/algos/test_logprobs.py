@@ -34,19 +34,25 @@ def test_temperature_divides_logits() -> None:
     torch.testing.assert_close(entropy, torch.tensor([[0.562335]]), atol=1e-6, rtol=0)
 
 
-@pytest.mark.parametrize("chunk_rows", [1, 3, None])
-def test_values_and_gradients_match_plain_autograd(chunk_rows: int | None) -> None:
+@pytest.mark.parametrize("sliced", [False, True], ids=["whole", "shifted slice"])
+@pytest.mark.parametrize("chunk_rows", [1, 3, 100, None], ids=["rows", "chunks", "one chunk", "plain ops"])
+def test_values_and_gradients_match_plain_autograd(chunk_rows: int | None, sliced: bool) -> None:
+    # A shifted slice (`logits[:, :-1]`, as the trainer passes) is not contiguous: one chunk takes
+    # it as it is, several walk its rows. Without chunk_rows, so few elements go through plain ops.
     gen = torch.Generator().manual_seed(0)
-    logits = torch.randn(2, 5, 11, generator=gen) * 3.0
+    logits = torch.randn(2, 6 if sliced else 5, 11, generator=gen) * 3.0
     targets = torch.randint(0, 11, (2, 5), generator=gen)
     w_lp, w_ent = torch.randn(2, 5, generator=gen), torch.randn(2, 5, generator=gen)
 
+    def rows(x: torch.Tensor) -> torch.Tensor:
+        return x[:, :-1] if sliced else x
+
     mine = logits.clone().requires_grad_(True)
-    logp, entropy = token_logprobs_and_entropy(mine, targets, temperature=0.7, chunk_rows=chunk_rows)
+    logp, entropy = token_logprobs_and_entropy(rows(mine), targets, temperature=0.7, chunk_rows=chunk_rows)
     ((logp * w_lp).sum() + (entropy * w_ent).sum()).backward()
 
     theirs = logits.clone().requires_grad_(True)
-    ref_logp, ref_entropy = reference(theirs, targets, 0.7)
+    ref_logp, ref_entropy = reference(rows(theirs), targets, 0.7)
     ((ref_logp * w_lp).sum() + (ref_entropy * w_ent).sum()).backward()
 
     torch.testing.assert_close(logp, ref_logp)
@@ -55,11 +61,12 @@ def test_values_and_gradients_match_plain_autograd(chunk_rows: int | None) -> No
     torch.testing.assert_close(mine.grad, theirs.grad)
 
 
-def test_gradcheck_in_float64() -> None:
+@pytest.mark.parametrize("chunk_rows", [2, 100, None], ids=["two chunks", "one chunk", "plain ops"])
+def test_gradcheck_in_float64(chunk_rows: int | None) -> None:
     gen = torch.Generator().manual_seed(1)
     logits = torch.randn(1, 3, 4, generator=gen, dtype=torch.float64, requires_grad=True)
     targets = torch.tensor([[0, 3, 1]])
-    assert torch.autograd.gradcheck(lambda x: token_logprobs_and_entropy(x, targets, 1.3, 2), (logits,))
+    assert torch.autograd.gradcheck(lambda x: token_logprobs_and_entropy(x, targets, 1.3, chunk_rows), (logits,))
 
 
 def test_bfloat16_logits_are_computed_in_float32() -> None:
@@ -75,13 +82,14 @@ def test_bfloat16_logits_are_computed_in_float32() -> None:
     assert logits.grad is not None and logits.grad.dtype == torch.bfloat16
 
 
-def test_minus_inf_logits_give_no_nan() -> None:
+@pytest.mark.parametrize("chunk_rows", [1, None], ids=["chunks", "plain ops"])
+def test_minus_inf_logits_give_no_nan(chunk_rows: int | None) -> None:
     logits = torch.tensor([[[0.0, 0.0, -math.inf]]], requires_grad=True)
-    logp, entropy = token_logprobs_and_entropy(logits, torch.tensor([[0]]))
+    logp, entropy = token_logprobs_and_entropy(logits, torch.tensor([[0]]), chunk_rows=chunk_rows)
     # p = (0.5, 0.5, 0): logp = ln 0.5 = -0.693147, entropy = ln 2 = 0.693147
     torch.testing.assert_close(logp, torch.tensor([[-0.693147]]), atol=1e-6, rtol=0)
     torch.testing.assert_close(entropy, torch.tensor([[0.693147]]), atol=1e-6, rtol=0)
-    (logp + entropy).sum().backward()
+    (logp + 1e6 * entropy).sum().backward()  # a large weight on the entropy: still no NaN
     # d logp/dx = onehot - p = (0.5, -0.5, 0); d H/dx_j = -p_j (ln p_j + H) = (0, 0, 0)
     assert logits.grad is not None
     torch.testing.assert_close(logits.grad, torch.tensor([[[0.5, -0.5, 0.0]]]))
