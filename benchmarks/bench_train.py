@@ -8,8 +8,9 @@ Both sides start from the same freshly built model (the tiny Qwen3, or a wider/d
 and train on the same batch of `--batch` tiny-task prompts with random responses of 1 to
 `--response-len` tokens and advantages of either sign. The framework side is
 `TorchBackend.train(samples)` with the GRPO loss and `loss_agg = "token_mean"`; the bare side
-is a plain torch loop over the same micro-batches: forward, log-softmax and gather of the
-response tokens, advantage-weighted, masked mean over the step's tokens, backward, clip, step.
+is a plain torch loop over the same micro-batches (each padded to its own longest row, as the
+framework packs them): forward, log-softmax and gather of the response tokens,
+advantage-weighted, masked mean over the step's tokens, backward, clip, step.
 (On policy the PPO ratio is 1, so the two losses have the same gradient.) The bare side gets
 its tensors packed before the clock starts; the framework packs its `Sample`s inside the step.
 The first step of each, from the same weights, must give the same gradients, or the run stops.
@@ -88,17 +89,22 @@ class BareLoop:
             ids[i, : len(seq)] = torch.tensor(seq)
             attention[i, : len(seq)] = 1
             mask[i, p - 1 : len(seq) - 1] = 1.0  # column t predicts token t + 1
-        self.ids, self.attention, self.mask = ids.to(device), attention.to(device), mask.to(device)
-        self.advantages = torch.tensor([s.advantage for s in samples], device=device)
+        advantages = torch.tensor([s.advantage for s in samples])
+        self.tokens = mask.sum().to(device)
+        # Each micro-batch as long as its longest row, as the framework packs them.
+        self.micro_batches = []
+        for i in range(0, len(samples), micro_batch):
+            j = i + micro_batch
+            used = int(attention[i:j].sum(dim=1).max())
+            self.micro_batches.append(tuple(t.to(device) for t in (
+                ids[i:j, :used], attention[i:j, :used], mask[i:j, : used - 1], advantages[i:j, None])))
 
     def step(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
-        tokens = self.mask.sum()
-        for i in range(0, len(self.ids), self.micro_batch):
-            j = i + self.micro_batch
-            logits = self.model(input_ids=self.ids[i:j], attention_mask=self.attention[i:j]).logits[:, :-1]
-            logp = torch.log_softmax(logits.float(), -1).gather(-1, self.ids[i:j, 1:, None]).squeeze(-1)
-            loss = -(self.advantages[i:j, None] * logp * self.mask[i:j]).sum() / tokens
+        for ids, attention, mask, advantages in self.micro_batches:
+            logits = self.model(input_ids=ids, attention_mask=attention).logits[:, :-1]
+            logp = torch.log_softmax(logits.float(), -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+            loss = -(advantages * logp * mask).sum() / self.tokens
             loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), GRAD_CLIP)
         self.optimizer.step()

@@ -56,6 +56,22 @@ class TrainBatch:
     def to(self, device: torch.device) -> "TrainBatch":
         return self._map(lambda t: t.to(device), self.media)
 
+    def trimmed(self) -> "TrainBatch":
+        """The batch without the padding columns that no row reaches (its rows right-padded to
+        a longer batch's length, as a micro-batch sliced from a whole step's batch is): the
+        same losses and gradients, for fewer positions. At least two columns stay (one target)."""
+        length = self.input_ids.size(1)
+        used = max(2, int(self.attention_mask.sum(dim=1).max())) if len(self) else length
+        if used >= length:
+            return self
+
+        def cut(t: torch.Tensor) -> torch.Tensor:
+            if t.dim() < 2:
+                return t  # per-sequence (advantages)
+            return t[:, :used] if t.size(1) == length else t[:, : used - 1]
+
+        return self._map(cut, self.media)
+
 
 def pack_samples(samples: list[Sample], pad_id: int) -> TrainBatch:
     if not samples:

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator, TypeVar
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from relax_hpc.algos import (
     LossInputs,
@@ -221,7 +222,8 @@ class TorchBackend:
             if i is None or batch is None:
                 self._empty_pass(backward=False, model=model)
             else:
-                parts.append(self._logprobs(model, batch.slice(i, i + step))[0])
+                logp = self._logprobs(model, batch.slice(i, i + step).trimmed())[0]
+                parts.append(F.pad(logp, (0, batch.targets.size(1) - logp.size(1))))  # the batch's width
         return torch.cat(parts) if parts else None
 
     def _optimizer_step(
@@ -246,9 +248,10 @@ class TorchBackend:
                 self._empty_pass(backward=True)
                 continue
             j = min(i + step, stop)
-            micro = batch.slice(i, j)
-            micro_ref = None if ref_logp is None else ref_logp[i:j]
-            micro_old = None if old_logp is None else old_logp[i:j]
+            micro = batch.slice(i, j).trimmed()  # no positions past its own longest row
+            width = micro.targets.size(1)
+            micro_ref = None if ref_logp is None else ref_logp[i:j, :width]
+            micro_old = None if old_logp is None else old_logp[i:j, :width]
             stats.add(self._backward_micro(micro, micro_old, micro_ref, denominator), micro.loss_mask)
         self._all_reduce_grads()
         reduced = stats.reduce(self._sum_over_ranks, names=self._names_over_ranks(stats.sums))

@@ -59,6 +59,25 @@ def test_slice_and_empty() -> None:
         pack_samples([], PAD)
 
 
+def test_a_slice_trimmed_drops_the_columns_no_row_reaches() -> None:
+    samples = _samples()
+    for s in samples:
+        s.old_log_probs = [-0.5] * len(s.response_ids)
+    batch = pack_samples(samples, PAD)
+    assert batch.trimmed() is batch  # row a fills all 5 columns
+    part = batch.slice(1, 2).trimmed()  # b: length 4 of the batch's 5
+    assert part.input_ids.tolist() == [[5, 8, 9, 10]] and part.attention_mask.tolist() == [[1, 1, 1, 1]]
+    assert part.targets.tolist() == [[8, 9, 10]] and part.loss_mask.tolist() == [[1, 1, 1]]
+    torch.testing.assert_close(part.rollout_log_probs, torch.tensor([[-1.0, -2.0, -3.0]]))
+    assert part.old_log_probs is not None and part.old_log_probs.tolist() == [[-0.5, -0.5, -0.5]]
+    assert part.advantages.tolist() == [-0.5]  # per sequence: untouched
+    # Per-token advantages (GAE) are cut with the other per-token fields; one column always stays.
+    short = pack_samples([Sample([5], [], [], 0, group_id=0, prompt_index=0), samples[0]], PAD)
+    short.advantages = torch.arange(8.0).reshape(2, 4)
+    one = short.slice(0, 1).trimmed()
+    assert one.input_ids.tolist() == [[5, PAD]] and one.advantages.tolist() == [[0.0]]
+
+
 def test_a_per_token_field_of_the_wrong_length_is_refused_naming_the_sample() -> None:
     # A value too many for sample 0 would shift into sample 1's columns were it not checked.
     a, b = _samples()
