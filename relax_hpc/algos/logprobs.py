@@ -33,8 +33,9 @@ _CHUNK_ELEMENTS: Final[int] = 1 << 25
 # autograd ops serve: it keeps three such buffers for backward, and on small vocabularies (the
 # tiny model's 48 tokens) a custom function's own overhead is most of the time.
 _PLAIN_ELEMENTS: Final[int] = 1 << 22
-# Below every log p of a p > 0 (float64's exp underflows below about -745); also small enough
-# that its gradient, times any gradient of the entropy, times p == 0 stays 0, not NaN.
+# Below every log p of a p > 0 (float64's exp underflows below about -745), yet small enough in
+# magnitude that the entropy's gradient through it stays finite, so times p == 0 it is 0, not NaN
+# (with the dtype's lowest value an entropy weight above 1 overflowed).
 _LOG_P_FLOOR: Final[float] = -1e4
 
 

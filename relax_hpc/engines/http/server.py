@@ -461,17 +461,16 @@ def _with_headers(response: Response, headers: dict[str, str]) -> Response:
     return response
 
 
-def _reply(status: int, payload: Any, close: bool = False) -> JSONResponse:
-    # Connection: close after a refusal whose body was not read: the serving protocol then reads
-    # and drops the rest before it closes, so the client reads this reply (http/serving.py).
-    response = JSONResponse(payload, status_code=status)
-    return _with_headers(response, {"Connection": "close"}) if close else response
+def _reply(status: int, payload: Any) -> JSONResponse:
+    # A refusal sent before its request's body was read says Connection: close by the serving
+    # layer (http/serving.py, CloseWhenBodyUnread), which then reads and drops the rest.
+    return JSONResponse(payload, status_code=status)
 
 
-def _error(status: int, message: str, *, sglang_failure: bool = False, close: bool = False) -> JSONResponse:
+def _error(status: int, message: str, *, sglang_failure: bool = False) -> JSONResponse:
     # SGLang answers a failed weight update with {"success": false, "message": ...}.
     failure = {"success": False, "message": message} if sglang_failure else {}
-    return _reply(status, {**failure, "error": {"message": message, "code": status}}, close)
+    return _reply(status, {**failure, "error": {"message": message, "code": status}})
 
 
 class _RequireEngineToken:
@@ -483,7 +482,7 @@ class _RequireEngineToken:
         self.app, self.token = app, token
         body = json.dumps({"error": {"message": message, "code": HTTPStatus.UNAUTHORIZED}}).encode("utf-8")
         self.refusal = _with_headers(Response(body, status_code=HTTPStatus.UNAUTHORIZED, media_type="application/json"),
-                                     {"WWW-Authenticate": "Bearer", "Connection": "close"})
+                                     {"WWW-Authenticate": "Bearer"})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -546,8 +545,8 @@ def _engine_app(server: EngineServer) -> FastAPI:
         update = path == "/update_weights_from_disk"
         try:
             body = await _read_json(request, server.limits)
-        except RequestError as e:  # the unread rest of the body would poison the connection
-            return _error(e.status, str(e), close=True)
+        except RequestError as e:  # an unread rest of the body: the serving layer closes after this
+            return _error(e.status, str(e))
         try:
             return _reply(HTTPStatus.OK, await server.answer(path, body))
         except RequestError as e:

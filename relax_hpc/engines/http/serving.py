@@ -335,7 +335,7 @@ class CloseWhenBodyUnread:
             if message["type"] == "http.response.start" and not read_whole:
                 headers = list(message.get("headers", []))
                 if not any(name.lower() == b"connection" for name, _ in headers):
-                    message = {**message, "headers": [*headers, (b"connection", b"close")]}
+                    message = {**message, "headers": [*headers, (b"Connection", b"close")]}
             await send(message)
 
         await self.app(scope, tracked_receive, guarded_send)
