@@ -8,7 +8,7 @@ weight-update group (sglang/weights.py), and it keeps the newest weights it was 
 - a server that dies is restarted (up to `max_restarts` times), its update group formed anew
   and the newest weights pushed before it serves again; the call that found it dead is then
   redone on it, so a prompt it had in flight is answered exactly once (the dead server answered
-  nothing). Past `max_restarts` the call raises `EngineGone` and the router hands that work to
+  nothing). Calls in flight side by side when it dies share that one restart. Past `max_restarts` the call raises `EngineGone` and the router hands that work to
   the engines left;
 - `close()` stops the server by PID (and a watcher stops it if this process dies first).
 
@@ -26,6 +26,7 @@ import concurrent.futures
 import json
 import logging
 import subprocess
+import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -110,6 +111,9 @@ class ManagedSGLangEngine:
         self._latest_version = 0
         self._version = 0  # what the server runs
         self._released = False  # the server gave its device memory back (release_memory)
+        # Calls run side by side (the router sends an engine several chunks at once): when the
+        # server dies each of them fails, and only the first may restart it.
+        self._restart_lock = threading.Lock()
 
     @property
     def name(self) -> str:
@@ -221,17 +225,21 @@ class ManagedSGLangEngine:
     def _survive(self, call: Callable[[], T], redo: bool) -> T | None:
         """Run `call`; when the server turns out dead, restart it and (`redo`) run `call` again."""
         while True:
+            incarnation = self.restarts  # the server this call is about to reach
             try:
                 return call()
             except EngineGone:
                 raise
             except Exception as error:  # noqa: BLE001 - sorted by whether the server lives
-                self._restart_if_dead(error)
+                with self._restart_lock:
+                    if self.restarts == incarnation:  # else a call beside this one restarted it already
+                        self._restart_if_dead(error)
                 if not redo:
                     return None
 
     def _restart_if_dead(self, error: Exception) -> None:
-        """Re-raise `error` when the server lives; else restart it or, past max_restarts, EngineGone."""
+        """Re-raise `error` when the server lives; else restart it or, past max_restarts, EngineGone.
+        Called under `_restart_lock`, only by a call that reached the server now running."""
         if self._client is None:  # closed: nothing to restart
             raise error
         process = self.server.process
