@@ -303,7 +303,8 @@ def test_an_intruder_that_overwrites_a_gloo_address_is_refused_not_followed(rout
     store0 = agreeing0()
     # Rank 0 publishes its gloo address and waits for rank 1's; the intruder lists the keys, finds
     # rank 0's and puts its own address there before rank 1 reads it.
-    making0 = _on_thread(lambda: TorchBroadcastGroup(store0, 0, 2, "gloo", 3.0, bind_host=route_address))
+    # Rank 0's timeout is short: when it waits for rank 1 it waits it out (gloo: five times over).
+    making0 = _on_thread(lambda: TorchBroadcastGroup(store0, 0, 2, "gloo", 1.0, bind_host=route_address))
     key = _listed(intruder, lambda k: "/pg/" in k and k.endswith("/0"))
     intruder.set(key, socket.inet_aton(route_address) + b"\x00" * 64)
     with pytest.raises(ForeignValueError, match=REFUSED):
