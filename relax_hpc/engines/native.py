@@ -24,7 +24,7 @@ from relax_hpc.engines.routed_experts import RoutingRecorder, assemble_routes, e
 from relax_hpc.engines.sampling import sample_next
 from relax_hpc.media.items import PromptMedia
 from relax_hpc.media.processor import media_processor_for
-from relax_hpc.models.hf import load_policy_model, load_tokenizer
+from relax_hpc.models.hf import cache_argument, load_policy_model, load_tokenizer
 from relax_hpc.weights.flat import FlatWeights, bind_module, copy_into_module
 
 
@@ -226,11 +226,10 @@ class NativeEngine:
         if lean is not None:
             logits = lean.prefill(input_ids, attention, positions, params.max_new_tokens)
         else:
-            kwargs = {"position_ids": positions, **extra}
-            out = self.model(
-                input_ids=input_ids, attention_mask=attention, past_key_values=DynamicCache(), use_cache=True,
-                **kwargs,
-            )
+            cache_name = cache_argument(self.model)
+            kwargs = {"position_ids": positions, cache_name: DynamicCache(), **extra}
+            out = self.model(input_ids=input_ids, attention_mask=attention, use_cache=True, **kwargs)
+            cache = getattr(out, cache_name)
             logits = out.logits[:, -1, :]
         if recorder is not None:
             routes.append(recorder.take(len(firsts), width))
@@ -241,7 +240,7 @@ class NativeEngine:
             if lean is not None:
                 lean.select_rows(index)
             else:
-                out.past_key_values.reorder_cache(index)
+                cache.reorder_cache(index)
             if recorder is not None:
                 routes[-1] = routes[-1].index_select(0, index.cpu())
         markup = self.media_processor.mask_markup if self.media_processor is not None else None
@@ -269,10 +268,9 @@ class NativeEngine:
                 logits = lean.step(new, next_pos)
             else:
                 attention = torch.cat([attention, torch.ones((batch, 1), dtype=torch.long, device=self.device)], 1)
-                out = self.model(
-                    input_ids=new.unsqueeze(-1), attention_mask=attention, position_ids=next_pos,
-                    past_key_values=out.past_key_values, use_cache=True,
-                )
+                out = self.model(input_ids=new.unsqueeze(-1), attention_mask=attention, position_ids=next_pos,
+                                 use_cache=True, **{cache_name: cache})
+                cache = getattr(out, cache_name)
                 logits = out.logits[:, -1, :]
             if markup is not None:
                 logits = markup(logits)

@@ -49,6 +49,15 @@ def quiet_transformers() -> None:
     hf_logging.set_verbosity_error()
 
 
+def cache_argument(model: torch.nn.Module) -> str:
+    """The name `model`'s forward takes its KV cache under, and its output returns it as:
+    transformers 5 renamed `past_key_values` to `cache` (the old name warns, and goes in 5.40);
+    the 4.x of the Megatron environment knows only `past_key_values`."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
+
+
 def _require_model_dir(path: Path) -> None:
     if not (path / "config.json").is_file():
         raise FileNotFoundError(
