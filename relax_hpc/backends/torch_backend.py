@@ -138,7 +138,8 @@ class TorchBackend:
     def _logprobs(self, model: torch.nn.Module, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
         extra = self._media_kwargs(model, batch) if model is not self.teacher else {}
         with self._compute():
-            logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, **extra).logits
+            logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False,
+                           **extra).logits
         if extra:  # the engine never samples media markup (MediaProcessor.mask_markup)
             logits = self.media_processor.mask_markup(logits)
         return token_logprobs_and_entropy(logits[:, :-1], batch.targets, self.temperature)
@@ -358,11 +359,11 @@ class TorchBackend:
             with self._compute():
                 if frozen_before is not None:
                     with torch.no_grad():
-                        frozen_before(input_ids=ids)
-                logits = (model or self.model)(input_ids=ids).logits
+                        frozen_before(input_ids=ids, use_cache=False)
+                logits = (model or self.model)(input_ids=ids, use_cache=False).logits
                 if frozen_after is not None:
                     with torch.no_grad():
-                        frozen_after(input_ids=ids)
+                        frozen_after(input_ids=ids, use_cache=False)
             if backward:
                 (logits.sum() * 0.0).backward()
 

@@ -67,7 +67,8 @@ def response_log_probs(model: torch.nn.Module, samples: list[Sample], pad_id: in
 
         extra = rows_forward_kwargs(model, media_processor, batch.input_ids, batch.attention_mask, batch.media)
     with torch.no_grad():
-        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, **extra).logits
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False,
+                       **extra).logits
         if media_processor is not None:
             logits = media_processor.mask_markup(logits)
         logp, _ = token_logprobs_and_entropy(logits[:, :-1], batch.targets, temperature)

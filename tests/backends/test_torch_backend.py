@@ -137,6 +137,23 @@ def test_kl_reference_is_frozen(tiny_model_dir: Path) -> None:
     assert stats["loss/kl"] > 0  # the policy has moved away from the frozen reference
 
 
+def test_no_forward_of_the_trainer_builds_a_kv_cache(tiny_model_dir: Path) -> None:
+    # An HF model builds a cache of every layer's keys and values unless told not to: memory a
+    # training or log-prob forward never reads (held to the forward's end with no_grad).
+    from relax_hpc.roles.forward import response_log_probs
+
+    backend = _backend(tiny_model_dir, micro_batch_size=2, loss=AlgorithmSpec(kl_coef=0.1))
+    caches: list[object] = []
+    for model in (backend.model, backend.reference):
+        assert model is not None
+        model.register_forward_hook(lambda module, args, out: caches.append(getattr(out, "cache", "no field")))
+    samples = _samples(backend, [1.0, -1.0, 0.5, -0.5])
+    backend.compute_log_probs(samples, reference=True)
+    backend.train(samples)
+    response_log_probs(backend.model, samples, backend.pad_id, 1.0, "cpu")  # the forward roles' forward
+    assert len(caches) >= 4 and caches == [None] * len(caches)
+
+
 def test_no_reference_without_kl(tiny_model_dir: Path) -> None:
     backend = _backend(tiny_model_dir)
     assert backend.reference is None
