@@ -102,7 +102,7 @@ class BareLoop:
     def step(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
         for ids, attention, mask, advantages in self.micro_batches:
-            logits = self.model(input_ids=ids, attention_mask=attention).logits[:, :-1]
+            logits = self.model(input_ids=ids, attention_mask=attention, use_cache=False).logits[:, :-1]
             logp = torch.log_softmax(logits.float(), -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
             loss = -(advantages * logp * mask).sum() / self.tokens
             loss.backward()
