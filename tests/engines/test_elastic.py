@@ -301,6 +301,19 @@ def test_the_rest_api_over_a_real_scaler_409_rollback_and_states(tokenizer: Any)
         assert rest.post("/rollout/scale_in", {"engine_ids": ["engine-0"]})[0] == 400  # protected, and the last
 
 
+def _state(pid: int) -> str:
+    """The process state letter of /proc/PID/stat ("T": stopped)."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return stat[stat.rindex(")") + 2]
+
+
+def _wait_stopped(pid: int, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while _state(pid) != "T":
+        assert time.monotonic() < deadline, f"process {pid} did not stop within {timeout_s} s of SIGSTOP"
+        time.sleep(0.01)
+
+
 def test_a_hung_remote_engine_is_given_up_after_its_timeout(tokenizer: Any, tiny_model_dir: Path,
                                                             tmp_path: Path) -> None:
     """A SIGSTOPped server (a node that vanished without closing its connections): the step goes
@@ -333,7 +346,9 @@ def test_a_hung_remote_engine_is_given_up_after_its_timeout(tokenizer: Any, tiny
         assert len(router.generate(prompts, PARAMS, seed=0, group_size=2)) == 8  # it serves
         assert router.engines[1].samples > 0
         proc.send_signal(signal.SIGSTOP)
+        _wait_stopped(proc.pid)  # kill() only queues the signal
         gens = router.generate(prompts, PARAMS, seed=1, group_size=2)
+        assert _state(proc.pid) == "T", "something continued the stopped server during the call"
         assert [g.prompt_ids for g in gens] == prompts and {g.text for g in gens} == {"0"}
         assert router.engines[1].state == "failed" and router.serving() == 1
     finally:
