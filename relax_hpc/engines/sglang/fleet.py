@@ -8,8 +8,8 @@ weight-update group (sglang/weights.py), and it keeps the newest weights it was 
 - a server that dies is restarted (up to `max_restarts` times), its update group formed anew
   and the newest weights pushed before it serves again; the call that found it dead is then
   redone on it, so a prompt it had in flight is answered exactly once (the dead server answered
-  nothing). Calls in flight side by side when it dies share that one restart. Past `max_restarts` the call raises `EngineGone` and the router hands that work to
-  the engines left;
+  nothing). Calls in flight side by side when it dies share that one restart. Past
+  `max_restarts` the call raises `EngineGone` and the router hands that work to the engines left;
 - `close()` stops the server by PID (and a watcher stops it if this process dies first).
 
     launch = SGLangLaunch(interpreter=".venv-sglang/bin/python", model_path=model_dir, device="cpu",
