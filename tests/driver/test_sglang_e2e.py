@@ -34,7 +34,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from e2e_helpers import DATA, LEARN_LR, LEARN_STEPS, REPO
+from e2e_helpers import DATA, LEARN_STEPS, REPO
 from side_env import SGLANG
 
 from relax_hpc.ckpt import CheckpointManager, read_resume_file
@@ -45,7 +45,11 @@ from relax_hpc.ops.metrics import read_metrics
 
 pytestmark = [pytest.mark.slow, pytest.mark.sglang]
 
-STEPS = LEARN_STEPS  # at the learning tests' lr (tests/driver/e2e_helpers.py)
+STEPS = LEARN_STEPS  # the learning tests' steps (tests/driver/e2e_helpers.py)
+# Below the other learning tests' 3e-3: SGLang does not seed its sampling on CPU, and one draw in
+# six at 3e-3 let the entropy fall to 2.0 by step 25 on wrong answers (steps 51-60: 0.066 against the
+# 0.08 asked); at 2e-3 two draws ended at 0.193 and 0.179 (docs/testing.md, "Learning tests").
+SGLANG_LR = 2e-3
 CHECKED_VERSIONS = (20, 40)  # checkpoints whose weights the next step's samples must have run on
 LOGPROB_TOL = 1e-4  # float32 SGLang vs an HF forward; observed 4.8e-7
 
@@ -59,7 +63,7 @@ def _spec(model_dir: Path, job_dir: Path, python: Path) -> str:
         r'(?m)^path = "jobspecs/data/tiny_sum.jsonl"$': f'path = "{DATA}"',
         r'(?m)^python = "\.venv-sglang/bin/python"': f'python = "{python}"',
         r"(?m)^steps = \d+$": f'steps = {STEPS}\nstrategy = "fsdp2"\nnum_processes = 2',
-        r"(?m)^lr = 5e-4$": f"lr = {LEARN_LR}",
+        r"(?m)^lr = 5e-4$": f"lr = {SGLANG_LR}",
         r"(?m)^save_interval = \d+$": f"save_interval = {CHECKED_VERSIONS[0]}",
         r"(?m)^keep_last = \d+$": "keep_last = 3",
         r"(?m)^num_engines = 2$": "num_engines = 1",
