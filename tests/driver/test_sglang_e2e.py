@@ -48,7 +48,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.sglang]
 STEPS = LEARN_STEPS  # the learning tests' steps (tests/driver/e2e_helpers.py)
 # Below the other learning tests' 3e-3: SGLang does not seed its sampling on CPU, and one draw in
 # six at 3e-3 let the entropy fall to 2.0 by step 25 on wrong answers (steps 51-60: 0.066 against the
-# 0.08 asked); at 2e-3 two draws ended at 0.193 and 0.179 (docs/testing.md, "Learning tests").
+# 0.08 asked); at 2e-3 three draws ended at 0.179-0.193 (docs/testing.md, "Learning tests").
 SGLANG_LR = 2e-3
 CHECKED_VERSIONS = (20, 40)  # checkpoints whose weights the next step's samples must have run on
 LOGPROB_TOL = 1e-4  # float32 SGLang vs an HF forward; observed 4.8e-7
