@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -53,6 +54,20 @@ def test_time_spent_waiting_for_an_environment_build_is_not_the_tests() -> None:
     budget.add(_report("a.py::waits", "setup", 95.0, waited=90.0))
     budget.add(_report("a.py::waits", "call", 4.0))
     assert budget.over() == [] and budget.seconds["a.py::waits"] == 9.0
+
+
+def test_the_times_file_gets_a_line_per_test_with_its_end_and_its_worker(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    times = tmp_path / "times.tsv"
+    monkeypatch.setenv("RELAX_TEST_TIMES", str(times))
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)  # written where the reports arrive
+    budget = TimeBudget(10.0, _as_fast_as_the_reference)
+    before = time.time()
+    for when, s in (("setup", 1.0), ("call", 2.5), ("teardown", 0.5)):
+        budget.add(_report("a.py::t", when, s))
+    seconds, outcome, node, ended, worker = times.read_text().rstrip("\n").split("\t")
+    assert (seconds, outcome, node, worker) == ("4.0", "passed", "a.py::t", "-")
+    assert before - 0.1 <= float(ended) <= time.time() + 0.1
 
 
 def test_no_line_when_every_test_is_within_the_budget() -> None:

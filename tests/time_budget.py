@@ -43,8 +43,9 @@ def budget_s() -> float:
 
 
 def times_file() -> str | None:
-    """RELAX_TEST_TIMES: a file that gets one line per finished test (seconds, outcome, node id),
-    written as the run goes, so a stopped run still leaves its table (docs/testing.md)."""
+    """RELAX_TEST_TIMES: a file that gets one line per finished test (seconds, outcome, node id,
+    when it ended as Unix time, the xdist worker that ran it), written as the run goes, so a stopped
+    run still leaves its table, and the two workers' timelines can be drawn (docs/testing.md)."""
     return os.environ.get("RELAX_TEST_TIMES") or None
 
 
@@ -71,6 +72,11 @@ def speed_factor(probe: Callable[[], float] = speed_probe) -> float:
     if fixed is not None:
         return max(1.0, float(fixed))
     return max(1.0, probe() / REFERENCE_PROBE_S)
+
+
+def worker_of(report: pytest.TestReport) -> str:
+    """The xdist worker ("gw0", ...) whose report this is; "-" in a plain run."""
+    return str(getattr(getattr(getattr(report, "node", None), "gateway", None), "id", "-"))
 
 
 class TimeBudget:
@@ -101,7 +107,8 @@ class TimeBudget:
         if report.when == "teardown" and not in_worker and (path := times_file()):
             outcome = self.outcomes.get(report.nodeid, "passed")
             with open(path, "a", encoding="utf-8") as out:
-                out.write(f"{self.seconds[report.nodeid]:.1f}\t{outcome}\t{report.nodeid}\n")
+                out.write(f"{self.seconds[report.nodeid]:.1f}\t{outcome}\t{report.nodeid}\t"
+                          f"{time.time():.1f}\t{worker_of(report)}\n")
 
     def factor(self) -> float:
         """This machine's allowance, measured once, and only when a test is over the bare budget."""
