@@ -84,20 +84,6 @@ class ActorConfig:
     offload_between_steps: bool = False
 
 
-def rendezvous_address() -> str:
-    """host:port on this node for the trainer group's TCP store (rank 0 calls it on its own node)."""
-    with socket.socket() as s:
-        s.bind(("", 0))
-        port = s.getsockname()[1]
-    try:
-        import ray
-
-        host = ray.util.get_node_ip_address()
-    except Exception:  # not under Ray: a single machine
-        host = "127.0.0.1"
-    return f"{host}:{port}"
-
-
 def trainer_store(host: str, port: int, rank: int, world_size: int, secret: JobSecret,
                   group: str = "trainer") -> SealedStore:
     """The trainer group's store (or another group of ranks': `group`, e.g. "critic"): rank 0

@@ -14,10 +14,11 @@ from __future__ import annotations
 from typing import Any
 
 from relax_hpc.engines.fleet import engine_actor_count, gpus_per_rollout
-from relax_hpc.roles.actor import ActorConfig, ActorWorker, rendezvous_address
+from relax_hpc.roles.actor import ActorConfig, ActorWorker
 from relax_hpc.roles.advantages import AdvantagesConfig, AdvantagesWorker
 from relax_hpc.roles.engine_host import EngineHost
 from relax_hpc.roles.forward import ForwardConfig, ForwardWorker
+from relax_hpc.roles.rendezvous import node_and_rendezvous
 from relax_hpc.roles.rollout import RolloutConfig, RolloutWorker
 from relax_hpc.roles.supervision import ROLE_START_TIMEOUT_S, get_from_roles
 
@@ -93,7 +94,7 @@ def place_ranks(worker: type, cfg: Any, num_processes: int, component: str, devi
     if num_processes > 1:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        task = ray.remote(_node_and_rendezvous).options(**placement).remote()
+        task = ray.remote(node_and_rendezvous).options(**placement).remote()
         node_id, master = get_from_roles([(f"a task on a {component} node", task)],
                                          f"picking the {group}'s rendezvous address", ROLE_START_TIMEOUT_S)[0]
         rank0 = {**placement, "scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=False)}
@@ -110,8 +111,3 @@ def place_queue_role(cfg: RoleConfig) -> Any:
 
     return ray.remote(worker_class(cfg)).options(max_concurrency=4, **component_placement("forward")).remote(cfg)
 
-
-def _node_and_rendezvous() -> tuple[str, str]:
-    import ray
-
-    return ray.get_runtime_context().get_node_id(), rendezvous_address()

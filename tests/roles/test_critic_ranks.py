@@ -30,7 +30,7 @@ import torch.multiprocessing as mp
 from relax_hpc.auth import job_secret
 from relax_hpc.backends.batch import pack_rows
 from relax_hpc.roles import critic as critic_module
-from relax_hpc.roles.actor import rendezvous_address
+from relax_hpc.roles.rendezvous import rendezvous_address
 from relax_hpc.roles.critic import CriticConfig, CriticWorker
 from relax_hpc.spec.schema import AlgorithmSpec, CheckpointSpec, CriticSpec, JobInfoSpec
 from relax_hpc.transfer.memory import InMemoryTransferQueue
