@@ -32,10 +32,20 @@ def test_the_longest_and_the_waiting_groups_are_named_once_and_exist() -> None:
         assert group in worker_groups.SHARED_GROUPS.values() or (repo / group).is_file(), group
 
 
-def test_the_waiting_groups_go_out_between_the_first_of_the_longest_and_the_rest() -> None:
+def test_each_waiting_group_goes_out_after_one_of_the_longest_once_the_first_are_out() -> None:
     longest, waiting, after = worker_groups.LONGEST_FIRST, worker_groups.MOSTLY_WAITING, worker_groups.WAITING_AFTER
-    groups = ["tests/spec/test_spec_hostile.py", waiting[-1], longest[-1], longest[after], waiting[0],
-              longest[after - 1], longest[0]]
+    groups = ["tests/spec/test_spec_hostile.py", waiting[1], longest[-1], longest[after + 1], waiting[0],
+              longest[after], longest[after - 1], longest[0]]
     assert sorted(groups, key=worker_groups.hand_out_rank) == [
-        longest[0], longest[after - 1], waiting[0], waiting[-1], longest[after], longest[-1],
-        "tests/spec/test_spec_hostile.py"]
+        longest[0], longest[after - 1], longest[after], waiting[0], longest[after + 1], waiting[1],
+        longest[-1], "tests/spec/test_spec_hostile.py"]
+
+
+def test_the_hand_out_order_names_every_listed_group_once_and_no_two_waiting_groups_follow_each_other() -> None:
+    order = worker_groups.HAND_OUT_ORDER
+    longest, waiting = worker_groups.LONGEST_FIRST, set(worker_groups.MOSTLY_WAITING)
+    assert sorted(order) == sorted((*longest, *waiting))
+    assert order[:worker_groups.WAITING_AFTER] == longest[:worker_groups.WAITING_AFTER]
+    last_longest = max(order.index(g) for g in longest)
+    pairs = zip(order[:last_longest + 1], order[1:last_longest + 2])
+    assert not any(a in waiting and b in waiting for a, b in pairs), order

@@ -38,10 +38,12 @@ LONGEST_FIRST = ("slurm", "tests/driver/test_omni_e2e.py", "tests/driver/test_tr
 
 
 # Groups that mostly wait (ZMQ and HTTP timeouts, gloo rendezvous, nested pytest sessions): on
-# 2026-12-01 the machine was 10-50% busy while one of them ran beside another. In file order they
-# came last on both workers, and so did they right after the longest groups: both workers waited
-# at once. Handed out after the first two of the longest, they run on the worker that finished
-# the omni pair while the other still runs the Slurm group's jobs.
+# 2026-12-01 the machine was 10-50% busy while one of them ran beside another, and on 2026-12-08
+# 37% idle while they ran beside the Slurm group (which waits on its jobs' start-ups and requeues
+# too). They go out one after each of the longest groups that are handed out once the Slurm
+# group's worker is about to be free (WAITING_AFTER: the Slurm group, then about 600 s of the
+# other worker's longest groups), so each is likely to run beside a group that keeps both cores
+# busy, and never two of them back to back.
 MOSTLY_WAITING = ("tests/transfer/test_transfer_queue_contract.py", "tests/transfer/test_transfer_auth.py",
                   "tests/transfer/test_transfer_zmq.py", "tests/transfer/test_transfer_shm.py",
                   "tests/transfer/test_transfer_limits.py", "tests/weights/test_store_auth.py",
@@ -49,15 +51,26 @@ MOSTLY_WAITING = ("tests/transfer/test_transfer_queue_contract.py", "tests/trans
                   "tests/engines/test_remote_engine.py", "tests/engines/test_http_auth.py",
                   "tests/engines/test_http_server_limits.py", "tests/engines/test_elastic.py",
                   "tests/driver/test_restarts.py", "tests/agents/test_proxy.py")
-WAITING_AFTER = 2  # how many of LONGEST_FIRST go out before MOSTLY_WAITING
+WAITING_AFTER = 6  # how many of LONGEST_FIRST go out before the first of MOSTLY_WAITING
+
+
+def hand_out_order() -> tuple[str, ...]:
+    """The first WAITING_AFTER of LONGEST_FIRST, then the rest of LONGEST_FIRST with one of
+    MOSTLY_WAITING after each (those left over after the last of the longest, one by one)."""
+    order: list[str] = list(LONGEST_FIRST[:WAITING_AFTER])
+    rest = LONGEST_FIRST[WAITING_AFTER:]
+    for k in range(max(len(rest), len(MOSTLY_WAITING))):
+        order += [*rest[k:k + 1], *MOSTLY_WAITING[k:k + 1]]
+    return tuple(order)
+
+
+HAND_OUT_ORDER = hand_out_order()
 
 
 def hand_out_rank(group: str) -> int:
-    """Where a group comes in the order the workers take them: the first WAITING_AFTER of
-    LONGEST_FIRST, MOSTLY_WAITING, the rest of LONGEST_FIRST, then every other group (in file
-    order: the sort that uses this is stable)."""
-    order = (*LONGEST_FIRST[:WAITING_AFTER], *MOSTLY_WAITING, *LONGEST_FIRST[WAITING_AFTER:])
-    return order.index(group) if group in order else len(order)
+    """Where a group comes in the order the workers take them (`hand_out_order`), then every
+    other group (in file order: the sort that uses this is stable)."""
+    return HAND_OUT_ORDER.index(group) if group in HAND_OUT_ORDER else len(HAND_OUT_ORDER)
 
 
 def keep_group_order(config: Any) -> None:
