@@ -43,7 +43,7 @@ LONGEST_FIRST = ("slurm", "tests/driver/test_omni_e2e.py", "tests/driver/test_tr
 # too). They go out one after each of the longest groups that are handed out once the Slurm
 # group's worker is about to be free (WAITING_AFTER: the Slurm group, then about 600 s of the
 # other worker's longest groups), so each is likely to run beside a group that keeps both cores
-# busy, and never two of them back to back.
+# busy, and never two of them back to back while long groups remain.
 MOSTLY_WAITING = ("tests/transfer/test_transfer_queue_contract.py", "tests/transfer/test_transfer_auth.py",
                   "tests/transfer/test_transfer_zmq.py", "tests/transfer/test_transfer_shm.py",
                   "tests/transfer/test_transfer_limits.py", "tests/weights/test_store_auth.py",

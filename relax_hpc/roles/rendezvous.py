@@ -2,8 +2,9 @@
 
 A module of its own, importing neither torch nor the roles: `place_ranks` (roles/placement.py)
 runs `node_and_rendezvous` as a Ray task on a node of the group's component, and the worker
-process that runs it imports only this module. It then stays idle until the job ends; before, it
-imported the placement module and with it torch and every role (about 2 CPU-seconds a group).
+process that runs it imports only this module. Ray does not hand that worker to the actors
+started after it, so it stays idle until the job ends: it should cost an interpreter, not a torch
+import (about 2 CPU-seconds).
 """
 
 from __future__ import annotations
