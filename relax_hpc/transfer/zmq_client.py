@@ -22,7 +22,10 @@ connect time: the server must advertise a shm directory, report this host's id, 
 directory must be readable and writable here; ``shm=False`` or ``RELAX_TQ_SHM=0`` keeps TCP.
 
 Every connection is a CURVE one with the job's client keys (:mod:`relax_hpc.transfer.curve`);
-a server that refuses them ends the connect with :class:`TransferAuthError` at once.
+a server that refuses them ends the connect with :class:`TransferAuthError` at once. A server
+whose payloads are sealed (``payload = "encrypt" | "authenticate"``) hands a TCP client its
+session key in the ping reply; the client then sends everything on the server's data socket,
+each message sealed with that key (:mod:`relax_hpc.transfer.sealed_socket`).
 """
 
 from __future__ import annotations
@@ -47,6 +50,8 @@ from relax_hpc.transfer.curve import (
     set_client_keys,
 )
 from relax_hpc.transfer.limits import HEARTBEAT_S, HEARTBEAT_TIMEOUT_S, fit_frames
+from relax_hpc.transfer.seal import TO_SERVER, Sealer
+from relax_hpc.transfer.sealed_socket import SealedDealer
 from relax_hpc.transfer.queue import (
     Batch,
     PartitionInfo,
@@ -147,16 +152,11 @@ class TransferQueueClient:
         self._retries = retries
         self._lock = threading.Lock()
         self._ctx = context or zmq.Context.instance()
-        self._sock = self._ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.copy_threshold = ZERO_COPY_MIN_BYTES
-        # a server that stopped answering, even heartbeats, is disconnected (then reconnected)
-        self._sock.setsockopt(zmq.HEARTBEAT_IVL, int(HEARTBEAT_S * 1000))
-        self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(HEARTBEAT_TIMEOUT_S * 1000))
-        self._sock.setsockopt(zmq.HEARTBEAT_TTL, int(HEARTBEAT_TIMEOUT_S * 1000))
-        set_client_keys(self._sock, queue_keys(secret))
-        handshakes = HandshakeWatch(self._sock)
-        self._sock.connect(address)
+        curve = self._dealer()
+        set_client_keys(curve, queue_keys(secret))
+        handshakes = HandshakeWatch(curve)
+        curve.connect(address)
+        self._sock: zmq.Socket[Any] | SealedDealer = curve
         self.endpoint = address  # where requests go: a same-host client moves to ipc:// after the ping
         self._pipe = RequestPipe(self._sock, address, self.session, consumer_id)
         self._puts: deque[PendingPut] = deque()  # put_async calls not answered yet, oldest first
@@ -164,6 +164,7 @@ class TransferQueueClient:
         self._closed = False
         self._pool: SegmentPool | None = None
         self._maps: ShmMaps | None = None
+        self._retired: zmq.Socket[Any] | SealedDealer | None = None
         try:
             self._await_handshake(handshakes, address, connect_timeout)
             reply, _ = self._request({"op": "ping"}, (), wait=0.0, timeout=connect_timeout, retries=0)
@@ -173,6 +174,7 @@ class TransferQueueClient:
             self.close()
             raise
         handshakes.close()
+        self._close_retired()
 
     def _apply_ping(self, reply: dict[str, Any], shm: bool | None, shm_min_bytes: int | None,
                     handshakes: HandshakeWatch, connect_timeout: float) -> None:
@@ -184,6 +186,9 @@ class TransferQueueClient:
         want_shm = shm_enabled_by_env() if shm is None else shm
         use_shm = want_shm and client_can_use(reply.get("host"), reply.get("shm"))
         self.shm_dir: str | None = str(reply["shm"]) if use_shm else None
+        self.payload = "curve"  # how this session's messages are protected
+        if not use_shm and isinstance(reply.get("sealed"), dict):
+            self._move_to_sealed(reply["sealed"])
         self._shm_min_bytes = SHM_MIN_BYTES if shm_min_bytes is None else shm_min_bytes
         self._payloads = itertools.count()
         if self.shm_dir is not None:
@@ -349,6 +354,7 @@ class TransferQueueClient:
                                     pending.n_rows, pending.partition, pending.error)
                 self._closed = True
                 self._sock.close(0)
+                self._close_retired()
                 if self._pool is not None:
                     self._pool.close()
                 if self._maps is not None:
@@ -370,9 +376,43 @@ class TransferQueueClient:
         if verdict != "ok":
             raise TransferAuthError(refused_message(self.address, verdict))
 
+    def _close_retired(self) -> None:
+        if self._retired is not None:
+            self._retired.close(0)
+            self._retired = None
+
+    def _dealer(self) -> zmq.Socket[Any]:
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.copy_threshold = ZERO_COPY_MIN_BYTES
+        # a server that stopped answering, even heartbeats, is disconnected (then reconnected)
+        sock.setsockopt(zmq.HEARTBEAT_IVL, int(HEARTBEAT_S * 1000))
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(HEARTBEAT_TIMEOUT_S * 1000))
+        sock.setsockopt(zmq.HEARTBEAT_TTL, int(HEARTBEAT_TIMEOUT_S * 1000))
+        return sock
+
+    def _move_to_sealed(self, sealed: dict[str, Any]) -> None:
+        """Send every later request on the server's data socket, sealed with the session key
+        the (CURVE-encrypted) ping reply carried; nothing is in flight yet."""
+        try:
+            sealer = Sealer(bytes.fromhex(sealed["kid"]), bytes.fromhex(sealed["key"]), sealed["mode"], TO_SERVER)
+            endpoint = f"{self.address.rsplit(':', 1)[0]}:{int(sealed['port'])}"
+        except (KeyError, TypeError, ValueError) as exc:
+            raise TransferQueueError(
+                f"transfer queue at {self.address} offered a sealed session this client cannot use ({exc}); "
+                "are the driver and this role the same relax-hpc version?") from None
+        sock = self._dealer()
+        sock.connect(endpoint)
+        self._retired = self._sock  # the CURVE socket, closed once its handshake watch is
+        self._sock = SealedDealer(sock, sealer)
+        self._pipe.use(self._sock)
+        self.endpoint = endpoint
+        self.payload = sealer.mode
+
     def _move_to_same_host_endpoint(self, endpoint: str) -> None:
         """Send requests over the server's Unix socket instead of TCP (same host, nothing in
         flight yet); ``address`` stays the TCP one that error messages name."""
+        assert not isinstance(self._sock, SealedDealer)
         self._sock.disconnect(self.address)
         self._sock.connect(endpoint)
         self.endpoint = endpoint

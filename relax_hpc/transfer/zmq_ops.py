@@ -40,6 +40,7 @@ class Request:
     attempt: Callable[[], list[Any] | None] | None = None  # parked: returns a reply or None
     timeout_message: Callable[[float], str] | None = None
     files: set[str] = field(default_factory=set)  # shm payloads named by a put/write not yet applied
+    route: Any = None  # how its reply goes out (relax_hpc/transfer/sealed_socket.py: Route)
 
 
 class Refused(Exception):

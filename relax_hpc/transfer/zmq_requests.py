@@ -22,6 +22,7 @@ from typing import Any
 import zmq
 
 from relax_hpc.transfer.queue import TransferQueueError, TransferTimeoutError, TransferUnreachableError
+from relax_hpc.transfer.seal import SealError
 from relax_hpc.transfer.wire import WIRE_VERSION, Buffer, WireError, pack_header, unpack_header
 
 Reply = tuple[dict[str, Any], list[Any]]
@@ -42,7 +43,7 @@ class _Flight:
 class RequestPipe:
     """Send requests on ``sock`` and collect their replies by id."""
 
-    def __init__(self, sock: zmq.Socket[Any], address: str, session: str, consumer_id: str) -> None:
+    def __init__(self, sock: Any, address: str, session: str, consumer_id: str) -> None:
         self._sock = sock
         self._address = address
         self._session = session
@@ -51,6 +52,12 @@ class RequestPipe:
         self._flights: dict[int, _Flight] = {}
         self._early: dict[int, Reply] = {}
         self.max_header: int | None = None  # the server's limit, once its ping reply said it
+
+    def use(self, sock: Any) -> None:
+        """Send and receive on ``sock`` from now on (a zmq socket, or a sealed one); nothing
+        may be in flight."""
+        assert not self._flights, "moved to another socket with requests in flight"
+        self._sock = sock
 
     def send(self, header: dict[str, Any], frames: Sequence[Buffer], wait: float, timeout: float,
              retries: int) -> int:
@@ -111,10 +118,10 @@ class RequestPipe:
 
     def _receive(self) -> tuple[int | None, Reply | None]:
         """One message from the socket: (request id, reply); (None, None) when unreadable."""
-        frames = self._sock.recv_multipart(copy=False)
         try:
+            frames = self._sock.recv_multipart(copy=False)
             reply = unpack_header(frames[0])
-        except WireError:
+        except (WireError, SealError):
             return None, None
         got = reply.get("id")
         return (got if isinstance(got, int) else None), (reply, frames[1:])

@@ -1,4 +1,5 @@
-"""ZMQ transfer queue server: one ROUTER socket, one event-loop thread, state in memory.
+"""ZMQ transfer queue server: a ROUTER socket (two with sealed sessions), one event-loop thread,
+state in memory.
 
 The driver runs it (a background thread by default); clients
 (:class:`~relax_hpc.transfer.zmq_client.TransferQueueClient`) talk to it with DEALER sockets.
@@ -18,7 +19,10 @@ monitor: docs/transfer-queue.md, "Limits").
 Only the job's processes get in: the socket is a CURVE server with keys derived from the job
 secret, and a ZAP handler answered by the same loop admits only the job's client key, on the
 tcp and the ipc:// endpoint alike (:mod:`relax_hpc.transfer.curve`). A session's consumer id
-is fixed by its first request (:mod:`relax_hpc.transfer.sessions`).
+is fixed by its first request (:mod:`relax_hpc.transfer.sessions`). With ``payload`` "encrypt"
+or "authenticate" a second, plain ROUTER socket takes a TCP client's sealed messages, under the
+key its CURVE ping reply carried (:mod:`relax_hpc.transfer.sealed_socket`); a reply goes back
+on the route its request came by.
 
 Same-host clients move payloads through shared memory instead (see
 :mod:`relax_hpc.transfer.shm`): the server advertises its host id and shm directory in the ping
@@ -52,6 +56,8 @@ from relax_hpc.transfer.limits import (
     HEARTBEAT_TIMEOUT_S,
 )
 from relax_hpc.transfer.queue import TransferQueueError
+from relax_hpc.transfer.seal import SEALED_MODES, TAG_BYTES, PayloadMode, SealError
+from relax_hpc.transfer.sealed_socket import PlainRoute, Route, SealedRoute, SessionKeys
 from relax_hpc.transfer.sessions import ConsumerMismatchError, SessionConsumers
 from relax_hpc.transfer.shm import ShmStore, shm_enabled_by_env
 from relax_hpc.transfer.state import QueueState
@@ -85,6 +91,10 @@ class TransferQueueServer:
     ``max_header_bytes``: the largest request header. ``heartbeat_s``: ZMQ heartbeat interval,
     and how often parked requests of vanished clients are looked for; a peer silent for
     ``heartbeat_timeout_s`` is disconnected. See docs/transfer-queue.md, "Limits".
+    ``payload``: "curve" (every message on the CURVE socket), or "encrypt" / "authenticate": a
+    TCP client's session gets a key with its ping reply and sends the rest on a second, plain
+    socket, each message sealed with AES-256-GCM, or its frames tagged with AES-GMAC
+    (:mod:`relax_hpc.transfer.seal`; docs/transfer-queue.md, "Authentication").
     """
 
     def __init__(
@@ -100,13 +110,22 @@ class TransferQueueServer:
         max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
         heartbeat_s: float = HEARTBEAT_S,
         heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S,
+        payload: PayloadMode = "curve",
     ) -> None:
+        if payload not in ("curve", *SEALED_MODES):
+            raise ValueError(f"payload must be 'curve', 'encrypt' or 'authenticate'; got {payload!r}")
         if max_frame_bytes < 1 or max_header_bytes < 1 or not 0 < heartbeat_s <= heartbeat_timeout_s:
             raise ValueError(
                 f"need max_frame_bytes >= 1, max_header_bytes >= 1 and 0 < heartbeat_s <= heartbeat_timeout_s; "
                 f"got {max_frame_bytes}, {max_header_bytes}, {heartbeat_s}, {heartbeat_timeout_s}"
             )
         self._bind = address
+        self._payload = payload
+        # Sealed sessions: the CURVE handshake hands out a key, the data socket carries the rest.
+        self._session_keys = SessionKeys(payload, MAX_SESSIONS_REMEMBERED) if payload in SEALED_MODES else None
+        self._data_port: int | None = None
+        self._unopened = 0  # messages on the data socket that did not open (dropped)
+        self._sealed_sessions = 0  # sessions that sent at least one sealed message
         self._keys = queue_keys(secret)
         self._sessions = SessionConsumers()
         self._want_shm = shm_enabled_by_env() if shm is None else shm
@@ -170,21 +189,21 @@ class TransferQueueServer:
         """Run the event loop in the calling thread until :meth:`stop`."""
         ctx = zmq.Context()
         zap = ZapHandler(ctx, self._keys)  # before the bind: no connection is ever let in unasked
-        sock = ctx.socket(zmq.ROUTER)
+        sock = self._router(ctx, self._max_frame_bytes)
         set_server_keys(sock, self._keys)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.ROUTER_MANDATORY, 0)  # a vanished client's reply is dropped, not an error
-        sock.setsockopt(zmq.MAXMSGSIZE, self._max_frame_bytes)
-        sock.setsockopt(zmq.HEARTBEAT_IVL, int(self._heartbeat_s * 1000))
-        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(self._heartbeat_timeout_s * 1000))
-        sock.setsockopt(zmq.HEARTBEAT_TTL, int(self._heartbeat_timeout_s * 1000))
+        # On the data socket a sealed frame is its tag longer.
+        data = self._router(ctx, self._max_frame_bytes + TAG_BYTES) if self._session_keys is not None else None
         try:
             sock.bind(self._bind.replace(":0", ":*") if self._bind.endswith(":0") else self._bind)
             self._address = _connectable(sock.getsockopt_string(zmq.LAST_ENDPOINT))
+            if data is not None:
+                self._data_port = _bind_next_to(data, self._address, self._bind)
         except zmq.ZMQError as exc:
             self._error = exc
             self._ready.set()
             sock.close(0)
+            if data is not None:
+                data.close(0)
             zap.close()
             ctx.term()
             return
@@ -197,13 +216,28 @@ class TransferQueueServer:
                 self._ipc = self._bind_same_host(sock, self._shm.ipc_address)
         self._ready.set()
         try:
-            self._loop(sock, zap)
+            self._loop(sock, zap, data)
         finally:
             sock.close(0)
+            if data is not None:
+                data.close(0)
+                log.info("transfer queue: %d session(s) sealed (%s) on the data socket; %d message(s) there "
+                         "did not open and were dropped", self._sealed_sessions, self._payload,
+                         self._unopened)
             zap.close()
             ctx.term()
             if self._shm is not None:
                 self._shm.close()
+
+    def _router(self, ctx: zmq.Context[Any], max_frame_bytes: int) -> zmq.Socket[Any]:
+        sock = ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 0)  # a vanished client's reply is dropped, not an error
+        sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
+        sock.setsockopt(zmq.HEARTBEAT_IVL, int(self._heartbeat_s * 1000))
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(self._heartbeat_timeout_s * 1000))
+        sock.setsockopt(zmq.HEARTBEAT_TTL, int(self._heartbeat_timeout_s * 1000))
+        return sock
 
     @staticmethod
     def _bind_same_host(sock: zmq.Socket[Any], address: str | None) -> str | None:
@@ -219,10 +253,13 @@ class TransferQueueServer:
         return address
 
     # ----------------------------------------------------------------- event loop
-    def _loop(self, sock: zmq.Socket[Any], zap: ZapHandler) -> None:
+    def _loop(self, sock: zmq.Socket[Any], zap: ZapHandler, data: zmq.Socket[Any] | None) -> None:
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(zap.socket, zmq.POLLIN)
+        if data is not None:
+            poller.register(data, zmq.POLLIN)
+        plain = PlainRoute(sock)
         next_probe = time.monotonic() + self._heartbeat_s
         while not self._stop.is_set():
             wait = self._poll_interval_s
@@ -231,25 +268,51 @@ class TransferQueueServer:
             ready = dict(poller.poll(wait * 1000))
             if zap.socket in ready:  # a connection waits for its handshake
                 zap.answer_pending()
+            changed = False
             if sock in ready:
-                changed = False
-                for _ in range(256):  # drain a burst, then look at parked requests once
-                    try:
-                        frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                    except zmq.Again:
-                        break
-                    changed |= self._handle(sock, frames)
-                if changed and self._parked:
-                    self._retry_parked(sock)
-            self._expire_parked(sock)
+                changed |= self._drain(sock, lambda frames: self._handle(plain, frames))
+            if data is not None and data in ready:
+                changed |= self._drain(data, lambda frames: self._handle_sealed(data, frames))
+            if changed and self._parked:
+                self._retry_parked()
+            self._expire_parked()
             if time.monotonic() >= next_probe:
-                self._drop_vanished(sock)
+                self._drop_vanished()
                 next_probe = time.monotonic() + self._heartbeat_s
 
-    def _handle(self, sock: zmq.Socket[Any], frames: list[Any]) -> bool:
+    @staticmethod
+    def _drain(sock: zmq.Socket[Any], handle: Any) -> bool:
+        """Handle a burst of messages (then the loop looks at parked requests once)."""
+        changed = False
+        for _ in range(256):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            changed |= handle(frames)
+        return changed
+
+    def _handle_sealed(self, data: zmq.Socket[Any], frames: list[Any]) -> bool:
+        """A message on the data socket: opened with its session's key, or dropped unanswered
+        (not a key this server handed out, altered, replayed): only a session's key holder may
+        get an answer."""
+        assert self._session_keys is not None
+        try:
+            sealer, session, opened = self._session_keys.open(frames[1:])
+        except SealError as exc:
+            self._unopened += 1
+            if self._unopened == 1 or self._unopened % 1000 == 0:
+                log.warning("transfer queue: dropped %d message(s) on the data socket that did not open (%s)",
+                            self._unopened, exc)
+            return False
+        if sealer.opened == 1:
+            self._sealed_sessions += 1
+        return self._handle(SealedRoute(data, sealer, session), [frames[0], *opened])
+
+    def _handle(self, route: Route, frames: list[Any]) -> bool:
         """Answer or park one message; returns whether the state may have changed."""
-        identity = frames[0].bytes
-        req = Request(identity, {}, frames[2:], None, None)
+        identity = bytes(memoryview(frames[0]))
+        req = Request(identity, {}, frames[2:], None, None, route=route)
         try:
             if len(frames) < 2:
                 raise WireError("empty message: expected [header, buffers...]")
@@ -259,6 +322,8 @@ class TransferQueueServer:
             if isinstance(session, str) and len(session) > MAX_SESSION_LEN:
                 raise WireError(f"session id of {len(session)} characters; at most {MAX_SESSION_LEN}")
             req.session = session if isinstance(session, str) and session else None
+            if route.session is not None and req.session != route.session:
+                raise WireError("a session's key carries only that session's requests")
             if req.header.get("v") != WIRE_VERSION:
                 raise WireError(f"wire version {req.header.get('v')!r} is not {WIRE_VERSION}; upgrade the client")
             if req.session is not None:
@@ -267,7 +332,7 @@ class TransferQueueServer:
                 except ConsumerMismatchError:
                     req.session = None  # not cached as that session's reply to this request id
                     raise
-            if self._is_duplicate(sock, req):
+            if self._is_duplicate(req):
                 return False
             op = arg(req.header, "op", str)
             handler = self._handlers.get(op)
@@ -277,27 +342,31 @@ class TransferQueueServer:
             if reply is None:
                 self._park(req)
             else:
-                self._send(sock, req, reply)
+                self._send(req, reply)
             # even a parked get may have changed state: a restarted consumer frees its rows
             return op not in ("ping", "partitions", "oldest", "may_start")
         except WireError as exc:
-            self._send_error(sock, req, "invalid", f"malformed request: {exc}")
+            self._send_error(req, "invalid", f"malformed request: {exc}")
         except (TransferQueueError, ValueError) as exc:
-            self._send_error(sock, req, "refused", str(exc))
+            self._send_error(req, "refused", str(exc))
         except Refused as exc:
-            self._send_error(sock, req, exc.kind, str(exc))
+            self._send_error(req, exc.kind, str(exc))
         except Exception as exc:  # never let one request take the server down
             log.exception("transfer queue: internal error on %r", req.header.get("op"))
-            self._send_error(sock, req, "internal", f"{type(exc).__name__}: {exc}")
+            self._send_error(req, "internal", f"{type(exc).__name__}: {exc}")
         return True
 
     def _ops(self) -> dict[str, Handler]:
-        return {
-            "ping": lambda r: [{"capacity": self._state.capacity, "ipc": self._ipc,
-                                "limits": {"frame": self._max_frame_bytes, "header": self._max_header_bytes},
-                                **(self._shm.describe() if self._shm else {})}],
-            **self._queue_ops.handlers(),
-        }
+        return {"ping": self._ping, **self._queue_ops.handlers()}
+
+    def _ping(self, req: Request) -> list[Any]:
+        reply: dict[str, Any] = {"capacity": self._state.capacity, "ipc": self._ipc,
+                                 "limits": {"frame": self._max_frame_bytes, "header": self._max_header_bytes},
+                                 **(self._shm.describe() if self._shm else {})}
+        # A session's key goes out only inside CURVE, to a session that names itself.
+        if self._session_keys is not None and isinstance(req.route, PlainRoute) and req.session is not None:
+            reply["sealed"] = {"port": self._data_port, **self._session_keys.issue(req.session)}
+        return [reply]
 
     # ----------------------------------------------------------------- parking
     def _park(self, req: Request) -> None:
@@ -305,7 +374,7 @@ class TransferQueueServer:
         if req.session is not None and req.req_id is not None:
             self._remember(req.session, req.req_id, None)
 
-    def _retry_parked(self, sock: zmq.Socket[Any]) -> None:
+    def _retry_parked(self) -> None:
         # Answering one parked request (a put) can unblock another (a get): loop until quiet.
         progress = True
         while progress and self._parked:
@@ -316,44 +385,46 @@ class TransferQueueServer:
                     reply = req.attempt()
                 except (TransferQueueError, ValueError) as exc:
                     self._parked.remove(req)
-                    self._send_error(sock, req, "refused", str(exc))
+                    self._send_error(req, "refused", str(exc))
                     continue
                 except Exception as exc:  # never let one request take the server down
                     log.exception("transfer queue: internal error on a parked %r", req.header.get("op"))
                     self._parked.remove(req)
-                    self._send_error(sock, req, "internal", f"{type(exc).__name__}: {exc}")
+                    self._send_error(req, "internal", f"{type(exc).__name__}: {exc}")
                     continue
                 if reply is not None:
                     self._parked.remove(req)
-                    self._send(sock, req, reply)
+                    self._send(req, reply)
                     progress = True
 
-    def _expire_parked(self, sock: zmq.Socket[Any]) -> None:
+    def _expire_parked(self) -> None:
         now = time.monotonic()
         for req in [r for r in self._parked if r.deadline <= now]:
             self._parked.remove(req)
             assert req.timeout_message is not None
             message = req.timeout_message(now - req.started)
-            self._send_error(sock, req, "timeout", message)
+            self._send_error(req, "timeout", message)
 
-    def _drop_vanished(self, sock: zmq.Socket[Any]) -> None:
+    def _drop_vanished(self) -> None:
         """Drop the parked requests whose peer ROUTER no longer knows (its connection closed):
         with ROUTER_MANDATORY a send to an unknown routing id fails with EHOSTUNREACH. A live peer
-        gets the probe and ignores it; one whose queue is full (EAGAIN) counts as live."""
+        gets the probe and ignores it (unsealed on the data socket: it opens under no key); one
+        whose queue is full (EAGAIN) counts as live."""
         if not self._parked:
             return
-        gone: set[bytes] = set()
-        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        try:
-            for identity in {r.identity for r in self._parked}:
-                try:
-                    sock.send_multipart([identity, PROBE], zmq.NOBLOCK)
-                except zmq.ZMQError as exc:
-                    if exc.errno == zmq.EHOSTUNREACH:
-                        gone.add(identity)
-        finally:
-            sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
-        dropped = [r for r in self._parked if r.identity in gone]
+        gone: set[tuple[int, bytes]] = set()
+        for sock in {r.route.sock for r in self._parked}:
+            sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            try:
+                for identity in {r.identity for r in self._parked if r.route.sock is sock}:
+                    try:
+                        sock.send_multipart([identity, PROBE], zmq.NOBLOCK)
+                    except zmq.ZMQError as exc:
+                        if exc.errno == zmq.EHOSTUNREACH:
+                            gone.add((id(sock), identity))
+            finally:
+                sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        dropped = [r for r in self._parked if (id(r.route.sock), r.identity) in gone]
         for req in dropped:
             self._parked.remove(req)
             self._discard_files(req)
@@ -364,7 +435,7 @@ class TransferQueueServer:
             log.info("transfer queue: dropped %d parked request(s) of %d vanished client(s)", len(dropped), len(gone))
 
     # ----------------------------------------------------------------- replies
-    def _is_duplicate(self, sock: zmq.Socket[Any], req: Request) -> bool:
+    def _is_duplicate(self, req: Request) -> bool:
         """A client retry of a request it has not had the answer to: resend it, or wait for it."""
         if req.session is None or req.req_id is None:
             return False
@@ -379,11 +450,11 @@ class TransferQueueServer:
             return False
         payload = replies[req.req_id]
         if payload is not None:
-            sock.send_multipart([req.identity, *payload], copy=False)
+            req.route.send(req.identity, payload)
         else:  # still parked: answer the retry's socket when it completes
             for parked in self._parked:
                 if parked.session == req.session and parked.req_id == req.req_id:
-                    parked.identity = req.identity
+                    parked.identity, parked.route = req.identity, req.route
         return True
 
     def _remember(self, session: str, req_id: int, payload: list[Any] | None) -> None:
@@ -397,12 +468,12 @@ class TransferQueueServer:
         while len(self._replies) > MAX_SESSIONS_REMEMBERED:
             self._replies.popitem(last=False)
 
-    def _send(self, sock: zmq.Socket[Any], req: Request, reply: list[Any]) -> None:
+    def _send(self, req: Request, reply: list[Any]) -> None:
         header = {"id": req.req_id, "ok": True, **reply[0]}
         payload = [pack_header(header), *reply[1:]]
         if req.session is not None and req.req_id is not None:
             self._remember(req.session, req.req_id, payload)
-        sock.send_multipart([req.identity, *payload], copy=False)
+        req.route.send(req.identity, payload)
 
     def _discard_files(self, req: Request) -> None:
         """The request was not applied: the shm payloads it named go back to their producer."""
@@ -413,7 +484,7 @@ class TransferQueueServer:
             except OSError as exc:  # the orphan sweep removes them later
                 log.warning("transfer queue: could not release shm payloads %s: %s", sorted(files), exc)
 
-    def _send_error(self, sock: zmq.Socket[Any], req: Request, kind: str, message: str) -> None:
+    def _send_error(self, req: Request, kind: str, message: str) -> None:
         self._discard_files(req)
         if len(message) > MAX_ERROR_CHARS:
             message = message[:MAX_ERROR_CHARS] + " [...]"
@@ -421,9 +492,18 @@ class TransferQueueServer:
         if req.session is not None and req.req_id is not None:
             self._remember(req.session, req.req_id, payload)
         try:
-            sock.send_multipart([req.identity, *payload])
+            req.route.send(req.identity, payload, copy=True)
         except zmq.ZMQError:
             log.warning("transfer queue: could not send an error reply: %s", message)
+
+
+def _bind_next_to(data: zmq.Socket[Any], address: str, bind: str) -> int:
+    """Bind the data socket on the CURVE socket's interface, any free port; returns the port
+    (a client connects to the host it reached the server by, on this port)."""
+    if not address.startswith("tcp://"):
+        raise zmq.ZMQError(msg=f"sealed payloads need a tcp:// address, not {bind!r}")
+    data.bind(bind.rsplit(":", 1)[0] + ":*")
+    return int(data.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
 
 
 def _connectable(endpoint: str) -> str:
@@ -439,8 +519,10 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Serve a relax-hpc transfer queue.")
     parser.add_argument("--bind", default="tcp://0.0.0.0:0", help="ZMQ address; port 0 picks a free port")
     parser.add_argument("--capacity", type=int, default=None, help="row bound (default: unbounded)")
+    parser.add_argument("--payload", choices=("encrypt", "authenticate", "curve"), default="encrypt",
+                        help="how TCP clients' messages are protected ([security] payload; default: encrypt)")
     args = parser.parse_args(argv)
-    server = TransferQueueServer(args.bind, args.capacity, secret=job_secret())
+    server = TransferQueueServer(args.bind, args.capacity, secret=job_secret(), payload=args.payload)
     server.start()
     print(server.address, flush=True)
     try:

@@ -8,7 +8,7 @@ import pytest
 from transfer_harness import QueueHarness
 
 
-@pytest.fixture(params=["memory", "zmq", "zmq-shm"])
+@pytest.fixture(params=["memory", "zmq", "zmq-shm", "zmq-encrypt", "zmq-authenticate"])
 def harness(request: pytest.FixtureRequest) -> Iterator[QueueHarness]:
     h = QueueHarness(request.param)
     yield h

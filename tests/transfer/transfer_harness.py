@@ -26,9 +26,12 @@ class QueueHarness:
         from relax_hpc.transfer.zmq_server import TransferQueueServer
 
         # "zmq": TCP only (as a client on another host sees it); "zmq-shm": same-host shared
-        # memory for every payload, however small, so the whole contract runs through it.
+        # memory for every payload, however small, so the whole contract runs through it;
+        # "zmq-encrypt" / "zmq-authenticate": TCP with every message of a session sealed.
+        payload = self.kind.removeprefix("zmq-") if self.kind in ("zmq-encrypt", "zmq-authenticate") else "curve"
         server = TransferQueueServer(
-            "tcp://127.0.0.1:0", capacity=capacity, shm=self.kind == "zmq-shm", secret=self.secret
+            "tcp://127.0.0.1:0", capacity=capacity, shm=self.kind == "zmq-shm", secret=self.secret,
+            payload=payload,  # type: ignore[arg-type]
         )
         self.address = server.start()
         self._server = server
@@ -48,6 +51,8 @@ class QueueHarness:
             )
             if self.kind == "zmq-shm":
                 assert handle.shm_dir is not None, "the zmq-shm harness expects the shared-memory path"
+            expected = self.kind.removeprefix("zmq-") if self.kind in ("zmq-encrypt", "zmq-authenticate") else "curve"
+            assert handle.payload == expected, (self.kind, handle.payload)
         self._handles.append(handle)
         return handle
 
