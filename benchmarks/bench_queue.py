@@ -1,6 +1,6 @@
 """Throughput and latency of the ZMQ transfer queue against raw pyzmq PUSH/PULL.
 
-Run: ``python benchmarks/bench_queue.py [--quick] [--relay]``
+Run: ``python benchmarks/bench_queue.py [--quick] [--relay] [--paths shm,tcp,tcp-curve]``
 
 For each sample size (64 KiB and 1 MiB) it measures, in the same run and on the same host:
 
@@ -13,7 +13,10 @@ For each sample size (64 KiB and 1 MiB) it measures, in the same run and on the 
   before partition k is read, ``stream`` (the next get in flight while a batch is read; acks
   ride on gets), then ``clear``. Path ``shm`` (the default on one host): payloads go through the server's
   shared-memory directory and only headers cross the loopback. Path ``tcp`` (what a client on
-  another host uses): every byte crosses the loopback twice, producer -> server -> consumer;
+  another host uses): every byte crosses the loopback twice, producer -> server -> consumer,
+  each message sealed with AES-256-GCM ([security] payload = "encrypt", the default);
+  ``tcp-authenticate`` the same with AES-GMAC tags only, ``tcp-curve`` every byte through CURVE
+  (each payload mode its own server);
 * latency: single samples put at a gentle pace while the consumer waits in ``get``; p50/p99 of
   put-call start -> get return (both clocks are CLOCK_MONOTONIC, shared across processes).
 
@@ -136,8 +139,12 @@ def bench_raw(size: int, count: int, two_hops: bool = False) -> Result:
 
 
 # --------------------------------------------------------------------------- queue
-def _serve(bind: str, capacity: int, address_out: Any, stop: Event) -> None:
-    server = TransferQueueServer(bind, secret=SECRET, capacity=capacity)
+PATHS = {"shm": (True, "encrypt"), "tcp": (False, "encrypt"), "tcp-authenticate": (False, "authenticate"),
+         "tcp-curve": (False, "curve")}  # path -> (shared memory, the server's [security] payload)
+
+
+def _serve(bind: str, capacity: int, payload: str, address_out: Any, stop: Event) -> None:
+    server = TransferQueueServer(bind, secret=SECRET, capacity=capacity, payload=payload)  # type: ignore[arg-type]
     address_out.send(server.start())
     stop.wait()
     server.stop()
@@ -236,11 +243,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=None,
                         help="alternating raw/queue runs per path (default 5, --quick 3)")
     parser.add_argument("--relay", action="store_true", help="also measure raw zmq through a zmq.proxy relay")
-    parser.add_argument("--paths", default="shm,tcp", help="queue paths to measure: shm, tcp or both")
+    parser.add_argument("--paths", default="shm,tcp,tcp-curve",
+                        help=f"queue paths to measure, of {', '.join(PATHS)} (default: shm,tcp,tcp-curve)")
     args = parser.parse_args(argv)
     paths = [p.strip() for p in args.paths.split(",") if p.strip()]
-    if not paths or any(p not in ("shm", "tcp") for p in paths):
-        parser.error(f"--paths must name shm and/or tcp, got {args.paths!r}")
+    if not paths or any(p not in PATHS for p in paths):
+        parser.error(f"--paths must name some of {', '.join(PATHS)}; got {args.paths!r}")
     volume = 128 * MIB if args.quick else 1024 * MIB
     args.repeats = args.repeats or (3 if args.quick else 5)
     # A partition of about 8 MiB and room for two of them: the consumer keeps pace, as the
@@ -253,17 +261,21 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     summary = []
     for plan in plans:
-        with _server_process(capacity=args.partitions_in_flight * plan.rows_per_partition) as address:
-            summary.extend(_measure(address, plan, args.repeats, paths, args.relay))
+        with contextlib.ExitStack() as servers:
+            capacity = args.partitions_in_flight * plan.rows_per_partition
+            by_payload = {payload: servers.enter_context(_server_process(capacity, payload))
+                          for payload in sorted({PATHS[p][1] for p in paths})}
+            addresses = {p: by_payload[PATHS[p][1]] for p in paths}
+            summary.extend(_measure(addresses, plan, args.repeats, paths, args.relay))
     print(f"load: {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} {os.getloadavg()[2]:.2f} on {os.cpu_count()} CPUs")
     print("\n".join(summary))
 
 
 @contextlib.contextmanager
-def _server_process(capacity: int) -> Iterator[str]:
+def _server_process(capacity: int, payload: str) -> Iterator[str]:
     receiver, sender = FORK.Pipe(duplex=False)
     stop = FORK.Event()
-    server = FORK.Process(target=_serve, args=("tcp://127.0.0.1:0", capacity, sender, stop))
+    server = FORK.Process(target=_serve, args=("tcp://127.0.0.1:0", capacity, payload, sender, stop))
     server.start()
     try:
         yield receiver.recv()
@@ -272,7 +284,7 @@ def _server_process(capacity: int) -> Iterator[str]:
         server.join(10)
 
 
-def _measure(address: str, plan: Plan, repeats: int, paths: list[str], relay: bool) -> list[str]:
+def _measure(addresses: dict[str, str], plan: Plan, repeats: int, paths: list[str], relay: bool) -> list[str]:
     # best of a few alternating runs: a shared host's noise hits every path alike
     raws: list[Result] = []
     relays: list[Result] = []
@@ -283,7 +295,7 @@ def _measure(address: str, plan: Plan, repeats: int, paths: list[str], relay: bo
             relays.append(bench_raw(plan.size, plan.samples, two_hops=True))
         for k, path in enumerate(paths):
             step = (rep * len(paths) + k) * 10**5  # partition names are never reused
-            queues[path].append(bench_queue(address, replace(plan, shm=path == "shm", first_step=step)))
+            queues[path].append(bench_queue(addresses[path], replace(plan, shm=PATHS[path][0], first_step=step)))
     raw = max(raws, key=lambda r: r.gbps)
     line = f"{label(plan.size):>6}: raw {raw.gbps:6.2f} GB/s {raw.per_s:9.0f}/s (runs {_runs(raws)})"
     if relays:
@@ -297,7 +309,8 @@ def _measure(address: str, plan: Plan, repeats: int, paths: list[str], relay: bo
         # (raw alone varies 2x between runs here), so the paired ratio is the figure; best-of
         # each side is printed beside it.
         paired = statistics.median(q.gbps / r.gbps for q, r in zip(results, raws))
-        lat = bench_latency(address, replace(plan, shm=path == "shm", first_step=(1 + paths.index(path)) * 10**7))
+        lat = bench_latency(addresses[path], replace(plan, shm=PATHS[path][0],
+                                                     first_step=(1 + paths.index(path)) * 10**7))
         p50, p99 = statistics.median(lat), percentile(lat, 0.99)
         print(
             f"{label(plan.size):>6} {path}: queue {queue.gbps:6.2f} GB/s {queue.per_s:9.0f}/s "

@@ -480,7 +480,8 @@ def _start(stack: ExitStack, spec: JobSpec, job_dir: Path, in_process: bool, ray
     def build_roles() -> Roles:
         if in_process:
             return with_critic(LocalRoles(*role_cfgs, queue_roles, capacity), critic)
-        return with_critic(RayRoles(*role_cfgs, spec.train.num_processes, queue_roles, capacity, healer=healer),
+        return with_critic(RayRoles(*role_cfgs, spec.train.num_processes, queue_roles, capacity, healer=healer,
+                                    security=spec.security),
                            critic)
 
     roles = RebuildableRoles(build_roles)

@@ -40,6 +40,7 @@ from relax_hpc.roles.supervision import (
     guarded_step,
     result_of,
 )
+from relax_hpc.spec.schema import SecuritySpec
 from relax_hpc.transfer.memory import InMemoryTransferQueue
 from relax_hpc.transfer.queue import partition_name
 from relax_hpc.weights.base import InProcessWeightSync, PendingWeights, WeightSync
@@ -217,7 +218,8 @@ class RayRoles:
 
     def __init__(self, rollout: RolloutConfig, actor: ActorConfig, num_processes: int,
                  queue_roles: Sequence[RoleConfig] = (), capacity: int | None = None,
-                 timeout_s: float = 600.0, healer: RoleHealer | None = None) -> None:
+                 timeout_s: float = 600.0, healer: RoleHealer | None = None,
+                 security: SecuritySpec | None = None) -> None:
         import ray
 
         from relax_hpc.auth import job_secret
@@ -225,7 +227,9 @@ class RayRoles:
         from relax_hpc.transfer.zmq_server import TransferQueueServer
 
         host = ray.util.get_node_ip_address()
-        self._server = TransferQueueServer(f"tcp://{host}:0", capacity=capacity, secret=job_secret())
+        # [security] payload: how the rows of roles on other nodes travel (transfer/seal.py)
+        payload = (security or SecuritySpec()).payload
+        self._server = TransferQueueServer(f"tcp://{host}:0", capacity=capacity, secret=job_secret(), payload=payload)
         self.queue_address = self._server.start()
         self._queue = TransferQueueClient(self.queue_address, secret=job_secret(), consumer_id="driver")
         self.timeout_s = timeout_s

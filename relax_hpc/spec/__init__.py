@@ -31,6 +31,7 @@ from relax_hpc.spec.schema import (
     NotifySpec,
     RewardSpec,
     RolloutSpec,
+    SecuritySpec,
     TrainSpec,
 )
 from relax_hpc.spec.slurm_values import slurm_time_to_seconds
@@ -55,6 +56,7 @@ __all__ = [
     "NotifySpec",
     "RewardSpec",
     "RolloutSpec",
+    "SecuritySpec",
     "SpecError",
     "SpecProblem",
     "TrainSpec",

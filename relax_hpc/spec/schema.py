@@ -74,6 +74,7 @@ __all__ = [
     "MegatronSpec",
     "RolloutSpec",
     "SGLangSpec",
+    "SecuritySpec",
     "TrainSpec",
 ]
 
@@ -398,6 +399,18 @@ class HealthSpec:
 
 
 @dataclass(frozen=True, kw_only=True)
+class SecuritySpec:
+    """[security]: how the transfer queue protects what crosses the network between nodes
+    (docs/transfer-queue.md, "Authentication"). Every connection is authenticated with the job
+    secret in every mode."""
+
+    # "encrypt": each message under AES-256-GCM with a per-session key handed out through CURVE;
+    # "authenticate": integrity only (AES-GMAC tags), for a network the site declares private;
+    # "curve": every byte through CURVE (about a tenth of the speed).
+    payload: Literal["encrypt", "authenticate", "curve"] = setting("encrypt")
+
+
+@dataclass(frozen=True, kw_only=True)
 class FederationSpec:
     """[federation]: the driver of a submitted job grows it by itself when rollout is the
     bottleneck, and gives the engines back when they do not pay (docs/federation.md, "Growing by
@@ -472,6 +485,7 @@ class JobSpec:
     notify: NotifySpec = setting_from(NotifySpec)
     federation: FederationSpec = setting_from(FederationSpec)
     health: HealthSpec = setting_from(HealthSpec)
+    security: SecuritySpec = setting_from(SecuritySpec)
     cluster: ClusterSpec = setting_from(ClusterSpec)
     container: ContainerSpec = setting_from(ContainerSpec)
 

@@ -9,6 +9,7 @@ the bound.
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -273,10 +274,23 @@ def test_in_process_a_failed_rollout_stops_the_waiting_trainer_at_once(tiny_mode
         roles.shutdown()
 
 
+class QueueServerLog(logging.Handler):
+    """The transfer queue server's log lines (its summary of sealed sessions comes at its stop)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
 @pytest.fixture(scope="module")
-def ray_async_run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
-    """One async run on Ray with max_staleness 1 and the Advantages role, read by two tests (one
-    Ray start instead of two)."""
+def ray_async_run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any, list[str]]:
+    """One async run on Ray with max_staleness 1 and the Advantages role, read by three tests (one
+    Ray start instead of three). Its rows travel as between nodes (``RELAX_TQ_SHM=0``: TCP, no
+    shared memory), each role's session sealed with [security] payload's default, "encrypt";
+    every other Ray run here moves them through shared memory, as on one node."""
     from relax_hpc.driver.run import run_job
     from relax_hpc.spec import parse_spec
 
@@ -289,14 +303,26 @@ def ray_async_run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
     text = text.replace("micro_batch_size = 256", "micro_batch_size = 256\nadvantages_role = true")
     spec = parse_spec(text)
     assert spec.job.mode == "async" and spec.algorithm.max_staleness == 1 and spec.train.advantages_role
-    return job, run_job(spec, in_process=False, progress=False)
+    assert spec.security.payload == "encrypt"
+    server_log, logger = QueueServerLog(), logging.getLogger("relax_hpc.transfer.zmq_server")
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    logger.addHandler(server_log)
+    try:
+        with pytest.MonkeyPatch.context() as env:
+            env.setenv("RELAX_TQ_SHM", "0")  # read by the server here and by each role's client
+            report = run_job(spec, in_process=False, progress=False)
+    finally:
+        logger.removeHandler(server_log)
+        logger.setLevel(level)
+    return job, report, server_log.lines
 
 
 @pytest.mark.slow
-def test_ray_async_run_keeps_every_sample_within_max_staleness(ray_async_run: tuple[Path, Any]) -> None:
+def test_ray_async_run_keeps_every_sample_within_max_staleness(ray_async_run: tuple[Path, Any, list[str]]) -> None:
     from relax_hpc.ops.archive import read_archive
 
-    job, report = ray_async_run
+    job, report, _ = ray_async_run
     assert report.result.end_step == 8
     archive = read_archive(job)
     assert sorted(archive) == list(range(8))
@@ -308,9 +334,22 @@ def test_ray_async_run_keeps_every_sample_within_max_staleness(ray_async_run: tu
 
 
 @pytest.mark.slow
-def test_the_advantages_role_runs_as_a_ray_actor_in_async_mode(ray_async_run: tuple[Path, Any]) -> None:
+def test_the_advantages_role_runs_as_a_ray_actor_in_async_mode(ray_async_run: tuple[Path, Any, list[str]]) -> None:
     # The trainer asks for `advantages`, which only the role writes: eight steps trained means
     # the role served every step. (tests/driver/test_advantages_e2e.py: the same computation as
     # without the role.)
-    _, report = ray_async_run
+    _, report, _ = ray_async_run
     assert report.result.end_step == 8 and report.result.samples_trained == 8 * 256
+
+
+@pytest.mark.slow
+def test_over_tcp_every_role_seals_its_rows_and_nothing_is_dropped(ray_async_run: tuple[Path, Any, list[str]]) -> None:
+    """The rows of the run above went between the roles as between nodes: every session of the
+    driver, rollout, trainer and Advantages role on the sealed data socket, nothing refused."""
+    _, report, lines = ray_async_run
+    summaries = [line for line in lines if "sealed (encrypt) on the data socket" in line]
+    assert len(summaries) == 1, lines  # one server, one summary at its stop
+    sealed = int(summaries[0].split("transfer queue: ")[1].split(" session")[0])
+    assert sealed >= 4, summaries  # the driver's own client and one per role at least
+    assert "; 0 message(s) there did not open" in summaries[0], summaries
+    assert report.result.samples_trained == 8 * 256

@@ -90,7 +90,7 @@ def test_spec_to_dict_is_plain_and_complete() -> None:
     assert data["cluster"]["forward"] is None
     assert data["cluster"]["trainer"]["time"] == "01:00:00"
     tables = {"job", "model", "data", "rollout", "algorithm", "reward", "train", "critic", "checkpoint", "metrics", "notify",
-              "federation", "health", "cluster", "container"}
+              "federation", "health", "security", "cluster", "container"}
     assert set(data) == tables
 
 
