@@ -178,20 +178,21 @@ def array_bytes(rows: Sequence[dict[str, Any]]) -> int:
 
 
 # --------------------------------------------------------------------------- server and its memory
-def _serve(capacity: int, address_out: Any, stop: Event) -> None:
-    server = TransferQueueServer("tcp://127.0.0.1:0", secret=SECRET, capacity=capacity)
+def _serve(capacity: int, payload: str, address_out: Any, stop: Event) -> None:
+    server = TransferQueueServer("tcp://127.0.0.1:0", secret=SECRET, capacity=capacity,
+                                 payload=payload)  # type: ignore[arg-type]
     address_out.send(server.start())
     stop.wait()
     server.stop()
 
 
 @contextlib.contextmanager
-def server_process(capacity: int) -> Iterator[tuple[str, int]]:
+def server_process(capacity: int, payload: str = "curve") -> Iterator[tuple[str, int]]:
     """The queue server in its own process, forked before any row exists (so that its memory
     holds only what it receives); yields its address and pid."""
     receiver, sender = FORK.Pipe(duplex=False)
     stop = FORK.Event()
-    proc = FORK.Process(target=_serve, args=(capacity, sender, stop), daemon=True)
+    proc = FORK.Process(target=_serve, args=(capacity, payload, sender, stop), daemon=True)
     proc.start()
     try:
         yield receiver.recv(), int(proc.pid)  # type: ignore[arg-type]
@@ -403,7 +404,10 @@ def main(argv: list[str] | None = None) -> dict[str, Summary]:
     parser.add_argument("--response-tokens", type=int, default=1024, help="response length of every sample")
     parser.add_argument("--repeats", type=int, default=None, help="steps per path (default 3, --quick 2)")
     parser.add_argument("--paths", default="tcp,shm", help="queue paths to measure: tcp, shm or both")
+    parser.add_argument("--payload", choices=("encrypt", "authenticate", "curve"), default=None,
+                        help="how the tcp path's messages are protected (default: the spec's [security] payload)")
     args = parser.parse_args(argv)
+    payload = args.payload or load_spec(Path(args.spec)).security.payload
     paths = [p.strip() for p in args.paths.split(",") if p.strip()]
     if not paths or any(p not in ("shm", "tcp") for p in paths):
         parser.error(f"--paths must name tcp and/or shm, got {args.paths!r}")
@@ -411,9 +415,9 @@ def main(argv: list[str] | None = None) -> dict[str, Summary]:
                        args.frame_size or (224 if args.quick else 448), 4 if args.quick else None, args.response_tokens)
     repeats = args.repeats or (2 if args.quick else 3)
     torch.set_num_threads(1)
-    print(shape.describe(), flush=True)
+    print(shape.describe(), f"tcp path: payload = {payload!r}", flush=True)
     summaries: dict[str, Summary] = {}
-    with server_process(shape.capacity) as (address, server_pid):
+    with server_process(shape.capacity, payload) as (address, server_pid):
         rng = np.random.default_rng(0)
         media = [prompt_media(shape, rng) for _ in range(shape.prompts)]
         digests = {p: m.digest for p, m in enumerate(media)}

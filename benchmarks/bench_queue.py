@@ -1,6 +1,6 @@
 """Throughput and latency of the ZMQ transfer queue against raw pyzmq PUSH/PULL.
 
-Run: ``python benchmarks/bench_queue.py [--quick] [--relay] [--paths shm,tcp,tcp-curve]``
+Run: ``python benchmarks/bench_queue.py [--quick] [--relay] [--paths shm,tcp,tcp-encrypt]``
 
 For each sample size (64 KiB and 1 MiB) it measures, in the same run and on the same host:
 
@@ -14,9 +14,9 @@ For each sample size (64 KiB and 1 MiB) it measures, in the same run and on the 
   ride on gets), then ``clear``. Path ``shm`` (the default on one host): payloads go through the server's
   shared-memory directory and only headers cross the loopback. Path ``tcp`` (what a client on
   another host uses): every byte crosses the loopback twice, producer -> server -> consumer,
-  each message sealed with AES-256-GCM ([security] payload = "encrypt", the default);
-  ``tcp-authenticate`` the same with AES-GMAC tags only, ``tcp-curve`` every byte through CURVE
-  (each payload mode its own server);
+  through CURVE ([security] payload = "curve", the default); ``tcp-encrypt`` the same with each
+  message sealed with AES-256-GCM, ``tcp-authenticate`` with AES-GMAC tags only (each payload
+  mode its own server);
 * latency: single samples put at a gentle pace while the consumer waits in ``get``; p50/p99 of
   put-call start -> get return (both clocks are CLOCK_MONOTONIC, shared across processes).
 
@@ -139,8 +139,8 @@ def bench_raw(size: int, count: int, two_hops: bool = False) -> Result:
 
 
 # --------------------------------------------------------------------------- queue
-PATHS = {"shm": (True, "encrypt"), "tcp": (False, "encrypt"), "tcp-authenticate": (False, "authenticate"),
-         "tcp-curve": (False, "curve")}  # path -> (shared memory, the server's [security] payload)
+PATHS = {"shm": (True, "curve"), "tcp": (False, "curve"), "tcp-encrypt": (False, "encrypt"),
+         "tcp-authenticate": (False, "authenticate")}  # path -> (shared memory, the server's [security] payload)
 
 
 def _serve(bind: str, capacity: int, payload: str, address_out: Any, stop: Event) -> None:
@@ -243,8 +243,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=None,
                         help="alternating raw/queue runs per path (default 5, --quick 3)")
     parser.add_argument("--relay", action="store_true", help="also measure raw zmq through a zmq.proxy relay")
-    parser.add_argument("--paths", default="shm,tcp,tcp-curve",
-                        help=f"queue paths to measure, of {', '.join(PATHS)} (default: shm,tcp,tcp-curve)")
+    parser.add_argument("--paths", default="shm,tcp,tcp-encrypt",
+                        help=f"queue paths to measure, of {', '.join(PATHS)} (default: shm,tcp,tcp-encrypt)")
     args = parser.parse_args(argv)
     paths = [p.strip() for p in args.paths.split(",") if p.strip()]
     if not paths or any(p not in PATHS for p in paths):
@@ -272,7 +272,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 @contextlib.contextmanager
-def _server_process(capacity: int, payload: str) -> Iterator[str]:
+def _server_process(capacity: int, payload: str = "curve") -> Iterator[str]:
     receiver, sender = FORK.Pipe(duplex=False)
     stop = FORK.Event()
     server = FORK.Process(target=_serve, args=("tcp://127.0.0.1:0", capacity, payload, sender, stop))

@@ -404,10 +404,11 @@ class SecuritySpec:
     (docs/transfer-queue.md, "Authentication"). Every connection is authenticated with the job
     secret in every mode."""
 
-    # "encrypt": each message under AES-256-GCM with a per-session key handed out through CURVE;
-    # "authenticate": integrity only (AES-GMAC tags), for a network the site declares private;
-    # "curve": every byte through CURVE (about a tenth of the speed).
-    payload: Literal["encrypt", "authenticate", "curve"] = setting("encrypt")
+    # "curve": every byte through CURVE; "encrypt": each message under AES-256-GCM with a
+    # per-session key handed out through CURVE (faster for samples up to a few MiB, slower and
+    # heavier on the server for an omni step's 12 MB rows: docs/transfer-queue.md);
+    # "authenticate": integrity only (AES-GMAC tags), for a network the site declares private.
+    payload: Literal["curve", "encrypt", "authenticate"] = setting("curve")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -519,8 +519,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Serve a relax-hpc transfer queue.")
     parser.add_argument("--bind", default="tcp://0.0.0.0:0", help="ZMQ address; port 0 picks a free port")
     parser.add_argument("--capacity", type=int, default=None, help="row bound (default: unbounded)")
-    parser.add_argument("--payload", choices=("encrypt", "authenticate", "curve"), default="encrypt",
-                        help="how TCP clients' messages are protected ([security] payload; default: encrypt)")
+    parser.add_argument("--payload", choices=("encrypt", "authenticate", "curve"), default="curve",
+                        help="how TCP clients' messages are protected ([security] payload; default: curve)")
     args = parser.parse_args(argv)
     server = TransferQueueServer(args.bind, args.capacity, secret=job_secret(), payload=args.payload)
     server.start()

@@ -289,7 +289,7 @@ class QueueServerLog(logging.Handler):
 def ray_async_run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any, list[str]]:
     """One async run on Ray with max_staleness 1 and the Advantages role, read by three tests (one
     Ray start instead of three). Its rows travel as between nodes (``RELAX_TQ_SHM=0``: TCP, no
-    shared memory), each role's session sealed with [security] payload's default, "encrypt";
+    shared memory), each role's session sealed ([security] payload = "encrypt");
     every other Ray run here moves them through shared memory, as on one node."""
     from relax_hpc.driver.run import run_job
     from relax_hpc.spec import parse_spec
@@ -297,7 +297,7 @@ def ray_async_run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     job = tmp_path_factory.mktemp("ray-async") / "job"
     text = tiny_spec_text(tiny_model_dir, job, steps=8, save_interval=8,
-                          extra="[metrics]\ntrajectory_archive = true\n")
+                          extra="[metrics]\ntrajectory_archive = true\n[security]\npayload = \"encrypt\"\n")
     text = text.replace('[job]\nname = "e2e"', '[job]\nname = "e2e"\nmode = "async"')
     text = text.replace('name = "grpo"', 'name = "grpo"\nmax_staleness = 1\ntis_cap = 2.0')
     text = text.replace("micro_batch_size = 256", "micro_batch_size = 256\nadvantages_role = true")
