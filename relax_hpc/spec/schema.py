@@ -405,7 +405,7 @@ class SecuritySpec:
     secret in every mode."""
 
     # "curve": every byte through CURVE; "encrypt": each message under AES-256-GCM with a
-    # per-session key handed out through CURVE (faster for samples up to a few MiB, slower and
+    # per-session key handed out through CURVE (as fast or faster for samples of 1 MiB, slower and
     # heavier on the server for an omni step's 12 MB rows: docs/transfer-queue.md);
     # "authenticate": integrity only (AES-GMAC tags), for a network the site declares private.
     payload: Literal["curve", "encrypt", "authenticate"] = setting("curve")

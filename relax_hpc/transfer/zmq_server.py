@@ -120,7 +120,6 @@ class TransferQueueServer:
                 f"got {max_frame_bytes}, {max_header_bytes}, {heartbeat_s}, {heartbeat_timeout_s}"
             )
         self._bind = address
-        self._payload = payload
         # Sealed sessions: the CURVE handshake hands out a key, the data socket carries the rest.
         self._session_keys = SessionKeys(payload, MAX_SESSIONS_REMEMBERED) if payload in SEALED_MODES else None
         self._data_port: int | None = None
@@ -222,8 +221,8 @@ class TransferQueueServer:
             if data is not None:
                 data.close(0)
                 log.info("transfer queue: %d session(s) sealed (%s) on the data socket; %d message(s) there "
-                         "did not open and were dropped", self._sealed_sessions, self._payload,
-                         self._unopened)
+                         "did not open and were dropped", self._sealed_sessions,
+                         self._session_keys.mode if self._session_keys else "", self._unopened)
             zap.close()
             ctx.term()
             if self._shm is not None:
